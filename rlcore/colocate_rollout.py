@@ -1,0 +1,408 @@
+"""Colocated rollout: an in-process vLLM engine on every torchrun rank, next to the trainer.
+
+This is the ONLY module that imports vLLM (lazily, so the rest of rlcore imports without it).
+
+Layout: ``world = dp_size * tp_size``. Ranks ``[d*tp, (d+1)*tp)`` shard one engine (a TP group,
+identical outputs on every member); different TP groups are independent data-parallel replicas
+that sample different completions. vLLM's ``external_launcher`` backend reuses the trainer's
+torch.distributed world instead of spawning workers, so engine construction is collective.
+
+vLLM changes process-global state when it builds an engine; the wrapper undoes what the trainer
+depends on (see ``_ProcessState``) and keeps vLLM's sampling RNG apart from the trainer's.
+Known left-over: vLLM's CPU worker replaces ``torch.set_num_threads`` with a no-op (callers that
+must change the thread count use ``torch._C.set_num_threads``), and calls ``gc.freeze()``.
+"""
+
+from __future__ import annotations
+
+import gc
+import hashlib
+import os
+import random
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from rlcore.dist import DistInfo
+
+# Env vars vLLM rewrites at engine build: LOCAL_WORLD_SIZE := tp_size (breaks anything that
+# reads torchrun's value later), LD_PRELOAD := tcmalloc (leaks into subprocesses we start).
+# VLLM_CPU_KVCACHE_SPACE is hidden during the build (it overrides kv_cache_memory_bytes).
+_ENV_KEYS_TO_RESTORE = ("LOCAL_WORLD_SIZE", "LD_PRELOAD", "VLLM_CPU_KVCACHE_SPACE")
+
+
+@dataclass
+class Sample:
+    response_ids: list[int]  # sampled tokens, the stop/EOS token included when it ended the sample
+    logprobs: list[float]  # [len(response_ids)] log_softmax(logits / T) at each sampled token
+    finish_reason: str  # "stop" | "length"
+
+
+# ----------------------------------------------------------------------------- process state
+
+
+def _accel_module(device_type: str):
+    """torch.cuda / torch.npu, or None on CPU."""
+    return None if device_type == "cpu" else getattr(torch, device_type)
+
+
+def _get_torch_rng(device_type: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+    # Only the current accelerator's generator: *_all() would create contexts on every device.
+    accel = _accel_module(device_type)
+    return torch.get_rng_state(), (accel.get_rng_state() if accel is not None else None)
+
+
+def _set_torch_rng(device_type: str, state: tuple[torch.Tensor, torch.Tensor | None]) -> None:
+    torch.set_rng_state(state[0])
+    accel = _accel_module(device_type)
+    if accel is not None and state[1] is not None:
+        accel.set_rng_state(state[1])
+
+
+@dataclass
+class _ProcessState:
+    """What vLLM's engine build clobbers and the trainer relies on."""
+
+    torch_rng: tuple[torch.Tensor, torch.Tensor | None]
+    py_rng: object
+    np_rng: dict
+    env: dict[str, str | None]
+
+    @classmethod
+    def capture(cls, device_type: str) -> "_ProcessState":
+        return cls(
+            torch_rng=_get_torch_rng(device_type),
+            py_rng=random.getstate(),
+            np_rng=np.random.get_state(legacy=False),
+            env={k: os.environ.get(k) for k in _ENV_KEYS_TO_RESTORE},
+        )
+
+    def restore(self, device_type: str) -> None:
+        # The worker calls set_random_seed(seed) -> reseeds torch, python and numpy globally.
+        _set_torch_rng(device_type, self.torch_rng)
+        random.setstate(self.py_rng)
+        np.random.set_state(self.np_rng)
+        for k, v in self.env.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def _pick_sleep_level(device_type: str, sleep_level: int | None) -> int | None:
+    """vLLM sleep level used by release_memory on accelerators; None on CPU (no sleep mode)."""
+    if device_type == "cpu":
+        return None
+    if sleep_level is None:
+        return 1
+    if sleep_level not in (1, 2):  # level 0 only pauses scheduling and frees nothing
+        raise ValueError(f"sleep_level must be 1 or 2 (or None = 1), got {sleep_level}")
+    return sleep_level
+
+
+def _request_seed(seed: int, dp_rank: int, prompt_idx: int) -> int:
+    """Stable 56-bit seed per (call seed, DP replica, prompt); the same on every TP rank.
+
+    vLLM gives the n children of a request ``seed + i``; 56 bits leave room for that inside
+    int64 and make collisions between prompts/replicas practically impossible.
+    """
+    digest = hashlib.blake2b(f"{seed}/{dp_rank}/{prompt_idx}".encode(), digest_size=7).digest()
+    return int.from_bytes(digest, "little")
+
+
+# ----------------------------------------------------------------------------- the engine
+
+
+class ColocateRollout:
+    """One vLLM engine per TP group, built inside an initialised torch.distributed world."""
+
+    def __init__(
+        self,
+        model_path: str,
+        info: DistInfo,
+        *,
+        tp_size: int = 1,
+        seed: int = 0,
+        max_model_len: int = 512,
+        dtype: str = "float32",
+        kv_cache_gb: float = 0.5,
+        gpu_memory_utilization: float = 0.5,
+        sleep_level: int | None = None,
+        enforce_eager: bool = True,
+    ):
+        if tp_size < 1 or info.world_size % tp_size:
+            raise ValueError(f"tp_size={tp_size} must divide world_size={info.world_size}")
+        self.info = info
+        self.tp_size = tp_size
+        self.seed = seed
+        self.enforce_eager = enforce_eager
+        self.sleep_level = _pick_sleep_level(info.device_type, sleep_level)
+        # Freed memory kinds ("weights", "kv_cache"): generate() needs none, update_weights()
+        # needs the weights resident.
+        self._asleep: set[str] = set()
+        self._kv_storages: list[tuple[torch.UntypedStorage, int]] = []  # CPU release bookkeeping
+
+        saved = _ProcessState.capture(info.device_type)
+        try:
+            self.llm = self._build_engine(
+                model_path, max_model_len, dtype, kv_cache_gb, gpu_memory_utilization, enforce_eager
+            )
+            # The worker seeded the global RNG with seed + dp_rank: keep that as the engine's
+            # own stream (used by unseeded requests) and hand the trainer its stream back.
+            self._engine_rng = _get_torch_rng(info.device_type)
+        finally:
+            saved.restore(info.device_type)
+
+    def _build_engine(self, model_path, max_model_len, dtype, kv_cache_gb, gpu_mem_util, enforce_eager):
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # engine core in this process
+        from vllm import LLM
+
+        kwargs = {}
+        if self.info.device_type == "cpu":
+            # Explicit size: vLLM's auto sizing takes ~60% of host RAM per rank (OOM with 2 ranks).
+            # The legacy env var would silently override it (restored by _ProcessState).
+            os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)
+            kwargs["kv_cache_memory_bytes"] = int(kv_cache_gb * 2**30)
+        else:
+            kwargs["gpu_memory_utilization"] = gpu_mem_util
+            kwargs["enable_sleep_mode"] = True  # release_memory() -> llm.sleep(level)
+        return LLM(
+            model=model_path,
+            tensor_parallel_size=self.tp_size,
+            distributed_executor_backend="external_launcher",
+            # Same seed inside a TP group (ranks must sample the same token), different per
+            # DP replica (else every replica samples identical completions).
+            seed=self.seed + self.dp_rank,
+            dtype=dtype,
+            max_model_len=max_model_len,
+            enforce_eager=enforce_eager,
+            # Sampled-token logprob = log_softmax(logits / T) after top-k/top-p: what the
+            # trainer recomputes. The default ("raw_logprobs") ignores the temperature.
+            logprobs_mode="processed_logprobs",
+            use_tqdm_on_load=False,
+            **kwargs,
+        )
+
+    @property
+    def dp_rank(self) -> int:
+        return self.info.rank // self.tp_size
+
+    @property
+    def dp_size(self) -> int:
+        return self.info.world_size // self.tp_size
+
+    @property
+    def tp_rank(self) -> int:
+        return self.info.rank % self.tp_size
+
+    @contextmanager
+    def _engine_rng_scope(self) -> Iterator[None]:
+        """Run vLLM on its own RNG stream: training randomness is neither consumed nor reseeded."""
+        trainer_rng = _get_torch_rng(self.info.device_type)
+        _set_torch_rng(self.info.device_type, self._engine_rng)
+        try:
+            yield
+        finally:
+            self._engine_rng = _get_torch_rng(self.info.device_type)
+            _set_torch_rng(self.info.device_type, trainer_rng)
+
+    def _compile_stance(self):
+        """enforce_eager also covers vLLM's torch.compile'd sampler helpers (logprob rank count,
+        random sample): on CPU their first inductor compile costs 10-15 s per process."""
+        return torch.compiler.set_stance("force_eager") if self.enforce_eager else nullcontext()
+
+    # ------------------------------------------------------------------------- generation
+
+    def generate(
+        self,
+        prompts: list[list[int]],
+        *,
+        n: int,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        top_k: int = -1,
+        max_tokens: int = 64,
+        seed: int | None = None,
+        stop_token_ids: list[int] | None = None,
+    ) -> list[list[Sample]]:
+        """For each prompt (token ids) its ``n`` samples, with the sampled tokens' logprobs.
+
+        ``seed`` (e.g. derived from the step) makes the call reproducible, also across a resume:
+        each prompt gets its own request seed, distinct per DP replica, equal on TP ranks.
+        ``seed=None`` samples from the engine's own RNG stream (seed + dp_rank at build).
+        ``temperature == 0`` is greedy: one decode per prompt, copied n times (vLLM refuses
+        n > 1 with greedy); the logprobs are then of the unscaled logits.
+        """
+        self._require_awake("generate", {"weights", "kv_cache"})
+        if not prompts:
+            return []
+        from vllm.inputs import TokensPrompt
+
+        greedy = temperature < 1e-5  # vLLM's own greedy threshold (_SAMPLING_EPS)
+        sampling = dict(temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=max_tokens)
+        params = [
+            self._sampling_params(j, 1 if greedy else n, seed, stop_token_ids, **sampling)
+            for j in range(len(prompts))
+        ]
+        inputs = [TokensPrompt(prompt_token_ids=[int(t) for t in p]) for p in prompts]
+        with self._engine_rng_scope(), self._compile_stance():
+            outputs = self.llm.generate(inputs, params, use_tqdm=False)  # in request order
+        results = [[_to_sample(c) for c in out.outputs] for out in outputs]
+        if greedy:
+            results = [[_copy_sample(r[0]) for _ in range(n)] for r in results]
+        return results
+
+    def _sampling_params(self, prompt_idx: int, n: int, seed: int | None, stop_token_ids, **sampling):
+        from vllm import SamplingParams
+
+        return SamplingParams(
+            n=n,
+            **sampling,
+            seed=None if seed is None else _request_seed(seed, self.dp_rank, prompt_idx),
+            stop_token_ids=list(stop_token_ids or []),
+            logprobs=0,  # 0 = only the sampled token's logprob
+            detokenize=False,  # the trainer works on ids; skip the text
+        )
+
+    # ------------------------------------------------------------------------- weights
+
+    def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load HF-named full tensors into the engine, streamed one at a time.
+
+        ``reload_weights`` (not ``model.load_weights``) because on CPU fp32 vLLM repacks linear
+        weights into oneDNN handles and the raw parameters are empty. Under TP every rank passes
+        full tensors; vLLM's weight loaders slice them. q/k/v and gate/up of a layer are fused
+        in vLLM and must arrive in the same call (split calls load silently wrong weights).
+        """
+        self._require_awake("update_weights", {"weights"})
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": _detached(weights)})
+        # Cached prefix KV blocks were computed with the old weights.
+        self.llm.reset_prefix_cache()
+
+    # ------------------------------------------------------------------------- memory
+
+    def release_memory(self) -> None:
+        """Free the KV cache (on accelerators at sleep level 1/2 also the weights) for training.
+
+        CPU: vLLM's sleep mode is rejected there and ``llm.sleep()`` is a no-op after which
+        generate() spins forever, so the KV buffer storage is resized to 0 instead.
+        """
+        if self._asleep:
+            return
+        if self.info.device_type == "cpu":
+            self._kv_storages = _release_cpu_kv(self._model_runner())
+            self._asleep = {"kv_cache"}
+        else:
+            self.llm.sleep(level=self.sleep_level)  # level 1: weights to host; 2: discarded
+            self._asleep = {"weights", "kv_cache"}
+
+    def resume_memory(self, tags: list[str] | None = None) -> None:
+        """Re-allocate what release_memory freed (all of it when ``tags`` is None).
+
+        On accelerators ``tags`` allows the staged wake-up that keeps the peak low:
+        ``["weights"]``, update_weights(), free trainer memory, then ``["kv_cache"]``.
+        After sleep level 2 the weights must be pushed before generate().
+        """
+        wake = set(self._asleep if tags is None else tags) & self._asleep
+        if not wake:
+            return
+        if self.info.device_type == "cpu":
+            _resume_cpu_kv(self._kv_storages)
+            self._kv_storages = []
+        else:
+            self.llm.wake_up(tags=sorted(wake))
+        self._asleep -= wake
+        if "kv_cache" in wake:
+            # KV contents are gone: a prefix-cache hit would read stale/zeroed blocks.
+            self.llm.reset_prefix_cache()
+
+    def _require_awake(self, what: str, needs: set[str]) -> None:
+        if self.llm is None:
+            raise RuntimeError(f"{what}() after shutdown()")
+        if needs & self._asleep:
+            missing = sorted(needs & self._asleep)
+            raise RuntimeError(f"{what}() while {missing} released; call resume_memory()")
+
+    def _model_runner(self):
+        return self.llm.llm_engine.model_executor.driver_worker.worker.model_runner
+
+    # ------------------------------------------------------------------------- teardown
+
+    def shutdown(self) -> None:
+        """Destroy the engine but keep torch.distributed's default process group.
+
+        ``del llm`` would run EngineCore.shutdown -> cleanup_dist_env_and_memory, which calls
+        ``torch.distributed.destroy_process_group()`` (the trainer's group; re-init then hangs).
+        This replays that teardown minus the default group.
+        """
+        if getattr(self, "llm", None) is None:
+            return
+        from vllm.distributed import parallel_state as ps
+
+        client = self.llm.llm_engine.engine_core  # InprocClient
+        client._finalizer.detach()  # its finalizer is EngineCore.shutdown (kills the default PG)
+        core = client.engine_core
+        core.structured_output_manager.clear_backend()
+        core.model_executor.shutdown()
+        core.scheduler.shutdown()
+        self._kv_storages = []
+        self.llm = None
+        del client, core
+        gc.unfreeze()  # EngineCore.__init__ froze its objects; let them be collected
+        ps.destroy_model_parallel()  # vLLM's TP/PP/DP... subgroups (new_group, not WORLD)
+        if ps._WORLD is not None:  # vLLM's own "world" GroupCoordinator: a new_group too
+            ps._WORLD.destroy()
+            ps._WORLD = None
+        gc.collect()
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def _to_sample(completion) -> Sample:
+    ids = list(completion.token_ids)
+    # logprobs=0 -> one {token_id: Logprob} dict per step holding the sampled token.
+    logprobs = [step[tok].logprob for tok, step in zip(ids, completion.logprobs)]
+    return Sample(response_ids=ids, logprobs=logprobs, finish_reason=completion.finish_reason)
+
+
+def _copy_sample(s: Sample) -> Sample:
+    return Sample(list(s.response_ids), list(s.logprobs), s.finish_reason)
+
+
+def _detached(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    # Lazily: one tensor alive at a time beyond what the caller holds.
+    for name, tensor in weights:
+        yield name, tensor.detach()
+
+
+def _cpu_kv_storages(model_runner) -> list[torch.UntypedStorage]:
+    """Distinct storages behind the per-layer KV tensors (on CPU: one buffer viewed by all)."""
+    seen, storages = set(), []
+    for kv in model_runner.kv_caches:
+        st = kv.untyped_storage()
+        if st.data_ptr() not in seen:
+            seen.add(st.data_ptr())
+            storages.append(st)
+    return storages
+
+
+def _release_cpu_kv(model_runner) -> list[tuple[torch.UntypedStorage, int]]:
+    # resize_(0) frees the allocation while every view (layers, attention metadata) keeps
+    # pointing at the same storage object, so resize_(nbytes) later restores them all.
+    released = []
+    for st in _cpu_kv_storages(model_runner):
+        released.append((st, st.nbytes()))
+        st.resize_(0)
+    return released
+
+
+def _resume_cpu_kv(released: list[tuple[torch.UntypedStorage, int]]) -> None:
+    for st, nbytes in released:
+        st.resize_(nbytes)
+        # Fresh memory is uninitialised; NaN garbage in not-yet-written slots of a block
+        # could leak through masked attention (0 * NaN), so start from zeros like at build.
+        st.fill_(0)

@@ -1,0 +1,468 @@
+"""The policy engine: a VeOmni-built HF causal LM sharded with FSDP2 over every rank.
+
+This is the only module in the project that touches VeOmni, FSDP2 or DTensor. Everything else
+sees plain tensors: packed ``(1, L)`` token batches in, per-token log-probs out, and full
+HF-named weight tensors streamed out for vLLM and for export.
+
+Layout: one FSDP2 mesh over all ranks (``dp_shard = world_size``), each decoder layer its own
+FSDP unit, weights loaded from an HF safetensors folder straight into the shards (meta init).
+Sequences are packed without padding: ``position_ids`` restart at 0 for each sequence and the
+attention mask is left as ``None``, which makes transformers build a block-causal mask
+(an all-ones mask would let the packed sequences attend to each other).
+
+Gradient averaging: FSDP2 averages gradients over ranks, so a caller that wants the global
+token-mean gradient makes each rank's loss ``local_token_sum / global_token_count * world_size``.
+Every method that runs a forward, gathers weights or touches the checkpoint is collective:
+all ranks must call it the same number of times, in the same order.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import warnings
+from typing import Iterator
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from rlcore.dist import DistInfo, empty_cache
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# Files of the source folder that save_hf must not copy: weights it rewrites, and config.json,
+# which it rewrites with the export dtype.
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".safetensors.index.json", ".bin.index.json")
+
+
+def _to_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
+    if dtype is None or isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
+    return _DTYPES[dtype]
+
+
+# ---------------------------------------------------------------------------------------------
+# VeOmni set-up
+# ---------------------------------------------------------------------------------------------
+
+
+def _install_cpu_shims() -> None:
+    """torch 2.13 has no ``torch.cpu.empty_cache``; VeOmni calls it after a DCP save (through
+    ``get_torch_device().empty_cache()``) and would raise on CPU. A no-op is the right meaning."""
+    if not hasattr(torch.cpu, "empty_cache"):
+        torch.cpu.empty_cache = lambda: None
+
+
+def _ensure_parallel_state(info: DistInfo):
+    """One FSDP2 mesh over all ranks. The state is a process-wide VeOmni singleton, so a second
+    engine (the frozen reference next to the actor) reuses it instead of building new groups."""
+    from veomni.distributed import parallel_state as ps
+
+    if ps.is_parallel_state_initialized():
+        state = ps.get_parallel_state()
+        if state.world_size != info.world_size:
+            raise RuntimeError(f"VeOmni parallel state has world size {state.world_size}, not {info.world_size}")
+        return state
+    # The default process group must exist already (rlcore.dist.init_distributed): VeOmni's own
+    # backend picker raises on CPU, so gloo has to come from us.
+    assert dist.is_initialized(), "call rlcore.dist.init_distributed() before building a VeOmniPolicy"
+    return ps.init_parallel_state(
+        dp_size=info.world_size,
+        dp_shard_size=info.world_size,
+        dp_mode="fsdp2",
+        device_type=info.device_type,
+    )
+
+
+def _ops_config(attn_implementation: str, overrides: dict | None):
+    """Kernel choice for VeOmni's patched modeling. Its defaults are GPU kernels (liger, triton,
+    flash-attn); eager everywhere runs on every device, and callers on GPUs may override."""
+    from veomni.arguments.arguments_types import OpsImplementationConfig
+
+    fields = dict(
+        attn_implementation=attn_implementation,
+        moe_implementation="eager",
+        cross_entropy_loss_implementation="eager",
+        rms_norm_implementation="eager",
+        swiglu_mlp_implementation="eager",
+        rotary_pos_emb_implementation="eager",
+        load_balancing_loss_implementation="eager",
+        rms_norm_gated_implementation="eager",
+        causal_conv1d_implementation="eager",
+        chunk_gated_delta_rule_implementation="eager",
+    )
+    fields.update(overrides or {})
+    return OpsImplementationConfig(**fields)
+
+
+def _build_sharded_model(model_path: str, info: DistInfo, *, master_dtype: str, compute_dtype: str,
+                         gradient_checkpointing: bool, attn_implementation: str, ops_overrides: dict | None):
+    """Meta-init the VeOmni model, then shard it with FSDP2 and load the HF weights into the shards."""
+    from veomni.arguments import MixedPrecisionConfig
+    from veomni.distributed.torch_parallelize import build_parallelize_model, parallelize_model_fsdp2
+    from veomni.models import build_foundation_model
+
+    model = build_foundation_model(
+        config_path=model_path,
+        weights_path=model_path,
+        torch_dtype=master_dtype,
+        init_device="meta",
+        ops_implementation=_ops_config(attn_implementation, ops_overrides),
+    )
+    # FSDP2 mixed precision only when compute and master dtypes differ: the all-gather then
+    # casts the fp32 master shards to the compute dtype, and gradients reduce in fp32.
+    mixed = compute_dtype != master_dtype
+    mp = MixedPrecisionConfig(enable=mixed, param_dtype=compute_dtype, reduce_dtype="float32")
+    kwargs = dict(
+        weights_path=model_path,
+        enable_reshard_after_forward=True,
+        mixed_precision=mp,
+        basic_modules=list(getattr(model, "_no_split_modules", None) or []),
+        init_device="meta",
+    )
+    if info.world_size > 1:
+        return build_parallelize_model(model, enable_gradient_checkpointing=gradient_checkpointing, **kwargs)
+    # World size 1: build_parallelize_model refuses meta init ("Only FSDP training supports
+    # init_device=meta": its fsdp_enabled means size > 1). The FSDP2 wrapper it would call works
+    # on a one-rank mesh, so call it directly after doing the one thing it does first.
+    if gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return parallelize_model_fsdp2(model, **kwargs)
+
+
+class _LrLambda:
+    """Multiplier of the base lr after ``step`` optimizer steps (a class, so it pickles).
+
+    Linear warm-up ``(step + 1) / warmup_steps`` (the first step already trains), then constant,
+    or cosine from 1 to ``min_lr_ratio`` over the remaining ``total_steps - warmup_steps``.
+    """
+
+    def __init__(self, schedule: str, warmup_steps: int, total_steps: int, min_lr_ratio: float):
+        if schedule not in ("constant", "cosine"):
+            raise ValueError(f"lr_schedule must be 'constant' or 'cosine', got {schedule!r}")
+        self.schedule, self.warmup, self.total, self.min_ratio = schedule, warmup_steps, total_steps, min_lr_ratio
+
+    def __call__(self, step: int) -> float:
+        if step < self.warmup:
+            return (step + 1) / self.warmup
+        if self.schedule == "constant":
+            return 1.0
+        progress = min(1.0, (step - self.warmup) / max(1, self.total - self.warmup))
+        return self.min_ratio + (1.0 - self.min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+# ---------------------------------------------------------------------------------------------
+# The engine
+# ---------------------------------------------------------------------------------------------
+
+
+class VeOmniPolicy:
+    """A causal LM policy trained with FSDP2 (or a frozen reference policy).
+
+    Args:
+        model_path: local HF folder (config.json, safetensors, tokenizer files).
+        info: from ``rlcore.dist.init_distributed()``; its device is used on cuda/npu.
+        dtype: compute dtype. Trainable policies keep fp32 master weights and optimizer state
+            and run forward/backward in ``dtype`` (FSDP2 mixed precision); a frozen policy keeps
+            its weights in ``dtype``.
+        trainable: False builds a reference policy: no optimizer, no gradients, forward only.
+        gradient_checkpointing: recompute each decoder layer in backward.
+        attn_implementation: "sdpa" (any device) or a kernel VeOmni knows (flash_attention_2...).
+        lr, weight_decay, betas, adam_eps: AdamW (one group, decay on every parameter).
+        lr_schedule, warmup_steps, min_lr_ratio, total_steps: see ``_LrLambda``.
+        grad_clip: max global grad norm; ``None`` or <= 0 only measures the norm.
+        ops_overrides: VeOmni ``OpsImplementationConfig`` fields to change from "eager"
+            (e.g. liger kernels on GPUs).
+    """
+
+    def __init__(self, model_path: str, info: DistInfo, *, dtype: str | torch.dtype = "float32", trainable: bool = True,
+                 gradient_checkpointing: bool = False, attn_implementation: str = "sdpa",
+                 lr: float = 1e-6, weight_decay: float = 0.0, betas: tuple[float, float] = (0.9, 0.999),
+                 adam_eps: float = 1e-8, lr_schedule: str = "constant", warmup_steps: int = 0,
+                 min_lr_ratio: float = 0.0, total_steps: int = 1, grad_clip: float | None = 1.0,
+                 ops_overrides: dict | None = None):
+        dtype = str(_to_dtype(dtype)).removeprefix("torch.")  # validate; VeOmni wants the name
+        _install_cpu_shims()
+        self.model_path, self.info, self.trainable = model_path, info, trainable
+        self.device = info.device
+        self.grad_clip = grad_clip
+        _ensure_parallel_state(info)
+        self.model = _build_sharded_model(
+            model_path, info,
+            master_dtype="float32" if trainable else dtype,
+            compute_dtype=dtype,
+            gradient_checkpointing=gradient_checkpointing and trainable,
+            attn_implementation=attn_implementation,
+            ops_overrides=ops_overrides,
+        )
+        self.optimizer = self.lr_scheduler = None
+        if trainable:
+            self.model.train()
+            self._build_optimizer(lr, weight_decay, betas, adam_eps, lr_schedule, warmup_steps,
+                                  min_lr_ratio, total_steps)
+        else:
+            self.model.requires_grad_(False)
+            self.model.eval()
+
+    def _build_optimizer(self, lr, weight_decay, betas, eps, schedule, warmup_steps, min_lr_ratio, total_steps):
+        from veomni.optim import build_optimizer
+
+        # VeOmni's builder gives torch AdamW (foreach) over the sharded DTensor parameters;
+        # empty no-decay lists keep one group with weight decay on every parameter.
+        self.optimizer = build_optimizer(
+            self.model, lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, fused=False,
+            optimizer_type="adamw", no_decay_modules=[], no_decay_params=[],
+        )
+        self.lr_scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, _LrLambda(schedule, warmup_steps, total_steps, min_lr_ratio)
+        )
+
+    @property
+    def num_params(self) -> int:
+        """Total (unsharded) parameter count; DTensor.numel() is the global size."""
+        return sum(p.numel() for p in self.model.parameters())
+
+    # -----------------------------------------------------------------------------------------
+    # forward / backward / step
+    # -----------------------------------------------------------------------------------------
+
+    def forward_logprobs(self, input_ids: torch.Tensor, position_ids: torch.Tensor, labels: torch.Tensor,
+                         temperature: float = 1.0, with_entropy: bool = False, grad: bool = True
+                         ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Per-token log-probs (and entropy) of a packed batch.
+
+        Args:
+            input_ids, position_ids, labels: ``(1, L)`` LongTensors. Several sequences packed
+                without padding, ``position_ids`` restarting at 0 per sequence;
+                ``labels[t]`` is the token scored at ``t`` (``input_ids[t + 1]`` inside a
+                sequence) or -100.
+            temperature: logits are divided by it before the softmax.
+            grad: False runs under ``no_grad`` (always so for a frozen policy).
+
+        Returns:
+            ``(logp, entropy)``, both float32 ``(1, L)`` on the engine device, 0 where
+            labels == -100; entropy is None unless ``with_entropy``.
+        """
+        if input_ids.dim() != 2 or input_ids.shape[0] != 1:
+            raise ValueError(f"expected packed (1, L) inputs, got {tuple(input_ids.shape)}")
+        grad = grad and self.trainable
+        with torch.set_grad_enabled(grad), warnings.catch_warnings():
+            # FSDP2 warns that the (reshaped) log-prob output is a view; only an in-place op on it
+            # would matter, and callers get it for arithmetic.
+            warnings.filterwarnings("ignore", message=".*returned a view tensor.*")
+            out = self.model(
+                input_ids=input_ids.to(self.device),
+                position_ids=position_ids.to(self.device),
+                attention_mask=None,  # block-causal mask derived from position_ids
+                labels=labels.to(self.device),
+                # labels are already aligned with the positions that predict them, so hand them
+                # over as shift_labels: VeOmni's log-prob kernel then skips its causal shift.
+                shift_labels=labels.to(self.device),
+                return_log_probs=True,  # chunked lm_head + log_softmax: no (L, V) logits kept
+                temperature=float(temperature),
+                use_cache=False,
+            )
+        logp, entropy = out.fused_linear_aux.log_probs, out.fused_linear_aux.entropy  # (1, L), (1, L)
+        if not grad:
+            # VeOmni's kernel marks its outputs requires_grad whenever the lm_head weight does,
+            # even under no_grad; detach so callers never build graphs on old/ref log-probs.
+            logp, entropy = logp.detach(), entropy.detach()
+        return logp, (entropy if with_entropy else None)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Accumulate gradients (FSDP2 reduce-scatters and averages them over ranks)."""
+        if not self.trainable:
+            raise RuntimeError("backward() on a frozen (trainable=False) policy")
+        loss.backward()
+
+    def step(self) -> dict:
+        """Clip, step AdamW (unless the grad norm is not finite), zero grads, advance the lr."""
+        if not self.trainable:
+            raise RuntimeError("step() on a frozen (trainable=False) policy")
+        lr = self.optimizer.param_groups[0]["lr"]
+        max_norm = self.grad_clip if self.grad_clip and self.grad_clip > 0 else float("inf")
+        # VeOmni's FSDP2 clip: local shard norms all-reduced to the global norm, the same on every
+        # rank, so the skip decision below is identical everywhere.
+        grad_norm = self.model.clip_grad_norm_(max_norm)
+        grad_norm = float(grad_norm.full_tensor() if isinstance(grad_norm, DTensor) else grad_norm)
+        skipped = not math.isfinite(grad_norm)
+        if not skipped:
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.lr_scheduler.step()
+        return {"actor/grad_norm": grad_norm, "actor/lr": lr, "actor/skipped": int(skipped)}
+
+    # -----------------------------------------------------------------------------------------
+    # weights out, memory
+    # -----------------------------------------------------------------------------------------
+
+    def _reshard(self) -> None:
+        """FSDP2 keeps the root's parameters (embeddings, norm, lm_head) unsharded after a forward
+        that has no backward; put everything back into sharded DTensors before anything that
+        reads parameters by name (state dicts, weight export, offload)."""
+        self.model.reshard()
+
+    @torch.no_grad()
+    def named_hf_weights(self, dtype: str | torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+        """Yield ``(hf_name, full_tensor)`` one parameter at a time, on every rank (collective).
+
+        Names are the HF checkpoint's (FSDP2 shards in place, VeOmni keeps HF module names);
+        tied weights come once, under the name that owns them. Tensors stay on the engine
+        device; casting happens on the local shard before the all-gather, so a bf16 export
+        moves half the bytes. Peak extra memory: one full tensor.
+        """
+        dtype = _to_dtype(dtype)
+        self._reshard()
+        for name, param in self.model.named_parameters():
+            t = param.detach()
+            if dtype is not None:
+                t = t.to(dtype)
+            if t.device != self.device:  # offloaded: gather on the device the group talks on
+                t = t.to(self.device)
+            if isinstance(t, DTensor):
+                t = t.full_tensor()
+            yield _hf_name(name), t
+
+    def offload(self, params: bool = True, optimizer: bool = True) -> None:
+        """Move parameter shards and/or optimizer state to CPU (frees accelerator memory for
+        rollout). On CPU the same helpers run and move nothing."""
+        from veomni.distributed.offloading import offload_model_to_cpu, offload_optimizer
+
+        if params:
+            self._reshard()
+            offload_model_to_cpu(self.model, empty_device_cache=False)
+        if optimizer and self.optimizer is not None:
+            offload_optimizer(self.optimizer)
+        empty_cache(self.info.device_type)
+
+    def onload(self, params: bool = True, optimizer: bool = True) -> None:
+        """Inverse of ``offload``."""
+        from veomni.distributed.offloading import load_model_to_gpu, load_optimizer
+
+        if params:
+            load_model_to_gpu(self.model, self.device)
+        if optimizer and self.optimizer is not None:
+            load_optimizer(self.optimizer, self.device)
+
+    # -----------------------------------------------------------------------------------------
+    # checkpoints
+    # -----------------------------------------------------------------------------------------
+
+    def _dcp_state(self, extra_state: dict) -> dict:
+        state = {"model": self.model, "extra_state": extra_state}
+        if self.optimizer is not None:
+            state["optimizer"] = self.optimizer
+        return state
+
+    def save_checkpoint(self, path: str, extra_state: dict | None = None) -> None:
+        """Collective DCP save of sharded model + optimizer, plus lr scheduler and ``extra_state``
+        (any picklable dict, e.g. the trainer's step) in VeOmni's per-rank extra-state files."""
+        from veomni.checkpoint import build_checkpointer
+
+        self._reshard()
+        engine = {"lr_scheduler": self.lr_scheduler.state_dict() if self.lr_scheduler else None}
+        extra = {"engine": engine, "user": dict(extra_state or {})}
+        build_checkpointer("dcp", "fsdp2").save(path, self._dcp_state(extra))
+
+    def load_checkpoint(self, path: str) -> dict:
+        """Collective DCP load into this (already built) engine; returns the saved extra_state."""
+        from veomni.checkpoint import build_checkpointer
+
+        self._reshard()
+        state = self._dcp_state({})
+        build_checkpointer("dcp", "fsdp2").load(path, state)
+        extra = state["extra_state"]
+        if self.lr_scheduler is not None and extra["engine"]["lr_scheduler"] is not None:
+            self.lr_scheduler.load_state_dict(extra["engine"]["lr_scheduler"])
+            # The optimizer's lr comes back from the DCP param groups; set it from the scheduler
+            # anyway, so the next step's lr never depends on what DCP chose to restore.
+            for group, lr in zip(self.optimizer.param_groups, self.lr_scheduler.get_last_lr()):
+                group["lr"] = lr
+        return extra["user"]
+
+    def save_hf(self, path: str, dtype: str = "float32", max_shard_bytes: int = 4 * 2**30) -> None:
+        """Write an HF safetensors folder (collective; rank 0 writes) that transformers and vLLM
+        load: weights streamed from ``named_hf_weights`` into shards of at most
+        ``max_shard_bytes``, config.json with the export dtype, and every other non-weight file
+        of ``model_path`` (tokenizer, generation config, chat template) copied."""
+        writer = _ShardWriter(path, max_shard_bytes) if self.info.is_main else None
+        for name, tensor in self.named_hf_weights(dtype):
+            if writer is not None:
+                writer.add(name, tensor.cpu())
+            del tensor
+        if writer is not None:
+            writer.close()
+            _copy_aux_files(self.model_path, path, dtype)
+        dist.barrier()
+
+
+def _hf_name(name: str) -> str:
+    """Strip wrapper prefixes that activation checkpointing or torch.compile may insert."""
+    for wrapper in ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module."):
+        name = name.replace(wrapper, "")
+    return name
+
+
+class _ShardWriter:
+    """Accumulate tensors into safetensors shards of bounded size (rank 0 only)."""
+
+    def __init__(self, path: str, max_shard_bytes: int):
+        os.makedirs(path, exist_ok=True)
+        self.path, self.max_bytes = path, max_shard_bytes
+        self.shard: dict[str, torch.Tensor] = {}
+        self.shard_bytes = 0
+        self.files: list[tuple[str, list[str]]] = []  # (temp file name, tensor names)
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        nbytes = tensor.numel() * tensor.element_size()
+        if self.shard and self.shard_bytes + nbytes > self.max_bytes:
+            self._flush()
+        self.shard[name] = tensor.contiguous()
+        self.shard_bytes += nbytes
+
+    def _flush(self) -> None:
+        from safetensors.torch import save_file
+
+        fname = f"tmp-{len(self.files):05d}.safetensors"
+        save_file(self.shard, os.path.join(self.path, fname), metadata={"format": "pt"})
+        self.files.append((fname, list(self.shard)))
+        self.shard, self.shard_bytes = {}, 0
+
+    def close(self) -> None:
+        """Flush, then give the shards their final names (model.safetensors, or numbered
+        shards plus model.safetensors.index.json)."""
+        if self.shard or not self.files:
+            self._flush()
+        n = len(self.files)
+        weight_map, total = {}, 0
+        for i, (tmp, names) in enumerate(self.files):
+            final = "model.safetensors" if n == 1 else f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+            os.replace(os.path.join(self.path, tmp), os.path.join(self.path, final))
+            os.chmod(os.path.join(self.path, final), 0o644)  # safetensors writes 0600
+            total += os.path.getsize(os.path.join(self.path, final))
+            weight_map.update({name: final for name in names})
+        if n > 1:
+            index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+            with open(os.path.join(self.path, "model.safetensors.index.json"), "w") as f:
+                json.dump(index, f, indent=2)
+
+
+def _copy_aux_files(src: str, dst: str, dtype: str) -> None:
+    """Copy the non-weight files of the source folder; rewrite config.json with ``dtype``."""
+    for fname in os.listdir(src):
+        full = os.path.join(src, fname)
+        if not os.path.isfile(full) or fname == "config.json" or fname.endswith(_WEIGHT_SUFFIXES):
+            continue
+        shutil.copy2(full, os.path.join(dst, fname))
+    with open(os.path.join(src, "config.json")) as f:
+        config = json.load(f)
+    # transformers 5 writes "dtype"; older configs carry "torch_dtype". Keep whichever exists.
+    config["dtype"] = dtype
+    if "torch_dtype" in config:
+        config["torch_dtype"] = dtype
+    with open(os.path.join(dst, "config.json"), "w") as f:
+        json.dump(config, f, indent=2)

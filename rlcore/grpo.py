@@ -1,0 +1,210 @@
+"""The GRPO step between the engines: pack rollouts without padding, compute log-prob matrices,
+and run the clipped policy update with losses normalised over the global mini-batch.
+
+Works with any policy exposing ``forward_logprobs``/``backward``/``step`` (rlcore.engine_veomni).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from rlcore import advantage
+from rlcore.config import AlgorithmConfig
+from rlcore.dist import all_reduce_sum
+
+
+@dataclass
+class RolloutBatch:
+    """One rank's share of a step's samples, groups of ``group_size`` consecutive sequences."""
+
+    prompt_ids: list[list[int]]
+    response_ids: list[list[int]]
+    rollout_logp: list[list[float]]  # vLLM's log-probs of the sampled tokens
+    answers: list[str]
+    finish_reasons: list[str]
+    group_size: int
+    keep: list[float] | None = None  # per-sequence loss weight (0 masks a sequence out); None = all 1
+
+    def __post_init__(self):
+        if self.keep is None:
+            self.keep = [1.0] * len(self.response_ids)
+
+    def __len__(self) -> int:
+        return len(self.response_ids)
+
+    def select(self, idx: list[int]) -> "RolloutBatch":
+        pick = lambda xs: [xs[i] for i in idx]  # noqa: E731
+        return RolloutBatch(pick(self.prompt_ids), pick(self.response_ids), pick(self.rollout_logp),
+                            pick(self.answers), pick(self.finish_reasons), self.group_size, pick(self.keep))
+
+    def response_mask(self) -> torch.Tensor:
+        """(N, T) 1 on response tokens of kept sequences: the loss mask."""
+        n, t = len(self), max(1, max(len(r) for r in self.response_ids))
+        mask = torch.zeros(n, t)  # (N, T)
+        for i, r in enumerate(self.response_ids):
+            mask[i, : len(r)] = self.keep[i]
+        return mask
+
+    def rollout_logp_matrix(self) -> torch.Tensor:
+        mask = self.response_mask()
+        out = torch.zeros_like(mask)  # (N, T)
+        for i, lp in enumerate(self.rollout_logp):
+            out[i, : len(lp)] = torch.tensor(lp, dtype=out.dtype)
+        return out
+
+
+def shape_rewards(scores: torch.Tensor, batch: RolloutBatch, cfg: AlgorithmConfig,
+                  max_response_length: int) -> tuple[torch.Tensor, dict[str, float]]:
+    """DAPO overlong shaping and truncation masking; returns the shaped scores (N,)."""
+    metrics = {}
+    if cfg.overlong_buffer_len > 0:
+        lengths = torch.tensor([len(r) for r in batch.response_ids], dtype=scores.dtype)
+        penalty = advantage.overlong_penalty(lengths, max_response_length, cfg.overlong_buffer_len,
+                                             cfg.overlong_penalty_factor)
+        scores = scores + penalty
+        metrics["reward/overlong_penalty_mean"] = penalty.mean().item()
+    if cfg.mask_truncated:
+        batch.keep = [0.0 if f == "length" else k for f, k in zip(batch.finish_reasons, batch.keep)]
+    return scores, metrics
+
+
+def advantages_for(batch: RolloutBatch, scores: torch.Tensor, cfg: AlgorithmConfig) -> torch.Tensor:
+    """(N, T) advantages of the configured estimator, zero off the loss mask."""
+    return advantage.compute_advantages(cfg.adv_estimator, scores, batch.response_mask(), batch.group_size,
+                                        norm_by_std=cfg.norm_by_std, gamma=cfg.gamma)
+
+
+def informative_groups(scores: torch.Tensor, group_size: int) -> list[int]:
+    """Indices of the groups whose rewards are not all equal (DAPO dynamic sampling keeps these)."""
+    degenerate = advantage.group_is_degenerate(scores, group_size)
+    return [g for g in range(len(degenerate)) if not degenerate[g]]
+
+
+def concat(batches: list[RolloutBatch]) -> RolloutBatch:
+    first = batches[0]
+    cat = lambda attr: [x for b in batches for x in getattr(b, attr)]  # noqa: E731
+    return RolloutBatch(cat("prompt_ids"), cat("response_ids"), cat("rollout_logp"), cat("answers"),
+                        cat("finish_reasons"), first.group_size, cat("keep"))
+
+
+def pack(prompt_ids: list[list[int]], response_ids: list[list[int]], device) -> dict[str, torch.Tensor]:
+    """Concatenate sequences without padding; positions restart at 0 for each sequence.
+
+    ``labels[p]`` is the token at p+1 when that token is a response token (so the log-prob at p is
+    the policy's log-prob of that response token), else -100. ``gather`` (N, T) indexes the packed
+    positions of each response token's log-prob, for turning the packed result into (N, T).
+    """
+    ids, pos, labels = [], [], []
+    t_max = max(1, max(len(r) for r in response_ids))
+    gather = torch.zeros(len(response_ids), t_max, dtype=torch.long)  # (N, T)
+    for i, (p, r) in enumerate(zip(prompt_ids, response_ids)):
+        start = len(ids)
+        seq = p + r
+        ids += seq
+        pos += list(range(len(seq)))
+        labels += [-100] * (len(p) - 1) + r + [-100]
+        gather[i, : len(r)] = torch.arange(start + len(p) - 1, start + len(p) - 1 + len(r))
+    as_row = lambda xs: torch.tensor(xs, dtype=torch.long, device=device).unsqueeze(0)  # noqa: E731
+    return {"input_ids": as_row(ids), "position_ids": as_row(pos), "labels": as_row(labels),
+            "gather": gather.to(device)}
+
+
+def logprob_matrix(policy, batch: RolloutBatch, temperature: float, *, grad: bool, with_entropy: bool,
+                   device) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Per-token log-probs (and entropy) of the response tokens as (N, T) matrices, 0 where masked."""
+    packed = pack(batch.prompt_ids, batch.response_ids, device)
+    logp, ent = policy.forward_logprobs(packed["input_ids"], packed["position_ids"], packed["labels"],
+                                        temperature=temperature, with_entropy=with_entropy, grad=grad)
+    mask = batch.response_mask().to(device)
+    logp_mat = logp[0][packed["gather"]] * mask  # (N, T)
+    ent_mat = ent[0][packed["gather"]] * mask if ent is not None else None
+    return logp_mat, ent_mat
+
+
+def micro_batches(n: int, size: int) -> list[list[int]]:
+    return [list(range(i, min(i + size, n))) for i in range(0, n, size)]
+
+
+@torch.no_grad()
+def compute_logprobs_in_chunks(policy, batch: RolloutBatch, temperature: float, micro: int, device) -> torch.Tensor:
+    """(N, T) log-probs without grad, micro-batch by micro-batch (old or reference policy)."""
+    t = batch.response_mask().shape[1]
+    out = torch.zeros(len(batch), t, device=device)
+    for idx in micro_batches(len(batch), micro):
+        part, _ = logprob_matrix(policy, batch.select(idx), temperature, grad=False, with_entropy=False,
+                                 device=device)
+        out[idx, : part.shape[1]] = part
+    return out
+
+
+def ppo_update(policy, batch: RolloutBatch, adv: torch.Tensor, old_logp: torch.Tensor | None,
+               ref_logp: torch.Tensor | None, cfg: AlgorithmConfig, temperature: float,
+               world_size: int, device, norm_len: int | None = None) -> dict[str, float]:
+    """ppo_epochs x mini_batches optimizer steps on this rank's samples.
+
+    Each micro-batch loss is normalised by the global mini-batch's token (or sequence) count and
+    multiplied by world_size, so FSDP's gradient averaging yields the gradient of the global loss
+    whatever the micro-batch size or the number of ranks. ``old_logp`` None means on-policy
+    (one epoch, one mini-batch): the ratio's denominator is the current log-prob, detached.
+    ``norm_len`` (the max response length) fixes seq-mean-token-sum-norm's divisor, which would
+    otherwise be each micro-batch's own padded length.
+    """
+    mask_all = batch.response_mask().to(device)  # (N, T)
+    sums: dict[str, float] = {}
+    step_metrics: list[dict] = []
+    n_mini = cfg.mini_batches
+    for _ in range(cfg.ppo_epochs):
+        for mini in micro_batches(len(batch), len(batch) // n_mini):
+            totals = all_reduce_sum([mask_all[mini].sum().item(), float((mask_all[mini].sum(1) > 0).sum())])
+            agg = {"global_tokens": totals[0], "global_seqs": totals[1], "dp_size": world_size,
+                   "norm_len": norm_len}
+            for idx in (mini[i: i + cfg.micro_batch_size] for i in range(0, len(mini), cfg.micro_batch_size)):
+                _micro_step(policy, batch, idx, adv, old_logp, ref_logp, cfg, temperature, agg, device, sums)
+            step_metrics.append(policy.step())
+    return _reduce_update_metrics(sums, step_metrics, world_size)
+
+
+def _micro_step(policy, batch, idx, adv, old_logp, ref_logp, cfg, temperature, agg, device, sums) -> None:
+    sub = batch.select(idx)
+    logp, ent = logprob_matrix(policy, sub, temperature, grad=True, with_entropy=True, device=device)
+    t = logp.shape[1]
+    mask = sub.response_mask().to(device)
+    a = adv[idx, :t].to(device)
+    old = logp.detach() if old_logp is None else old_logp[idx, :t]
+    pg_loss, pg_metrics = advantage.policy_loss(
+        cfg.policy_loss, logp, old, a, mask, clip_low=cfg.clip_low, clip_high=cfg.clip_high,
+        dual_clip_c=cfg.dual_clip_c, agg_mode=cfg.loss_agg_mode, **agg)
+    loss = pg_loss
+    ntok = mask.sum().item()
+    if cfg.entropy_coef != 0:
+        loss = loss - cfg.entropy_coef * advantage.aggregate_loss(ent, mask, cfg.loss_agg_mode, **agg)
+    if ref_logp is not None:
+        kl = advantage.kl_penalty(logp, ref_logp[idx, :t], cfg.kl_loss_type)
+        loss = loss + cfg.kl_loss_coef * advantage.aggregate_loss(kl, mask, cfg.loss_agg_mode, **agg)
+        _add(sums, "actor/kl", (kl.detach() * mask).sum().item())
+    policy.backward(loss)
+    _add(sums, "actor/pg_loss", pg_loss.item())
+    _add(sums, "actor/entropy", (ent.detach() * mask).sum().item())
+    _add(sums, "tokens", ntok)
+    for k, v in pg_metrics.items():  # masked means over this micro-batch -> token-weighted sums
+        _add(sums, k, v * ntok)
+
+
+def _add(sums: dict, key: str, value: float) -> None:
+    sums[key] = sums.get(key, 0.0) + value
+
+
+def _reduce_update_metrics(sums: dict, step_metrics: list[dict], world_size: int) -> dict[str, float]:
+    keys = sorted(sums)
+    totals = dict(zip(keys, all_reduce_sum([sums[k] for k in keys])))
+    tokens = max(totals.pop("tokens"), 1.0)
+    n_steps = len(step_metrics)
+    out = {k: v / tokens for k, v in totals.items()}
+    # pg_loss: the sum over micro-batches of each rank's scaled loss, averaged over ranks and steps
+    out["actor/pg_loss"] = totals["actor/pg_loss"] / world_size / n_steps
+    out.setdefault("actor/kl", 0.0)
+    for key in step_metrics[0]:
+        out[key] = sum(m[key] for m in step_metrics) / (1 if key == "actor/skipped" else n_steps)
+    return out

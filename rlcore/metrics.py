@@ -1,0 +1,85 @@
+"""Metrics sinks on rank 0: TensorBoard events, one JSON object per step in metrics.jsonl, and a
+readable console line. Other ranks construct the logger too but write nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from contextlib import contextmanager
+
+CONSOLE_KEYS = (
+    ("reward/mean", "reward", "{:.3f}"),
+    ("actor/pg_loss", "pg_loss", "{:+.4f}"),
+    ("actor/kl", "kl", "{:.4f}"),
+    ("actor/entropy", "ent", "{:.3f}"),
+    ("actor/grad_norm", "gnorm", "{:.3f}"),
+    ("rollout/response_len_mean", "len", "{:.1f}"),
+    ("timing/step_s", "step_s", "{:.2f}"),
+)
+
+
+class MetricsLogger:
+    def __init__(self, output_dir: str, is_main: bool, tensorboard: bool = True, console_every: int = 1):
+        self.is_main, self.console_every = is_main, console_every
+        self.writer, self.jsonl = None, None
+        if not is_main:
+            return
+        os.makedirs(output_dir, exist_ok=True)
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.writer = SummaryWriter(log_dir=os.path.join(output_dir, "tensorboard"))
+        # Appending keeps the rows of earlier (resumed) segments of the same run.
+        self.jsonl = open(os.path.join(output_dir, "metrics.jsonl"), "a")
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        if not self.is_main:
+            return
+        clean = {k: float(v) for k, v in sorted(metrics.items())}
+        for key, value in clean.items():
+            if self.writer is not None and math.isfinite(value):
+                self.writer.add_scalar(key, value, step)
+        row = {"step": step, **{k: (v if math.isfinite(v) else str(v)) for k, v in clean.items()}}
+        self.jsonl.write(json.dumps(row) + "\n")
+        self.jsonl.flush()
+        if self.writer is not None:
+            self.writer.flush()
+        if step % self.console_every == 0:
+            print(format_console(step, clean), flush=True)
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+        if self.jsonl is not None:
+            self.jsonl.close()
+
+
+def format_console(step: int, metrics: dict[str, float]) -> str:
+    parts = [f"step {step:>5}"]
+    for key, short, fmt in CONSOLE_KEYS:
+        if key in metrics:
+            parts.append(f"{short} {fmt.format(metrics[key])}")
+    return " | ".join(parts)
+
+
+class Timer:
+    """Accumulates wall time per phase name: ``with timer("generate"): ...`` -> timing/generate_s."""
+
+    def __init__(self):
+        self.times: dict[str, float] = {}
+
+    @contextmanager
+    def __call__(self, name: str):
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.times[name] = self.times.get(name, 0.0) + time.perf_counter() - start
+
+    def pop_metrics(self) -> dict[str, float]:
+        out = {f"timing/{k}_s": v for k, v in self.times.items()}
+        self.times = {}
+        return out

@@ -1,0 +1,98 @@
+"""Offline assets for the bundled demo and the tests: a word-level tokenizer, a tiny random Qwen3
+model saved as an HF safetensors folder, and a toy task whose answers a rule can check.
+
+The task ("copy the marked digit"): the prompt lists a few digits and then asks for one of them by
+position, e.g. ``d 3 7 1 pick 2 =``; the right response is ``7`` followed by end-of-sequence.
+A random model answers right about 1 time in 10 (it first has to learn to emit a digit at all), and
+a few dozen GRPO steps make it reliable, which is what the demo shows.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+
+DIGITS = [str(i) for i in range(10)]
+SPECIAL = ["<pad>", "<eos>", "<unk>"]
+WORDS = ["d", "pick", "=", "1st", "2nd", "3rd", "4th", "ans", "is", "the", "a", "?", "!"]
+VOCAB = SPECIAL + DIGITS + WORDS
+POSITION_WORDS = ["1st", "2nd", "3rd", "4th"]
+
+
+def make_tokenizer(out_dir: str) -> None:
+    """Write a word-level fast tokenizer (tokenizer.json + config) that transformers and vLLM load."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, decoders
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {tok: i for i, tok in enumerate(VOCAB)}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(prefix="##", cleanup=False)  # joins words with spaces
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>"
+    )
+    fast.save_pretrained(out_dir)
+
+
+def make_tiny_model(
+    out_dir: str,
+    *,
+    hidden_size: int = 128,
+    num_layers: int = 2,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    head_dim: int = 32,  # vLLM's CPU attention rejects head_dim 16
+    intermediate_size: int = 256,
+    seed: int = 0,
+    vocab_size: int | None = None,
+    max_position_embeddings: int = 512,
+) -> str:
+    """Create a randomly initialised Qwen3 model + tokenizer as an HF safetensors folder."""
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    os.makedirs(out_dir, exist_ok=True)
+    make_tokenizer(out_dir)
+    config = Qwen3Config(
+        vocab_size=vocab_size or len(VOCAB),
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        head_dim=head_dim,
+        max_position_embeddings=max_position_embeddings,
+        tie_word_embeddings=False,
+        pad_token_id=VOCAB.index("<pad>"),
+        eos_token_id=VOCAB.index("<eos>"),
+        bos_token_id=None,
+        torch_dtype="float32",
+    )
+    torch.manual_seed(seed)
+    model = Qwen3ForCausalLM(config).to(torch.float32)
+    model.generation_config.eos_token_id = config.eos_token_id
+    model.generation_config.pad_token_id = config.pad_token_id
+    model.save_pretrained(out_dir, safe_serialization=True)
+    return out_dir
+
+
+def make_example(rng: random.Random, num_digits: int = 4) -> dict:
+    digits = [rng.choice(DIGITS) for _ in range(num_digits)]
+    pos = rng.randrange(num_digits)
+    prompt = "d " + " ".join(digits) + f" pick {POSITION_WORDS[pos]} ="
+    return {"prompt": prompt, "answer": digits[pos]}
+
+
+def make_toy_data(out_dir: str, *, n_train: int = 2000, n_val: int = 200, seed: int = 0) -> tuple[str, str]:
+    """Write toy_train.jsonl and toy_val.jsonl (``prompt``/``answer`` rows) from separate seeds."""
+    os.makedirs(out_dir, exist_ok=True)
+    paths = []
+    for name, n, s in (("toy_train.jsonl", n_train, seed), ("toy_val.jsonl", n_val, seed + 1_000_003)):
+        rng = random.Random(s)
+        path = os.path.join(out_dir, name)
+        with open(path, "w") as f:
+            for _ in range(n):
+                f.write(json.dumps(make_example(rng)) + "\n")
+        paths.append(path)
+    return paths[0], paths[1]

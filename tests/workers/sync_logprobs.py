@@ -1,0 +1,71 @@
+"""Worker (torchrun): one GRPO training step, a weight sync into vLLM, then vLLM's log-probs of
+its sampled tokens against the trainer's log-probs of the same tokens.
+
+    torchrun --nproc_per_node=2 tests/workers/sync_logprobs.py MODEL_DIR TP OUT_JSON
+"""
+
+import json
+import sys
+
+import torch
+
+from rlcore import advantage, grpo
+from rlcore.config import AlgorithmConfig
+from rlcore.dist import init_distributed
+from rlcore.metrics import Timer
+from rlcore.switch import PhaseSwitcher
+
+
+def sample(rollout, prompts, temperature, seed):
+    out = rollout.generate(prompts, n=4, temperature=temperature, max_tokens=12, seed=seed)
+    flat = [(p, s) for p, samples in zip(prompts, out) for s in samples]
+    return grpo.RolloutBatch([p for p, _ in flat], [s.response_ids for _, s in flat],
+                             [s.logprobs for _, s in flat], ["0"] * len(flat),
+                             [s.finish_reason for _, s in flat], 4)
+
+
+def max_diff(policy, rollout, batch, temperature, device):
+    mask = batch.response_mask()
+    trainer = grpo.compute_logprobs_in_chunks(policy, batch, temperature, 8, device).cpu()
+    return ((trainer - batch.rollout_logp_matrix()).abs() * mask).max().item()
+
+
+def main():
+    model_dir, tp, out = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+    info = init_distributed("cpu")
+    from rlcore.colocate_rollout import ColocateRollout
+    from rlcore.engine_veomni import VeOmniPolicy
+
+    torch.manual_seed(0)
+    policy = VeOmniPolicy(model_dir, info, lr=1e-2, total_steps=10)
+    rollout = ColocateRollout(model_dir, info, tp_size=tp, seed=0, max_model_len=64, kv_cache_gb=0.1)
+    switch = PhaseSwitcher(policy, rollout, Timer(), "cpu", offload_params=True, offload_optimizer=True,
+                           free_kv_cache=True)
+    temperature = 0.8
+    prompts = [[13, 4 + i, 5, 6, 7, 14, 18, 15] for i in range(4)]
+    batch = sample(rollout, prompts, temperature, seed=1)
+    before = max_diff(policy, rollout, batch, temperature, info.device)
+    # One real GRPO step on made-up rewards (longer responses are better) so the weights move.
+    rewards = torch.tensor([float(len(r)) for r in batch.response_ids])
+    adv = advantage.compute_advantages("grpo", rewards, batch.response_mask(), 4)
+    switch.to_training()
+    metrics = grpo.ppo_update(policy, batch, adv, None, None, AlgorithmConfig(micro_batch_size=8), temperature,
+                              info.world_size, info.device)
+    switch.to_generation()
+    # How far the weights moved: the trainer's new log-probs of the first batch against vLLM's old
+    # ones. A sync that did nothing would leave a difference of this size below.
+    moved = max_diff(policy, rollout, batch, temperature, info.device)
+    after = sample(rollout, prompts, temperature, seed=2)
+    diff = max_diff(policy, rollout, after, temperature, info.device)
+    mask = after.response_mask()
+    new_lp = grpo.compute_logprobs_in_chunks(policy, after, temperature, 8, info.device).cpu()
+    if info.rank == 0:
+        json.dump({"before": before, "after": diff, "moved": moved, "grad_norm": metrics["actor/grad_norm"],
+                   "tokens": int(mask.sum().item()),
+                   "mean_abs_logp": (new_lp.abs() * mask).sum().item() / mask.sum().item()}, open(out, "w"))
+    rollout.shutdown()
+    torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
