@@ -279,6 +279,20 @@ class VeOmniPolicy:
             raise RuntimeError("backward() on a frozen (trainable=False) policy")
         loss.backward()
 
+    @torch.no_grad()
+    def grad_vector(self) -> torch.Tensor:
+        """All accumulated gradients, unsharded and flattened in parameter order (collective; for
+        tests that compare gradients across world sizes and micro-batch layouts)."""
+        parts = []
+        for p in self.model.parameters():
+            g = p.grad if p.grad is not None else torch.zeros_like(p)
+            parts.append((g.full_tensor() if isinstance(g, DTensor) else g).flatten().float().cpu())
+        return torch.cat(parts)
+
+    def zero_grad(self) -> None:
+        if self.optimizer is not None:
+            self.optimizer.zero_grad(set_to_none=True)
+
     def step(self) -> dict:
         """Clip, step AdamW (unless the grad norm is not finite), zero grads, advance the lr."""
         if not self.trainable:

@@ -157,13 +157,22 @@ def ppo_update(policy, batch: RolloutBatch, adv: torch.Tensor, old_logp: torch.T
     n_mini = cfg.mini_batches
     for _ in range(cfg.ppo_epochs):
         for mini in micro_batches(len(batch), len(batch) // n_mini):
-            totals = all_reduce_sum([mask_all[mini].sum().item(), float((mask_all[mini].sum(1) > 0).sum())])
-            agg = {"global_tokens": totals[0], "global_seqs": totals[1], "dp_size": world_size,
-                   "norm_len": norm_len}
-            for idx in (mini[i: i + cfg.micro_batch_size] for i in range(0, len(mini), cfg.micro_batch_size)):
-                _micro_step(policy, batch, idx, adv, old_logp, ref_logp, cfg, temperature, agg, device, sums)
+            accumulate_gradients(policy, batch, mini, adv, old_logp, ref_logp, cfg, temperature, world_size,
+                                 device, norm_len, mask_all, sums)
             step_metrics.append(policy.step())
     return _reduce_update_metrics(sums, step_metrics, world_size)
+
+
+def accumulate_gradients(policy, batch, mini, adv, old_logp, ref_logp, cfg, temperature, world_size, device,
+                         norm_len=None, mask_all=None, sums=None) -> None:
+    """Forward/backward one mini-batch (indices ``mini``) in micro-batches, normalised by the
+    mini-batch's token and sequence counts over all ranks."""
+    mask_all = batch.response_mask().to(device) if mask_all is None else mask_all
+    totals = all_reduce_sum([mask_all[mini].sum().item(), float((mask_all[mini].sum(1) > 0).sum())])
+    agg = {"global_tokens": totals[0], "global_seqs": totals[1], "dp_size": world_size, "norm_len": norm_len}
+    for idx in (mini[i: i + cfg.micro_batch_size] for i in range(0, len(mini), cfg.micro_batch_size)):
+        _micro_step(policy, batch, idx, adv, old_logp, ref_logp, cfg, temperature, agg, device,
+                    {} if sums is None else sums)
 
 
 def _micro_step(policy, batch, idx, adv, old_logp, ref_logp, cfg, temperature, agg, device, sums) -> None:

@@ -2,9 +2,9 @@
 model saved as an HF safetensors folder, and a toy task whose answers a rule can check.
 
 The task ("copy the marked digit"): the prompt lists a few digits and then asks for one of them by
-position, e.g. ``d 3 7 1 pick 2 =``; the right response is ``7`` followed by end-of-sequence.
-A random model answers right about 1 time in 10 (it first has to learn to emit a digit at all), and
-a few dozen GRPO steps make it reliable, which is what the demo shows.
+position, e.g. ``d 3 7 pick 2nd =``; the right response starts with ``7``. A random model answers
+right about 1 time in 26 (it first has to learn to emit a digit at all, then which one), and GRPO
+makes it reliable within a few minutes on a CPU, which is what the demo shows.
 """
 
 from __future__ import annotations
@@ -84,7 +84,8 @@ def make_example(rng: random.Random, num_digits: int = 4) -> dict:
     return {"prompt": prompt, "answer": digits[pos]}
 
 
-def make_toy_data(out_dir: str, *, n_train: int = 2000, n_val: int = 200, seed: int = 0) -> tuple[str, str]:
+def make_toy_data(out_dir: str, *, n_train: int = 2000, n_val: int = 200, seed: int = 0,
+                  num_digits: int = 2) -> tuple[str, str]:
     """Write toy_train.jsonl and toy_val.jsonl (``prompt``/``answer`` rows) from separate seeds."""
     os.makedirs(out_dir, exist_ok=True)
     paths = []
@@ -93,6 +94,6 @@ def make_toy_data(out_dir: str, *, n_train: int = 2000, n_val: int = 200, seed: 
         path = os.path.join(out_dir, name)
         with open(path, "w") as f:
             for _ in range(n):
-                f.write(json.dumps(make_example(rng)) + "\n")
+                f.write(json.dumps(make_example(rng, num_digits)) + "\n")
         paths.append(path)
     return paths[0], paths[1]
