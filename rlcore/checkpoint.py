@@ -1,13 +1,23 @@
 """Run checkpoints: written into a temporary folder, renamed when complete, then the ``latest``
 pointer updated; older ones pruned only after that. A half-written checkpoint is never loaded.
 
-Layout: {output_dir}/checkpoints/step_{N}/ with the policy's DCP state (model, optimizer, LR
-scheduler, trainer state) and rng_rank{r}.pt per rank; {output_dir}/checkpoints/latest.
+Layout: {output_dir}/checkpoints/step_{N}/ holds the policy's DCP state (model, optimizer, and in
+VeOmni's per-rank extra-state files the LR scheduler and the trainer state: step, data position,
+skip counters), rng_rank{r}.pt per rank (torch, numpy and python RNG, as plain tensors) and
+meta.json (step, world size); {output_dir}/checkpoints/latest names the newest complete one.
+The vLLM sampling seeds need no state: they are derived from (trainer.seed, step).
+
+Unpickling: rng files are read with ``torch.load(weights_only=True)``. VeOmni reads its extra-state
+files and DCP its ``.metadata`` with full pickle, so ``verify_plain`` first proves (without running
+any foreign code) that they hold only plain data and DCP's metadata classes.
 """
 
 from __future__ import annotations
 
+import glob
+import json
 import os
+import pickle
 import random
 import re
 import shutil
@@ -15,17 +25,31 @@ import shutil
 import numpy as np
 import torch
 
+from rlcore.config import ConfigError
 from rlcore.dist import barrier
 
 STEP_DIR = re.compile(r"^step_(\d+)$")
+_EXTRA_STATE = os.path.join("extra_state", "extra_state_rank_{}.pt")  # VeOmni's per-rank file
 
 
 def checkpoint_root(output_dir: str) -> str:
     return os.path.join(output_dir, "checkpoints")
 
 
+# ---------------------------------------------------------------------------------------------
+# RNG state as plain tensors (loadable with weights_only=True)
+# ---------------------------------------------------------------------------------------------
+
+
 def rng_state() -> dict:
-    state = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
+    version, words, gauss = random.getstate()
+    name, keys, pos, has_gauss, cached = np.random.get_state()
+    state = {
+        "torch": torch.get_rng_state(),
+        "python": {"version": version, "words": torch.tensor(words, dtype=torch.int64), "gauss": gauss},
+        "numpy": {"name": name, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
+                  "has_gauss": int(has_gauss), "cached": float(cached)},
+    }
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state()
     return state
@@ -33,14 +57,25 @@ def rng_state() -> dict:
 
 def set_rng_state(state: dict) -> None:
     torch.set_rng_state(state["torch"])
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    py = state["python"]
+    random.setstate((py["version"], tuple(int(w) for w in py["words"].tolist()), py["gauss"]))
+    n = state["numpy"]
+    np.random.set_state((n["name"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["cached"]))
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
 
 
-def save(policy, output_dir: str, step: int, trainer_state: dict, rank: int, keep_last: int) -> str:
-    """Collective: every rank calls it. Returns the final checkpoint folder."""
+# ---------------------------------------------------------------------------------------------
+# save
+# ---------------------------------------------------------------------------------------------
+
+
+def save(policy, output_dir: str, step: int, trainer_state: dict, rank: int, keep_last: int,
+         rng: dict | None = None) -> str:
+    """Collective: every rank calls it. ``rng`` overrides this rank's current RNG state (a snapshot
+    taken earlier, e.g. at the start of an abandoned step). Returns the final checkpoint folder."""
+    import torch.distributed as dist
+
     root = checkpoint_root(output_dir)
     final = os.path.join(root, f"step_{step}")
     tmp = os.path.join(root, f".tmp-step_{step}")
@@ -49,11 +84,13 @@ def save(policy, output_dir: str, step: int, trainer_state: dict, rank: int, kee
         os.makedirs(tmp)
     barrier()
     policy.save_checkpoint(tmp, extra_state={"trainer": trainer_state})
-    # Our own state, so pickle is fine here (loaded with weights_only=False only from this folder).
-    torch.save(rng_state(), os.path.join(tmp, f"rng_rank{rank}.pt"))
+    torch.save(rng if rng is not None else rng_state(), os.path.join(tmp, f"rng_rank{rank}.pt"))
     barrier()
     if rank == 0:
-        shutil.rmtree(final, ignore_errors=True)
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        with open(os.path.join(tmp, "meta.json"), "w") as f:
+            json.dump({"step": step, "world_size": world}, f)
+        _remove(final)  # a same-step folder from an earlier attempt of this run
         os.replace(tmp, final)
         _write_latest(root, f"step_{step}")
         _prune(root, keep_last)
@@ -70,31 +107,210 @@ def _write_latest(root: str, name: str) -> None:
     os.replace(tmp, os.path.join(root, "latest"))
 
 
+def _remove(path: str) -> None:
+    """Rename, then delete: a folder killed half-way through deletion never looks like step_N."""
+    if not os.path.exists(path):
+        return
+    doomed = os.path.join(os.path.dirname(path), ".del-" + os.path.basename(path))
+    shutil.rmtree(doomed, ignore_errors=True)
+    os.replace(path, doomed)
+    shutil.rmtree(doomed, ignore_errors=True)
+
+
 def _prune(root: str, keep_last: int) -> None:
-    steps = sorted((int(m.group(1)), d) for d in os.listdir(root) if (m := STEP_DIR.match(d)))
+    """Keep the newest ``keep_last`` complete checkpoints up to the one ``latest`` names. Folders
+    past it (a run resumed from an older checkpoint into the same folder) and damaged ones are
+    left alone: only this run's own superseded checkpoints are deleted."""
+    latest = latest_step(os.path.dirname(root))
+    if latest is None:
+        return
+    steps = sorted((int(m.group(1)), d) for d in os.listdir(root)
+                   if (m := STEP_DIR.match(d)) and int(m.group(1)) <= latest and is_complete(os.path.join(root, d)))
     for _, d in steps[:-keep_last]:
-        shutil.rmtree(os.path.join(root, d), ignore_errors=True)
+        _remove(os.path.join(root, d))
+    for d in os.listdir(root):  # leftovers of killed saves and deletions
+        if d.startswith((".tmp-step_", ".del-step_")):
+            shutil.rmtree(os.path.join(root, d), ignore_errors=True)
+
+
+def latest_step(output_dir: str) -> int | None:
+    """Step of the checkpoint ``latest`` points to, or None."""
+    path = os.path.join(checkpoint_root(output_dir), "latest")
+    if not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        m = STEP_DIR.match(f.read().strip())
+    return int(m.group(1)) if m else None
+
+
+# ---------------------------------------------------------------------------------------------
+# find / validate / load
+# ---------------------------------------------------------------------------------------------
+
+
+def is_complete(path: str) -> bool:
+    """A folder the save above finished: DCP metadata and extra state present, not a temp folder."""
+    return (os.path.isfile(os.path.join(path, ".metadata")) and os.path.isdir(os.path.join(path, "extra_state"))
+            and not os.path.basename(os.path.normpath(path)).startswith("."))
 
 
 def find_resume(output_dir: str, resume: str) -> str | None:
-    """The checkpoint folder to resume from: ``never`` -> None; ``auto`` -> latest complete or None."""
+    """The checkpoint folder to resume from: ``never`` -> None; ``auto`` -> the newest complete one
+    in {output_dir}/checkpoints or None; else PATH (a step folder, a checkpoints folder or a run's
+    output_dir, resolved to its newest complete checkpoint). ConfigError when PATH has none."""
     if resume == "never":
         return None
-    if resume != "auto":
+    if resume == "auto":
+        return _newest(checkpoint_root(output_dir))
+    if is_complete(resume):
         return resume
-    root = checkpoint_root(output_dir)
-    latest = os.path.join(root, "latest")
-    if not os.path.isfile(latest):
+    found = _newest(resume) or _newest(checkpoint_root(resume))
+    if found is None:
+        raise ConfigError(
+            f"checkpoint.resume={resume!r} is invalid: no complete checkpoint there (a step_N folder with "
+            f"DCP .metadata and extra_state/); use auto, never, or a checkpoint folder such as "
+            f"{checkpoint_root(output_dir)}/step_N")
+    return found
+
+
+def _newest(root: str) -> str | None:
+    """``latest`` when it names a complete folder, else the highest complete step_N (a run killed
+    between the rename and the pointer update), else None."""
+    if not os.path.isdir(root):
         return None
-    with open(latest) as f:
-        path = os.path.join(root, f.read().strip())
-    return path if os.path.isdir(path) else None
+    latest = os.path.join(root, "latest")
+    if os.path.isfile(latest):
+        with open(latest) as f:
+            path = os.path.join(root, f.read().strip())
+        if is_complete(path):
+            return path
+    steps = sorted((int(m.group(1)), d) for d in os.listdir(root) if (m := STEP_DIR.match(d)))
+    for _, d in reversed(steps):
+        if is_complete(os.path.join(root, d)):
+            return os.path.join(root, d)
+    return None
+
+
+def validate_resume(path: str, rank: int, world_size: int) -> None:
+    """Before any model loads: the checkpoint fits this world size and holds only plain data."""
+    meta_file = os.path.join(path, "meta.json")
+    saved_world = None
+    if os.path.isfile(meta_file):
+        with open(meta_file) as f:
+            saved_world = json.load(f).get("world_size")
+    if saved_world is not None and saved_world != world_size:
+        raise ConfigError(
+            f"checkpoint.resume: {path} was written by {saved_world} ranks but this run has {world_size}; "
+            f"resume with --nproc_per_node/--nnodes giving {saved_world} ranks, or start fresh with "
+            f"checkpoint.resume=never (or another trainer.output_dir)")
+    extra = os.path.join(path, _EXTRA_STATE.format(rank))
+    if not os.path.isfile(extra):
+        raise ConfigError(f"checkpoint.resume: {path} has no state for rank {rank} ({extra} is missing); "
+                          f"it was written by fewer ranks or is damaged; resume with the original world size")
+    verify_plain(path)
+
+
+def verify_plain(path: str) -> None:
+    """Every pickle in the checkpoint holds only what this trainer writes, checked without running
+    foreign code: the extra-state and RNG files load with weights_only=True (tensors and plain
+    containers), DCP's .metadata with an unpickler that knows only DCP's own metadata classes.
+    VeOmni and DCP then read them with full pickle."""
+    files = sorted(glob.glob(os.path.join(path, "extra_state", "*.pt")) + glob.glob(os.path.join(path, "rng_rank*.pt")))
+    for f in files:
+        try:
+            torch.load(f, weights_only=True, map_location="cpu")
+        except Exception as e:
+            _refuse(f, e)
+    metadata = os.path.join(path, ".metadata")
+    try:
+        with open(metadata, "rb") as f:
+            _DcpMetadataUnpickler(f).load()
+    except Exception as e:
+        _refuse(metadata, e)
+
+
+def _refuse(f: str, e: Exception) -> None:
+    raise ConfigError(f"checkpoint.resume: {f} holds more than this trainer's checkpoint data ({type(e).__name__}: "
+                      f"{e}); refusing to unpickle it. Resume only from checkpoints this trainer wrote.") from e
+
+
+class _DcpMetadataUnpickler(pickle.Unpickler):
+    """Resolves only the classes a DCP ``.metadata`` file refers to (DCP's dataclasses and enums,
+    torch.Size, dtypes, layouts, paths); any other global (os.system, ...) is an error."""
+
+    _ALLOWED = {("torch", "Size"), ("torch.serialization", "_get_layout"), ("collections", "OrderedDict"),
+                ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"), ("pathlib", "WindowsPath"),
+                ("pathlib", "PureWindowsPath"), ("pathlib", "Path")}
+
+    def find_class(self, module: str, name: str):
+        allowed = (module, name) in self._ALLOWED or module.startswith("torch.distributed.checkpoint.")
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            allowed = True
+        if not allowed:
+            raise pickle.UnpicklingError(f"global {module}.{name} is not part of DCP metadata")
+        return super().find_class(module, name)
 
 
 def load(policy, path: str, rank: int) -> dict:
     """Collective: restores the policy, optimizer, scheduler and this rank's RNG; returns trainer state."""
+    verify_plain(path)
     extra = policy.load_checkpoint(path)
     rng_file = os.path.join(path, f"rng_rank{rank}.pt")
     if os.path.isfile(rng_file):
-        set_rng_state(torch.load(rng_file, weights_only=False))
+        set_rng_state(torch.load(rng_file, weights_only=True, map_location="cpu"))
     return extra["trainer"]
+
+
+# ---------------------------------------------------------------------------------------------
+# logs of a resumed run, HF export
+# ---------------------------------------------------------------------------------------------
+
+
+def trim_metrics(output_dir: str, step: int) -> int:
+    """Drop metrics.jsonl rows with step > ``step`` (written by a run killed after its last
+    checkpoint; the resumed run writes them again). In place, so an open append handle stays
+    valid. Returns the number of rows removed."""
+    path = os.path.join(output_dir, "metrics.jsonl")
+    if not os.path.isfile(path):
+        return 0
+    with open(path, "r+") as f:
+        lines = f.read().splitlines(keepends=True)
+        keep = [line for line in lines if _row_step(line) <= step]
+        if len(keep) == len(lines):
+            return 0
+        f.seek(0)
+        f.writelines(keep)
+        f.truncate()
+    return len(lines) - len(keep)
+
+
+def _row_step(line: str) -> float:
+    try:
+        return json.loads(line)["step"]
+    except (ValueError, KeyError, TypeError):
+        return float("inf")  # a torn last line from a killed run
+
+
+def purge_tensorboard(logger, step: int) -> None:
+    """Tell TensorBoard to drop earlier events with step > ``step`` (what SummaryWriter(purge_step=)
+    writes), so a resumed run's curves have no duplicate tail."""
+    writer = getattr(logger, "writer", None)
+    if writer is None:
+        return
+    from tensorboard.compat.proto.event_pb2 import Event, SessionLog
+
+    writer.file_writer.add_event(Event(step=step + 1, session_log=SessionLog(status=SessionLog.START)))
+    writer.flush()
+
+
+def export_hf(policy, path: str, dtype: str, is_main: bool) -> None:
+    """Collective: an HF safetensors folder written into a temp folder, renamed when complete."""
+    tmp = os.path.join(os.path.dirname(os.path.abspath(path)), ".tmp-" + os.path.basename(path))
+    if is_main:
+        shutil.rmtree(tmp, ignore_errors=True)
+    barrier()
+    policy.save_hf(tmp, dtype=dtype)  # ends with a barrier: rank 0 has written everything
+    if is_main:
+        _remove(path)
+        os.replace(tmp, path)
+    barrier()

@@ -15,10 +15,13 @@ must change the thread count use ``torch._C.set_num_threads``), and calls ``gc.f
 
 from __future__ import annotations
 
+import ctypes
 import gc
 import hashlib
+import mmap
 import os
 import random
+import sys
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
@@ -92,15 +95,32 @@ class _ProcessState:
                 os.environ[k] = v
 
 
-def _pick_sleep_level(device_type: str, sleep_level: int | None) -> int | None:
-    """vLLM sleep level used by release_memory on accelerators; None on CPU (no sleep mode)."""
+def _pick_sleep_level(device_type: str, sleep_level: int | None) -> int:
+    """vLLM sleep level used by release_memory on accelerators (0: free the KV cache only,
+    1: also move the weights to host memory, 2: also discard the weights); 0 on CPU.
+
+    None picks 2: the phase switch pushes every weight before each generation anyway, so the
+    host copy that level 1 keeps (and copies back at wake-up) would be wasted work and memory.
+    """
+    if sleep_level is not None and sleep_level not in (0, 1, 2):
+        raise ValueError(f"sleep_level must be 0 (KV cache only), 1 or 2 (or None = auto), got {sleep_level}")
     if device_type == "cpu":
-        return None
-    if sleep_level is None:
-        return 1
-    if sleep_level not in (1, 2):  # level 0 only pauses scheduling and frees nothing
-        raise ValueError(f"sleep_level must be 1 or 2 (or None = 1), got {sleep_level}")
-    return sleep_level
+        return 0  # sleep mode is rejected on CPU and llm.sleep() there makes generate() hang
+    return 2 if sleep_level is None else sleep_level
+
+
+def _pick_weight_load(device_type: str, weight_load: str) -> str:
+    """How update_weights loads: "reload" (vLLM's reload_weights: layer-wise restore, load,
+    post-process, copy back; works everywhere, needed on CPU where linear weights are repacked)
+    or "direct" (``model.load_weights``: straight into vLLM's parameters, no extra copy; valid
+    where unquantized layers have no post-load processing, i.e. CUDA)."""
+    if weight_load not in ("auto", "reload", "direct"):
+        raise ValueError(f"weight_load must be auto, reload or direct, got {weight_load!r}")
+    if weight_load == "direct" and device_type == "cpu":
+        raise ValueError("weight_load=direct does not work on CPU (vLLM repacks linear weights); use reload")
+    if weight_load == "auto":
+        return "direct" if device_type == "cuda" else "reload"
+    return weight_load
 
 
 def _request_seed(seed: int, dp_rank: int, prompt_idx: int) -> int:
@@ -132,6 +152,7 @@ class ColocateRollout:
         gpu_memory_utilization: float = 0.5,
         sleep_level: int | None = None,
         enforce_eager: bool = True,
+        weight_load: str = "auto",
     ):
         if tp_size < 1 or info.world_size % tp_size:
             raise ValueError(f"tp_size={tp_size} must divide world_size={info.world_size}")
@@ -140,9 +161,14 @@ class ColocateRollout:
         self.seed = seed
         self.enforce_eager = enforce_eager
         self.sleep_level = _pick_sleep_level(info.device_type, sleep_level)
+        self.weight_load = _pick_weight_load(info.device_type, weight_load)
         # Freed memory kinds ("weights", "kv_cache"): generate() needs none, update_weights()
         # needs the weights resident.
         self._asleep: set[str] = set()
+        # False after a level-2 sleep (weight memory discarded, garbage after wake-up) until a
+        # full update_weights() completes; generate() refuses to run on garbage weights.
+        self.weights_valid = True
+        self._full_names: frozenset[str] | None = None  # names of the last full update
         self._kv_storages: list[tuple[torch.UntypedStorage, int]] = []  # CPU release bookkeeping
 
         saved = _ProcessState.capture(info.device_type)
@@ -168,7 +194,9 @@ class ColocateRollout:
             kwargs["kv_cache_memory_bytes"] = int(kv_cache_gb * 2**30)
         else:
             kwargs["gpu_memory_utilization"] = gpu_mem_util
-            kwargs["enable_sleep_mode"] = True  # release_memory() -> llm.sleep(level)
+            # release_memory() -> llm.sleep(level), or at level 0 release_kv_cache_memory():
+            # both need vLLM's sleep-mode allocator.
+            kwargs["enable_sleep_mode"] = True
         return LLM(
             model=model_path,
             tensor_parallel_size=self.tp_size,
@@ -237,6 +265,9 @@ class ColocateRollout:
         n > 1 with greedy); the logprobs are then of the unscaled logits.
         """
         self._require_awake("generate", {"weights", "kv_cache"})
+        if not self.weights_valid:
+            raise RuntimeError("generate() after a level-2 sleep without a full update_weights(): "
+                               "vLLM's weights are garbage until every tensor is pushed again")
         if not prompts:
             return []
         from vllm.inputs import TokensPrompt
@@ -269,18 +300,55 @@ class ColocateRollout:
 
     # ------------------------------------------------------------------------- weights
 
-    def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Load HF-named full tensors into the engine, streamed one at a time.
+    def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]], *, full: bool = True) -> int:
+        """Load HF-named full tensors into the engine, streamed; returns how many were loaded.
 
-        ``reload_weights`` (not ``model.load_weights``) because on CPU fp32 vLLM repacks linear
-        weights into oneDNN handles and the raw parameters are empty. Under TP every rank passes
-        full tensors; vLLM's weight loaders slice them. q/k/v and gate/up of a layer are fused
-        in vLLM and must arrive in the same call (split calls load silently wrong weights).
+        The whole iterator goes into ONE vLLM load call: q/k/v and gate/up of a layer are fused
+        in vLLM and must arrive in the same call (split calls load silently wrong weights), and
+        one call lets the producer gather the next bucket while vLLM loads this one. Under TP
+        every rank passes full tensors; vLLM's weight loaders slice them. ``weight_load``
+        picks the call (see ``_pick_weight_load``): ``reload_weights`` on CPU, where fp32 linear
+        weights are repacked into oneDNN handles and ``model.load_weights`` fails.
+
+        ``full=True`` says the iterator holds every weight: that makes the weights valid again
+        after a level-2 sleep, and it must name at least what the previous full update named
+        (a truncated stream raises instead of leaving stale tensors behind).
         """
         self._require_awake("update_weights", {"weights"})
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": _detached(weights)})
+        names: list[str] = []
+        stream = _detached(weights, names)
+        if self.weight_load == "direct":
+            self._load_direct(stream)
+        else:
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": stream})
         # Cached prefix KV blocks were computed with the old weights.
         self.llm.reset_prefix_cache()
+        if full:
+            self._check_full(frozenset(names))
+        return len(names)
+
+    def update_weights_from_path(self, path: str) -> None:
+        """Reload every weight from an HF safetensors folder on disk (the slow way: a checkpoint
+        round trip; kept as the baseline of scripts/bench_weight_sync.py and to reset an engine)."""
+        self._require_awake("update_weights_from_path", {"weights"})
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_path": path})
+        self.llm.reset_prefix_cache()
+        self.weights_valid = True
+
+    def _load_direct(self, stream: Iterator[tuple[str, torch.Tensor]]) -> None:
+        from vllm.config import set_current_vllm_config
+
+        worker = self.llm.llm_engine.model_executor.driver_worker.worker
+        with set_current_vllm_config(worker.vllm_config), torch.no_grad():
+            worker.model_runner.get_model().load_weights(stream)  # unwrapped from CUDA graphs
+
+    def _check_full(self, names: frozenset[str]) -> None:
+        if self._full_names is not None and not self._full_names <= names:
+            missing = sorted(self._full_names - names)
+            raise RuntimeError(f"update_weights(full=True) missed {len(missing)} weights that the previous full "
+                               f"update loaded, e.g. {missing[:3]}; pass every weight (or full=False)")
+        self._full_names = names
+        self.weights_valid = True
 
     # ------------------------------------------------------------------------- memory
 
@@ -289,15 +357,24 @@ class ColocateRollout:
 
         CPU: vLLM's sleep mode is rejected there and ``llm.sleep()`` is a no-op after which
         generate() spins forever, so the KV buffer storage is resized to 0 instead.
+        Accelerators at sleep level 0: only the KV cache is freed, the weights stay resident.
         """
         if self._asleep:
             return
         if self.info.device_type == "cpu":
             self._kv_storages = _release_cpu_kv(self._model_runner())
             self._asleep = {"kv_cache"}
-        else:
+        elif self.sleep_level > 0:
             self.llm.sleep(level=self.sleep_level)  # level 1: weights to host; 2: discarded
             self._asleep = {"weights", "kv_cache"}
+            if self.sleep_level == 2:
+                self.weights_valid = False  # garbage after wake-up until a full update
+        else:
+            # Level 0 keeps the weights resident and frees only the KV cache: vLLM requires a
+            # paused scheduler (sleep(level=0)) first; wake_up(["kv_cache"]) restores both.
+            self.llm.sleep(level=0)
+            self.llm.release_kv_cache_memory()
+            self._asleep = {"kv_cache"}
 
     def resume_memory(self, tags: list[str] | None = None) -> None:
         """Re-allocate what release_memory freed (all of it when ``tags`` is None).
@@ -318,6 +395,11 @@ class ColocateRollout:
         if "kv_cache" in wake:
             # KV contents are gone: a prefix-cache hit would read stale/zeroed blocks.
             self.llm.reset_prefix_cache()
+
+    @property
+    def released(self) -> frozenset[str]:
+        """Memory kinds currently freed by release_memory ("weights", "kv_cache")."""
+        return frozenset(self._asleep)
 
     def _require_awake(self, what: str, needs: set[str]) -> None:
         if self.llm is None:
@@ -373,9 +455,10 @@ def _copy_sample(s: Sample) -> Sample:
     return Sample(list(s.response_ids), list(s.logprobs), s.finish_reason)
 
 
-def _detached(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
-    # Lazily: one tensor alive at a time beyond what the caller holds.
+def _detached(weights: Iterable[tuple[str, torch.Tensor]], names: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
+    # Lazily: one tensor alive at a time beyond what the caller holds; records the names.
     for name, tensor in weights:
+        names.append(name)
         yield name, tensor.detach()
 
 
@@ -405,4 +488,35 @@ def _resume_cpu_kv(released: list[tuple[torch.UntypedStorage, int]]) -> None:
         st.resize_(nbytes)
         # Fresh memory is uninitialised; NaN garbage in not-yet-written slots of a block
         # could leak through masked attention (0 * NaN), so start from zeros like at build.
-        st.fill_(0)
+        _zero_lazily(st)
+
+
+_MADV_DONTNEED = 4
+
+
+def _zero_lazily(st: torch.UntypedStorage) -> None:
+    """Zero a CPU storage without touching most of it.
+
+    ``fill_(0)`` would fault in every page of the buffer at once (0.3 s for 256 MiB here) though
+    a generation touches only the blocks it uses. ``madvise(MADV_DONTNEED)`` drops the whole pages
+    instead: private anonymous memory (what the CPU allocator hands out) reads back as zeros on
+    first touch. The partial pages at both ends are zeroed by hand; anything else falls back to
+    ``fill_(0)``.
+    """
+    ptr, nbytes, page = st.data_ptr(), st.nbytes(), mmap.PAGESIZE
+    start = min(-(-ptr // page) * page, ptr + nbytes)  # first whole page
+    end = max((ptr + nbytes) // page * page, start)  # end of the last whole page
+    raw = torch.empty(0, dtype=torch.uint8).set_(st)  # (nbytes,) byte view of the storage
+    if end > start and _madvise(start, end - start, _MADV_DONTNEED):
+        raw[: start - ptr].zero_()
+        raw[end - ptr:].zero_()
+    else:
+        raw.zero_()
+
+
+def _madvise(addr: int, length: int, advice: int) -> bool:
+    if not sys.platform.startswith("linux"):
+        return False
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    return libc.madvise(addr, length, advice) == 0

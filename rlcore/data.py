@@ -1,14 +1,24 @@
-"""Prompt data: local JSONL files -> tokenized prompts, a seeded shuffle per epoch, and a position
-(epoch, index) that a checkpoint can store. Every rank builds the same order and takes its slice.
+"""Prompt data: local JSONL or Parquet files -> tokenized prompts, a seeded shuffle per epoch, and a
+position (epoch, index) that a checkpoint can store. Every rank builds the same order and takes its
+slice.
+
+Rows carry ``data.prompt_key`` and ``data.answer_key`` (dotted paths such as
+``reward_model.ground_truth`` reach into nested objects). A prompt is raw text, or a list of chat
+messages ``[{"role": ..., "content": ...}]``; with ``data.apply_chat_template`` either form is
+rendered with the tokenizer's chat template (text becomes one user message), after an optional
+``data.system_prompt``.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import random
 from dataclasses import dataclass
 
 from rlcore.config import ConfigError, DataConfig
+
+PARQUET_EXTS = (".parquet", ".pq")
 
 
 @dataclass
@@ -18,41 +28,104 @@ class Prompt:
     answer: str
 
 
-def read_rows(path: str, cfg: DataConfig) -> tuple[list[dict], int]:
-    """Rows of a JSONL file with both keys present; (rows, bad_row_count)."""
-    rows, bad = [], 0
-    with open(path) as f:
+def get_key(row: dict, key: str):
+    """``row[key]``, following dots into nested dicts; KeyError when a part is missing."""
+    if key in row:
+        return row[key]
+    value = row
+    for part in key.split("."):
+        if not isinstance(value, dict) or part not in value:
+            raise KeyError(key)
+        value = value[part]
+    return value
+
+
+def row_problem(row, cfg: DataConfig) -> str | None:
+    """Why a row cannot be used, or None when it can."""
+    if not isinstance(row, dict):
+        return "is not an object"
+    missing = []
+    for key in (cfg.prompt_key, cfg.answer_key):
+        try:
+            if get_key(row, key) is None:
+                missing.append(key)
+        except KeyError:
+            missing.append(key)
+    if missing:
+        return f"lacks key(s) {missing}"
+    prompt = get_key(row, cfg.prompt_key)
+    if isinstance(prompt, list):
+        ok = all(isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                 for m in prompt)
+        if not ok or not prompt:
+            return f"has a {cfg.prompt_key!r} list that is not chat messages [{{role, content}}, ...]"
+    elif not isinstance(prompt, str):
+        return f"has a {cfg.prompt_key!r} of type {type(prompt).__name__} (expected text or chat messages)"
+    elif not prompt.strip():
+        return f"has an empty {cfg.prompt_key!r}"  # an empty prompt would stop the engine mid-run
+    return None
+
+
+def iter_raw_rows(path: str):
+    """(location, row or None, parse error or None) for each non-empty row of a JSONL/Parquet file."""
+    if path.lower().endswith(PARQUET_EXTS):
+        import pyarrow.parquet as pq
+
+        try:
+            table = pq.read_table(path)
+        except Exception as e:
+            raise ConfigError(f"{path} is not a readable Parquet file ({type(e).__name__}: {e})") from e
+        for i, row in enumerate(table.to_pylist(), 1):
+            yield f"{path}: row {i}", row, None
+        return
+    # Undecodable bytes become a bad row with its line number, not a UnicodeDecodeError.
+    with open(path, encoding="utf-8", errors="surrogateescape") as f:
         for lineno, line in enumerate(f, 1):
             if not line.strip():
                 continue
-            problem = None
             try:
-                row = json.loads(line)
-                if not isinstance(row, dict):
-                    problem = "is not a JSON object"
-                else:
-                    missing = [k for k in (cfg.prompt_key, cfg.answer_key) if k not in row]
-                    problem = f"lacks key(s) {missing}" if missing else None
+                line.encode("utf-8")
+            except UnicodeEncodeError:
+                yield f"{path}:{lineno}", None, "is not UTF-8 text"
+                continue
+            try:
+                yield f"{path}:{lineno}", json.loads(line), None
             except json.JSONDecodeError as e:
-                problem = f"is not valid JSON ({e.msg})"
-            if problem is None:
-                rows.append(row)
-            elif cfg.skip_bad_rows:
-                bad += 1
-            else:
-                raise ConfigError(
-                    f"{path}:{lineno} {problem}; fix the row, or set data.skip_bad_rows=true to skip such rows"
-                )
+                yield f"{path}:{lineno}", None, f"is not valid JSON ({e.msg})"
+
+
+def read_rows(path: str, cfg: DataConfig) -> tuple[list[dict], int]:
+    """Usable rows of a JSONL or Parquet file; (rows, bad_row_count). A bad row raises ConfigError
+    naming file and line (JSONL) or row (Parquet), unless data.skip_bad_rows."""
+    if not os.path.isfile(path):
+        raise ConfigError(f"data file {path} does not exist; fix data.train_files / data.val_files")
+    rows, bad = [], 0
+    for where, row, problem in iter_raw_rows(path):
+        problem = problem or row_problem(row, cfg)
+        if problem is None:
+            rows.append(row)
+        elif cfg.skip_bad_rows:
+            bad += 1
+        else:
+            raise ConfigError(
+                f"{where} {problem}; fix the row, or set data.skip_bad_rows=true to skip such rows"
+            )
     return rows, bad
 
 
 def render_prompt(row: dict, cfg: DataConfig, tokenizer) -> str:
-    prompt = row[cfg.prompt_key]
+    prompt = get_key(row, cfg.prompt_key)
     if not cfg.apply_chat_template:
-        return prompt if isinstance(prompt, str) else str(prompt)
-    messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": str(prompt)}]
-    if cfg.system_prompt:
+        if isinstance(prompt, list):
+            raise ConfigError(f"data.apply_chat_template=false but {cfg.prompt_key!r} holds chat messages; "
+                              "set data.apply_chat_template=true")
+        return prompt
+    messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
+    if cfg.system_prompt and messages[0]["role"] != "system":
         messages = [{"role": "system", "content": cfg.system_prompt}] + messages
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise ConfigError("data.apply_chat_template=true but the tokenizer has no chat template; "
+                          "set data.apply_chat_template=false or use a chat model")
     return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 
 
@@ -64,6 +137,7 @@ def load_prompts(files: list[str], cfg: DataConfig, tokenizer) -> tuple[list[Pro
         bad += nbad
         for row in rows:
             text = render_prompt(row, cfg, tokenizer)
+            # The chat template already holds the special tokens (BOS etc.).
             ids = tokenizer(text, add_special_tokens=not cfg.apply_chat_template)["input_ids"]
             if len(ids) > cfg.max_prompt_length:
                 if cfg.truncation == "error":
@@ -73,11 +147,11 @@ def load_prompts(files: list[str], cfg: DataConfig, tokenizer) -> tuple[list[Pro
                     )
                 too_long += 1
                 continue
-            prompts.append(Prompt(ids=ids, text=text, answer=str(row[cfg.answer_key])))
+            prompts.append(Prompt(ids=ids, text=text, answer=str(get_key(row, cfg.answer_key))))
     if not prompts:
         raise ConfigError(f"data files {files} hold no usable prompt after filtering "
                           f"({bad} bad rows, {too_long} over data.max_prompt_length); check the files and keys")
-    return prompts, {"data/bad_rows": bad, "data/filtered_too_long": too_long}
+    return prompts, {"data/bad_rows": bad, "data/filtered_too_long": too_long, "data/prompts": len(prompts)}
 
 
 class PromptSampler:

@@ -1,6 +1,7 @@
 """The policy engine: a VeOmni-built HF causal LM sharded with FSDP2 over every rank.
 
-This is the only module in the project that touches VeOmni, FSDP2 or DTensor. Everything else
+This module (with its private helper ``rlcore.fsdp_sync``, the bucketed export of FSDP2 shards) is
+the only one in the project that touches VeOmni, FSDP2 or DTensor. Everything else
 sees plain tensors: packed ``(1, L)`` token batches in, per-token log-probs out, and full
 HF-named weight tensors streamed out for vLLM and for export.
 
@@ -30,6 +31,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from rlcore.dist import DistInfo, empty_cache
+from rlcore.fsdp_sync import SyncBuffers, SyncPlan
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Files of the source folder that save_hf must not copy: weights it rewrites, and config.json,
@@ -340,6 +342,55 @@ class VeOmniPolicy:
             if isinstance(t, DTensor):
                 t = t.full_tensor()
             yield _hf_name(name), t
+
+    @torch.no_grad()
+    def named_hf_weights_bucketed(self, dtype: str | torch.dtype | None = None, bucket_mb: float = 64.0
+                                  ) -> Iterator[tuple[str, torch.Tensor]]:
+        """Like ``named_hf_weights``, but many parameters per collective (collective).
+
+        Parameters are packed into flat buckets of about ``bucket_mb`` MiB (gathered size) and
+        each bucket is one gather over the FSDP2 shard group (``all_gather_into_tensor``; one
+        broadcast per rank on gloo); see ``rlcore.fsdp_sync`` for the layout. The local shards
+        are cast to ``dtype`` while being packed, so the gather moves rollout-dtype bytes.
+        Bucket ``i + 1`` is gathered in the background while the caller consumes bucket ``i``:
+        peak extra memory is about two buckets (the consumed bucket's full tensors, the next
+        bucket's gather buffer; three buckets kept between syncs on CPU). On CPU the yielded
+        tensors are views of reused buffers: one the caller keeps alive is never overwritten
+        (a fresh buffer is taken then).
+        A bucket never splits a "sync unit" (all parameters under one
+        grandparent module, e.g. ``model.layers.3.self_attn``: q/k/v together, gate/up
+        together), so a consumer that loads per bucket still sees vLLM's fused groups whole;
+        a unit bigger than ``bucket_mb`` gets a bucket of its own.
+        """
+        dtype = _to_dtype(dtype)
+        self._reshard()
+        plan = self._sync_plan(dtype, bucket_mb)
+        params = dict(self.model.named_parameters())
+        # Scratch buffers: kept between syncs on CPU, where fresh pages cost more than the copies
+        # (three buckets, see SyncBuffers); freed after each sync on accelerators (about two
+        # buckets), where the memory belongs to training in between and the caching allocator
+        # makes the next allocation cheap.
+        buffers = plan.kept_buffers if self.info.device_type == "cpu" else SyncBuffers(keep=False)
+        yield from plan.run(params, self.device, buffers)
+
+    def _sync_plan(self, dtype: torch.dtype | None, bucket_mb: float) -> SyncPlan:
+        """The bucket layout depends only on names, shapes, meshes and the two arguments: build
+        it once per (dtype, bucket size) and reuse it every step."""
+        key = (dtype, float(bucket_mb))
+        cache = self.__dict__.setdefault("_sync_plans", {})
+        if key not in cache:
+            named = [(name, p) for name, p in self.model.named_parameters()]
+            cache[key] = SyncPlan.build(named, dtype, int(bucket_mb * 2**20), _hf_name)
+        return cache[key]
+
+    def sync_scratch_bytes(self, dtype: str | torch.dtype | None = None, bucket_mb: float = 64.0) -> int:
+        """Bytes of the bucketed export's scratch buffers kept between syncs (CPU only)."""
+        return self._sync_plan(_to_dtype(dtype), bucket_mb).kept_buffers.nbytes()
+
+    def sync_plan_summary(self, dtype: str | torch.dtype | None = None, bucket_mb: float = 64.0) -> dict:
+        """Buckets and collectives one bucketed export costs (for logs, tests, benchmarks)."""
+        plan = self._sync_plan(_to_dtype(dtype), bucket_mb)
+        return plan.summary()
 
     def offload(self, params: bool = True, optimizer: bool = True) -> None:
         """Move parameter shards and/or optimizer state to CPU (frees accelerator memory for

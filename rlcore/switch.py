@@ -1,65 +1,190 @@
 """The phase machine: the one place that orders the switch between training and generation.
 
-to_generation:  offload optimizer -> wake vLLM weights -> push new weights -> offload trainer params
-                -> wake vLLM KV cache
-to_training:    release vLLM memory (KV cache; weights too at sleep level 2) -> load trainer params
-                and optimizer state
+Every rank runs the same steps in the same order (several are collective):
 
-On CPU the offload and sleep steps are no-ops by the engines' own choice (sleeping a CPU engine
-hangs it), but the same sequence runs, so the CPU tests exercise the accelerator's code path.
+    to_generation  (after the optimizer step)
+      1 offload_optimizer  optimizer state -> host           frees room for vLLM's weights
+      2 wake_weights       vLLM re-allocates its weights      (accelerators, after a sleep)
+      3 sync_weights       bucketed FSDP2 gather -> vLLM      always every tensor (full sync)
+      4 offload_params     trainer parameter shards -> host   only after they were exported
+      5 wake_kv_cache      vLLM re-allocates its KV cache     last: the biggest allocation
+    to_training  (after generation)
+      1 release_rollout    vLLM frees its KV cache (and its weights at sleep level 1/2)
+      2 onload             trainer parameters and optimizer state -> device
+
+The order keeps the peak low: at no point do the optimizer state, the KV cache and two copies
+of the weights sit on the device together. Each step is logged (logger ``rlcore.switch``, INFO;
+``logging.switch_trace=true`` prints it) with what it did or why it was a no-op, and recorded in
+``trace``; ``describe()`` gives the configured sequence in one line (printed at start-up).
+
+Level-2 sleep discards vLLM's weights; the guarantee that they are never used before a full
+push is two-fold: step 3 always pushes every tensor (``update_weights(full=True)``), and the
+rollout itself refuses ``generate()`` until such a push has completed (``weights_valid``).
+
+CPU: sleeping a CPU engine hangs it, so the rollout never calls sleep there; release_rollout frees
+the KV cache buffer instead, and the offload steps are logged no-ops unless configured (moving
+CPU tensors to the host moves nothing). The same sequence runs on every device.
+
+Metrics (``pop_metrics``): time per kind of step through the shared timer (``timing/offload_s``,
+``timing/wake_s``, ``timing/weight_sync_s``, ``timing/release_s``, ``timing/onload_s``; the
+trainer adds ``timing/generate_s`` and ``timing/train_s``) and memory after each step and after
+each phase of the loop: ``memory/{step}_allocated_gb`` / ``_reserved_gb`` / ``_peak_allocated_gb``
+on accelerators, ``memory/{step}_rss_gb`` on CPU, with step one of the names above or
+``generate`` / ``train`` (taken when the next switch starts).
 """
 
 from __future__ import annotations
 
 import logging
+import time
+
+import torch
 
 from rlcore.dist import memory_stats
 
 log = logging.getLogger("rlcore.switch")
 
+TO_GENERATION = ("offload_optimizer", "wake_weights", "sync_weights", "offload_params", "wake_kv_cache")
+TO_TRAINING = ("release_rollout", "onload")
+TIMER_OF_STEP = {
+    "offload_optimizer": "offload", "wake_weights": "wake", "sync_weights": "weight_sync",
+    "offload_params": "offload", "wake_kv_cache": "wake", "release_rollout": "release", "onload": "onload",
+}
+
 
 class PhaseSwitcher:
+    """Owns the switch between the two phases on one rank (see the module docstring).
+
+    Args:
+        policy: the trainer engine (``offload``, ``onload``, ``named_hf_weights[_bucketed]``).
+        rollout: the vLLM wrapper (``release_memory``, ``resume_memory``, ``update_weights``,
+            ``released``, ``weights_valid``).
+        timer: ``rlcore.metrics.Timer`` shared with the training loop.
+        offload_params, offload_optimizer: move them to host while generating.
+        free_kv_cache: release vLLM's memory while training.
+        rollout_dtype: dtype the weights are cast to before the gather (vLLM's dtype).
+        sync_bucket_mb: bucket size of the weight sync; None: one collective per tensor.
+    """
+
     def __init__(self, policy, rollout, timer, device_type: str, *, offload_params: bool,
-                 offload_optimizer: bool, free_kv_cache: bool, rollout_dtype=None):
+                 offload_optimizer: bool, free_kv_cache: bool, rollout_dtype=None,
+                 sync_bucket_mb: float | None = 64.0, rank: int = 0):
         self.policy, self.rollout, self.timer = policy, rollout, timer
-        self.device_type = device_type
+        self.device_type, self.rank = device_type, rank
         self.offload_params, self.offload_optimizer = offload_params, offload_optimizer
         self.free_kv_cache, self.rollout_dtype = free_kv_cache, rollout_dtype
+        self.sync_bucket_mb = sync_bucket_mb
         self.phase = "generation"  # a fresh engine holds the initial weights already
         self.memory: dict[str, float] = {}
+        self.trace: list[tuple[str, str, str]] = []  # (transition, step, what it did), last switch
+
+    def describe(self) -> str:
+        """The configured sequence in one line per transition (printed once at start-up)."""
+        sync = "per-tensor" if self.sync_bucket_mb is None else f"{self.sync_bucket_mb:g} MiB buckets"
+        level = getattr(self.rollout, "sleep_level", None)
+        release = ("KV cache buffer (CPU: no sleep mode)" if self.device_type == "cpu"
+                   else f"sleep level {level}") if self.free_kv_cache else "nothing (rollout.free_kv_cache=false)"
+        return (f"phase switch on {self.device_type}: to_generation = offload_optimizer"
+                f"[{'on' if self.offload_optimizer else 'off'}] -> wake_weights -> sync_weights[{sync}, "
+                f"{self.rollout_dtype or 'trainer dtype'}] -> offload_params[{'on' if self.offload_params else 'off'}]"
+                f" -> wake_kv_cache; to_training = release_rollout[{release}] -> onload")
+
+    def trace_to_stderr(self) -> None:
+        """Print every step of every switch (the ``rlcore.switch`` INFO records) on stderr."""
+        if not any(getattr(h, "_rlcore_switch", False) for h in log.handlers):
+            handler = logging.StreamHandler()
+            handler.setFormatter(logging.Formatter("[switch] %(message)s"))
+            handler._rlcore_switch = True
+            log.addHandler(handler)
+        log.setLevel(logging.INFO)
+
+    # ------------------------------------------------------------------------- transitions
 
     def to_generation(self) -> None:
         """Called after every optimizer step: guarantees a full weight push before generating."""
-        assert self.phase == "training", f"to_generation from {self.phase}"
-        with self.timer("offload"):
-            if self.offload_optimizer:
-                self.policy.offload(params=False, optimizer=True)
-        with self.timer("wake"):
-            self.rollout.resume_memory(tags=["weights"])
-        with self.timer("weight_sync"):
-            self.rollout.update_weights(self.policy.named_hf_weights(dtype=self.rollout_dtype))
-        with self.timer("offload"):
-            if self.offload_params:
-                self.policy.offload(params=True, optimizer=False)
-        with self.timer("wake"):
-            self.rollout.resume_memory(tags=["kv_cache"])
-        self._record("generation")
+        if self.phase != "training":
+            raise RuntimeError(f"to_generation() from phase {self.phase!r}; call to_training() first")
+        self._record_memory("train")
+        self._run("to_generation", TO_GENERATION)
+        if not self.rollout.weights_valid:  # cannot happen after a full sync; never generate on garbage
+            raise RuntimeError("vLLM weights are not valid after the weight sync")
         self.phase = "generation"
-        log.debug("phase -> generation")
 
     def to_training(self) -> None:
-        assert self.phase == "generation", f"to_training from {self.phase}"
-        with self.timer("offload"):
-            if self.free_kv_cache:
-                self.rollout.release_memory()
-            self.policy.onload(params=self.offload_params, optimizer=self.offload_optimizer)
-        self._record("training")
+        if self.phase != "generation":
+            raise RuntimeError(f"to_training() from phase {self.phase!r}; call to_generation() first")
+        self._record_memory("generate")
+        self._run("to_training", TO_TRAINING)
         self.phase = "training"
-        log.debug("phase -> training")
 
-    def _record(self, phase: str) -> None:
+    def _run(self, transition: str, steps: tuple[str, ...]) -> None:
+        self.trace = []
+        for i, step in enumerate(steps, 1):
+            start = time.perf_counter()
+            with self.timer(TIMER_OF_STEP[step]):
+                done = getattr(self, f"_{step}")()
+            self._record_memory(step)
+            self.trace.append((transition, step, done))
+            log.info("rank %d %s %d/%d %s: %s (%.3f s)", self.rank, transition, i, len(steps), step, done,
+                     time.perf_counter() - start)
+
+    # ------------------------------------------------------------------------- steps
+
+    def _offload_optimizer(self) -> str:
+        if not self.offload_optimizer:
+            return "no-op (offload.optimizer off)"
+        self.policy.offload(params=False, optimizer=True)
+        return "optimizer state to host"
+
+    def _wake_weights(self) -> str:
+        if "weights" not in self.rollout.released:
+            return "no-op (vLLM weights resident)"
+        self.rollout.resume_memory(tags=["weights"])
+        return "vLLM weights re-allocated"
+
+    def _sync_weights(self) -> str:
+        if self.sync_bucket_mb is None:
+            n = self.rollout.update_weights(self.policy.named_hf_weights(dtype=self.rollout_dtype), full=True)
+            return f"{n} tensors pushed, one collective each"
+        weights = self.policy.named_hf_weights_bucketed(dtype=self.rollout_dtype, bucket_mb=self.sync_bucket_mb)
+        n = self.rollout.update_weights(weights, full=True)
+        plan = self.policy.sync_plan_summary(dtype=self.rollout_dtype, bucket_mb=self.sync_bucket_mb)
+        return f"{n} tensors pushed in {plan['buckets']} buckets (largest {plan['max_bucket_mb']:.1f} MiB)"
+
+    def _offload_params(self) -> str:
+        if not self.offload_params:
+            return "no-op (offload.params off)"
+        self.policy.offload(params=True, optimizer=False)
+        return "parameter shards to host"
+
+    def _wake_kv_cache(self) -> str:
+        if "kv_cache" not in self.rollout.released:
+            return "no-op (KV cache resident)"
+        self.rollout.resume_memory(tags=["kv_cache"])
+        return "KV cache re-allocated"
+
+    def _release_rollout(self) -> str:
+        if not self.free_kv_cache:
+            return "no-op (rollout.free_kv_cache off)"
+        self.rollout.release_memory()
+        freed = sorted(self.rollout.released)
+        return f"released {freed}" if freed else "no-op (nothing to release)"
+
+    def _onload(self) -> str:
+        if not (self.offload_params or self.offload_optimizer):
+            return "no-op (nothing offloaded)"
+        self.policy.onload(params=self.offload_params, optimizer=self.offload_optimizer)
+        return f"to device: {'params ' if self.offload_params else ''}{'optimizer' if self.offload_optimizer else ''}".strip()
+
+    # ------------------------------------------------------------------------- metrics
+
+    def _record_memory(self, phase: str) -> None:
         for key, value in memory_stats(self.device_type).items():
             self.memory[f"memory/{phase}_{key}"] = value
+        accel = None if self.device_type == "cpu" else getattr(torch, self.device_type, None)
+        if accel is not None:  # peak since the previous record: what this phase needed at most
+            self.memory[f"memory/{phase}_peak_allocated_gb"] = accel.max_memory_allocated() / 2**30
+            accel.reset_peak_memory_stats()
 
     def pop_metrics(self) -> dict[str, float]:
         out, self.memory = self.memory, {}

@@ -102,10 +102,10 @@ def test_long_prompts_are_filtered_or_rejected(tiny_model, toy_data):
     from rlcore.config import ConfigError, DataConfig
     from rlcore.data import load_prompts
 
-    tok = AutoTokenizer.from_pretrained(tiny_model)  # toy prompts are 8 tokens long
-    cfg = DataConfig(train_files=[toy_data[0]], max_prompt_length=7)
+    tok = AutoTokenizer.from_pretrained(tiny_model)  # toy prompts are 6 tokens long (2 digits)
+    cfg = DataConfig(train_files=[toy_data[0]], max_prompt_length=5)
     with pytest.raises(ConfigError, match="no usable prompt"):
         load_prompts(cfg.train_files, cfg, tok)
-    cfg = DataConfig(train_files=[toy_data[0]], max_prompt_length=7, truncation="error")
-    with pytest.raises(ConfigError, match="max_prompt_length=7"):
+    cfg = DataConfig(train_files=[toy_data[0]], max_prompt_length=5, truncation="error")
+    with pytest.raises(ConfigError, match="max_prompt_length=5"):
         load_prompts(cfg.train_files, cfg, tok)

@@ -1,0 +1,99 @@
+"""Validation with the colocated engine: greedy pass@1 on a prompt set, plus mean@n / pass@n of n
+sampled answers when n > 1. Every rank takes part: each data-parallel replica generates for its
+strided slice of the prompts, and the sums are all-reduced (TP ranks of one replica hold the same
+outputs, so only TP rank 0 of each replica contributes).
+
+Used by train_grpo.py (``trainer.val_every``, ``trainer.val_before_train``) and by
+scripts/evaluate.py, so a trained model is scored the same way in both places.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+
+from rlcore.dist import all_reduce_sum
+
+
+@dataclass
+class ValSettings:
+    n: int = 1  # > 1: n samples per prompt at `temperature` -> mean@n, pass@n
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_tokens: int = 64
+    max_samples: int = 0  # first prompts used; 0 = all
+    num_examples: int = 8  # generations kept for the JSONL file (rank 0's slice)
+    seed: int = 0  # of the sampled (n > 1) pass
+
+
+@dataclass
+class _Scored:
+    texts: list[str]
+    lens: list[int]
+    rewards: list[float]
+    correct: list[bool]
+    errors: float
+
+
+def _generate_and_score(rollout, tokenizer, scorer, prompts, **gen) -> tuple[list[list], _Scored]:
+    """Generate for ``prompts`` (flattened prompt-major: n per prompt) and score every sample."""
+    out = rollout.generate([p.ids for p in prompts], **gen)
+    samples = [s for group in out for s in group]
+    answers = [p.answer for p, group in zip(prompts, out) for _ in group]
+    texts = tokenizer.batch_decode([s.response_ids for s in samples], skip_special_tokens=True)
+    rewards, correct, metrics = scorer.score_samples(texts, answers) if texts else ([], [], {})
+    return out, _Scored(texts, [len(s.response_ids) for s in samples], rewards, correct,
+                        metrics.get("reward/errors", 0.0))
+
+
+def validate(rollout, tokenizer, scorer, prompts: list, settings: ValSettings) -> tuple[dict, list[dict]]:
+    """Returns (``val/*`` metrics over all ranks, example rows from this rank's slice)."""
+    chosen = prompts[: settings.max_samples] if settings.max_samples else prompts
+    mine = chosen[rollout.dp_rank:: rollout.dp_size]
+    counts = 1.0 if rollout.tp_rank == 0 else 0.0  # count each replica's outputs once
+    _, greedy = _generate_and_score(rollout, tokenizer, scorer, mine, n=1, temperature=0.0,
+                                    max_tokens=settings.max_tokens)
+    local = [len(mine), sum(greedy.correct), sum(greedy.rewards), sum(greedy.lens), greedy.errors]
+    sampled = None
+    if settings.n > 1:
+        _, sampled = _generate_and_score(rollout, tokenizer, scorer, mine, n=settings.n,
+                                         temperature=settings.temperature, top_p=settings.top_p,
+                                         max_tokens=settings.max_tokens, seed=settings.seed)
+        per_prompt = [sampled.correct[i * settings.n: (i + 1) * settings.n] for i in range(len(mine))]
+        local += [sum(sampled.correct), sum(sampled.rewards), sum(any(c) for c in per_prompt), sampled.errors]
+    totals = all_reduce_sum([v * counts for v in local])
+    metrics = _metrics(totals, settings.n)
+    examples = [
+        {"prompt": p.text, "response": t, "answer": p.answer, "reward": r, "correct": bool(c), "response_len": ln}
+        for p, t, r, c, ln in zip(mine, greedy.texts, greedy.rewards, greedy.correct, greedy.lens)
+    ][: settings.num_examples]
+    return metrics, examples
+
+
+def _metrics(totals: list[float], n: int) -> dict:
+    count = max(totals[0], 1.0)
+    m = {
+        "val/accuracy": totals[1] / count,  # greedy pass@1
+        "val/reward_mean": totals[2] / count,
+        "val/response_len_mean": totals[3] / count,
+        "val/errors": totals[4],
+        "val/num_prompts": totals[0],
+    }
+    if n > 1:
+        m[f"val/mean@{n}"] = totals[5] / (count * n)
+        m[f"val/reward_mean@{n}"] = totals[6] / (count * n)
+        m[f"val/pass@{n}"] = totals[7] / count
+        m["val/errors"] += totals[8]
+    return m
+
+
+def write_examples(output_dir: str, step: int, examples: list[dict]) -> str:
+    """``output_dir/val/step_{step}.jsonl``: one generation per line."""
+    folder = os.path.join(output_dir, "val")
+    os.makedirs(folder, exist_ok=True)
+    path = os.path.join(folder, f"step_{step}.jsonl")
+    with open(path, "w") as f:
+        for row in examples:
+            f.write(json.dumps({"step": step, **row}) + "\n")
+    return path

@@ -1,0 +1,99 @@
+"""Shared plumbing of the benchmark scripts: start the script's own ranks under torchrun, pass
+the rank-0 result back, measure process memory, take medians.
+
+A benchmark run as ``.venv/bin/python scripts/bench_X.py ARGS`` re-launches itself as
+``python -m torch.distributed.run --standalone --nproc_per_node=N scripts/bench_X.py ARGS``
+with a result file; rank 0 writes a JSON object there, and the launcher prints the ranks'
+``bench:`` progress lines and then that object as the last line of its output.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+QUIET_ENV = {
+    "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_LOGGING_LEVEL": "ERROR",
+    "VEOMNI_VERBOSITY": "ERROR", "TRANSFORMERS_VERBOSITY": "error", "TOKENIZERS_PARALLELISM": "false",
+    "PYTHONUNBUFFERED": "1",
+}
+RESULT_ENV = "BENCH_RESULT_FILE"
+
+
+def under_torchrun() -> bool:
+    return RESULT_ENV in os.environ and "LOCAL_RANK" in os.environ
+
+
+def relaunch(script: str, argv: list[str], nproc: int, timeout_s: float) -> dict:
+    """Run ``script argv`` on ``nproc`` CPU ranks; stream its ``bench:`` lines; return rank 0's
+    result. On failure print the tail of the output and exit with the launcher's code."""
+    fd, result = tempfile.mkstemp(prefix="bench_", suffix=".json")
+    os.close(fd)
+    env = {**os.environ, **QUIET_ENV, RESULT_ENV: result, "PYTHONPATH": REPO,
+           "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+           script, *argv]
+    lines: list[str] = []
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        for line in proc.stdout:
+            lines.append(line)
+            if line.startswith("bench:"):
+                print(line[len("bench:"):].strip(), flush=True)
+        proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        raise
+    if proc.returncode != 0 or os.path.getsize(result) == 0:
+        sys.stderr.write("".join(lines[-80:]))
+        sys.stderr.write(f"\nbenchmark ranks exited with code {proc.returncode}\n")
+        raise SystemExit(proc.returncode or 1)
+    with open(result) as f:
+        out = json.load(f)
+    os.unlink(result)
+    return out
+
+
+def write_result(result: dict) -> None:
+    with open(os.environ[RESULT_ENV], "w") as f:
+        json.dump(result, f)
+
+
+def say(rank: int, msg: str) -> None:
+    if rank == 0:
+        print(f"bench: {msg}", flush=True)
+
+
+def median(xs: list[float]) -> float:
+    return float(statistics.median(xs))
+
+
+# ----------------------------------------------------------------------------- process memory
+
+
+def rss_mb() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def reset_peak_rss() -> bool:
+    """Reset VmHWM (Linux: writing 5 to clear_refs); False where that is not allowed."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def peak_rss_mb() -> float:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    return float("nan")

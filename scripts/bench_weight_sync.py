@@ -1,0 +1,297 @@
+"""Benchmark: the trainer -> vLLM weight sync on 2 CPU ranks, against a disk round trip and a floor.
+
+    .venv/bin/python scripts/bench_weight_sync.py [--params 100e6] [--bucket-mb 64[,256,...]] [--reps 5]
+
+Starts its own ranks (torchrun). A random Qwen3-shaped model of about ``--params`` parameters is
+sharded with VeOmni FSDP2 (one AdamW step moves it away from the checkpoint) next to an
+in-process vLLM engine per rank (tp=1). Measured in one run, each a median of ``--reps``
+repetitions after one warm-up, methods interleaved, time = the slowest rank (barrier to barrier):
+
+  sync   the project's sync: bucketed all-gather of the FSDP2 shards (rlcore.fsdp_sync) streamed
+         into vLLM's reload_weights (what PhaseSwitcher runs every step)
+  naive  save an HF checkpoint to disk (VeOmniPolicy.save_hf) and reload vLLM's weights from it
+  floor  one all_gather_into_tensor of all parameters as one flat, pre-allocated buffer, plus one
+         reload_weights of full tensors gathered beforehand (no packing, no streaming)
+
+Then vLLM is reset to the checkpoint's weights, synced once more, and its log-probs of fresh
+samples are compared with the trainer's (max |diff| over every sampled token of both ranks).
+The last line is a JSON object: params, sync_s, naive_s, floor_s, speedup_vs_naive,
+ratio_to_floor, peak_extra_rss_mb (max over ranks of VmHWM during a sync minus RSS before it),
+max_logprob_diff, and the details (floor parts, bucket sweep, memory per method).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from scripts import bench_common as bc  # noqa: E402
+
+HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTERMEDIATE, VOCAB = 768, 12, 4, 64, 2048, 32000
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--params", type=float, default=100e6, help="approximate parameter count (default 100e6)")
+    p.add_argument("--bucket-mb", default="64", help="sync bucket MiB; a comma list adds a sweep (first is reported)")
+    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--nproc", type=int, default=2)
+    p.add_argument("--timeout-s", type=float, default=1800)
+    args = p.parse_args(argv)
+    args.buckets = [float(x) for x in str(args.bucket_mb).split(",")]
+    if args.params < 1e6 or args.reps < 1 or args.nproc < 1 or any(b <= 0 for b in args.buckets):
+        p.error("need --params >= 1e6, --reps >= 1, --nproc >= 1 and bucket sizes > 0")
+    return args
+
+
+def model_dims(params: float) -> dict:
+    """Qwen3 dims giving about ``params`` parameters: 768 wide, 32k vocab, layers to fill."""
+    per_layer = HIDDEN * HEAD_DIM * (2 * HEADS + 2 * KV_HEADS) + 3 * HIDDEN * INTERMEDIATE + 2 * HIDDEN + 2 * HEAD_DIM
+    vocab = VOCAB
+    if params < 2 * VOCAB * HIDDEN + 2 * per_layer:  # small: shrink the vocabulary, keep 2 layers
+        vocab = max(64, int((params - 2 * per_layer) // (2 * HIDDEN)))
+    layers = max(1, round((params - 2 * vocab * HIDDEN) / per_layer))
+    return dict(hidden_size=HIDDEN, num_layers=layers, num_heads=HEADS, num_kv_heads=KV_HEADS, head_dim=HEAD_DIM,
+                intermediate_size=INTERMEDIATE, vocab_size=vocab, max_position_embeddings=256)
+
+
+# ----------------------------------------------------------------------------- worker
+
+
+CPU_S: dict[int, float] = {}  # id(fn) -> CPU seconds of its last timed() run, summed over ranks
+
+
+def timed(fn) -> float:
+    """Wall time of a collective ``fn`` on the slowest rank (barriers on both sides). Also notes
+    its process CPU time summed over ranks in ``CPU_S``: on a shared, overloaded host the wall
+    time mostly measures waiting for a core, the CPU time the work done."""
+    import torch.distributed as dist
+
+    dist.barrier()
+    start, cpu = time.perf_counter(), time.process_time()
+    fn()
+    cpu = time.process_time() - cpu
+    dist.barrier()
+    wall = time.perf_counter() - start
+    CPU_S[id(fn)] = sum_over_ranks(cpu)
+    return wall
+
+
+def max_over_ranks(values: list[float]) -> list[float]:
+    import torch
+    import torch.distributed as dist
+
+    t = torch.tensor(values, dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.tolist()
+
+
+def sum_over_ranks(x: float) -> float:
+    import torch
+    import torch.distributed as dist
+
+    t = torch.tensor([x], dtype=torch.float64)
+    dist.all_reduce(t)
+    return t.item()
+
+
+def max_over_ranks_dict(d: dict[str, float]) -> dict[str, float]:
+    keys = sorted(d)
+    return dict(zip(keys, max_over_ranks([d[k] for k in keys])))
+
+
+def with_peak(fn, kept_mb: float) -> tuple[float, float]:
+    """(seconds, peak extra RSS MiB on this rank) of ``fn``. ``kept_mb``: the sync's scratch
+    buffers, kept between syncs on CPU; they count as extra though resident before the call."""
+    before = bc.rss_mb() - kept_mb
+    bc.reset_peak_rss()
+    dt = timed(fn)
+    return dt, max(0.0, bc.peak_rss_mb() - before)
+
+
+def setup(args, info):
+    """Model folder (rank 0 writes it), the FSDP2 policy moved one AdamW step, the vLLM engine."""
+    import torch
+    import torch.distributed as dist
+
+    from rlcore.toy_task import make_tiny_model
+
+    holder = [tempfile.mkdtemp(prefix="bench_sync_") if info.rank == 0 else None]
+    dist.broadcast_object_list(holder, src=0)
+    root = holder[0]
+    model_dir = os.path.join(root, "model")
+    if info.rank == 0:
+        make_tiny_model(model_dir, **model_dims(args.params))
+    dist.barrier()
+    from rlcore.colocate_rollout import ColocateRollout
+    from rlcore.engine_veomni import VeOmniPolicy
+
+    policy = VeOmniPolicy(model_dir, info, lr=1e-3, total_steps=10)
+    g = torch.Generator().manual_seed(info.rank)
+    ids = torch.randint(3, 26, (1, 64), generator=g)
+    logp, _ = policy.forward_logprobs(ids, torch.arange(64)[None], ids.roll(-1, 1), grad=True)
+    policy.backward(-logp.mean())
+    policy.step()  # every parameter moves: the synced weights differ from the checkpoint's
+    rollout = ColocateRollout(model_dir, info, tp_size=1, seed=0, max_model_len=128, kv_cache_gb=0.25)
+    return root, model_dir, policy, rollout
+
+
+def floor_parts(policy, rollout, info) -> dict:
+    """The two halves of the floor, each at its best: a pre-touched flat buffer for the gather,
+    tensors already gathered for the load."""
+    import torch
+    import torch.distributed as dist
+
+    gathered_mb = policy.sync_plan_summary("float32", 1e9)["max_bucket_mb"]  # one bucket = all params
+    numel = int(gathered_mb * 2**20 / 4) // info.world_size
+    send, out = torch.ones(numel), torch.ones(numel * info.world_size)
+    full = list(policy.named_hf_weights_bucketed("float32", 1e9))
+    gather = lambda: dist.all_gather_into_tensor(out, send)  # noqa: E731
+    gather_s = timed(gather)
+    gather_cpu = CPU_S[id(gather)]
+    del send, out
+    # vLLM's own transient memory while it loads (materialised layers, repacked weights): part
+    # of every method's peak, a baseline for the sync's
+    load = lambda: rollout.update_weights(iter(full))  # noqa: E731
+    load_s, load_peak = with_peak(load, 0.0)
+    return {"gather_s": gather_s, "load_s": load_s, "load_peak_mb": load_peak,
+            "cpu_s": gather_cpu + CPU_S[id(load)]}
+
+
+def run_methods(args, policy, rollout, root: str, info) -> dict:
+    """Interleaved repetitions (the first is a warm-up): times and peak extra memory per method."""
+    naive_dir = os.path.join(root, "naive_hf")
+    naive_parts: dict[str, float] = {}
+
+    def naive():
+        start = time.perf_counter()
+        policy.save_hf(naive_dir)  # per-tensor gathers, rank 0 writes; ends in a barrier
+        naive_parts["save_s"] = time.perf_counter() - start
+        start = time.perf_counter()
+        rollout.update_weights_from_path(naive_dir)
+        naive_parts["load_s"] = time.perf_counter() - start
+
+    def sync(mb):
+        return lambda: rollout.update_weights(policy.named_hf_weights_bucketed("float32", mb))
+
+    times: dict[str, list] = {}
+    cpu: dict[str, list] = {}  # CPU seconds summed over ranks
+    peaks: dict[str, float] = {}
+    for rep in range(args.reps + 1):
+        runs = [(f"sync_{mb:g}", sync(mb)) for mb in args.buckets] + [("naive", naive)]
+        runs = runs[rep % len(runs):] + runs[: rep % len(runs)]  # rotate the order per repetition
+        for name, fn in runs:
+            mb = float(name.removeprefix("sync_")) if name.startswith("sync_") else None
+            dt, peak = with_peak(fn, policy.sync_scratch_bytes("float32", mb) / 2**20 if mb else 0.0)
+            peaks[name] = max(peaks.get(name, 0.0), peak)  # the warm-up too: first allocations
+            if rep > 0:
+                times.setdefault(name, []).append(dt)
+                cpu.setdefault(name, []).append(CPU_S[id(fn)])
+        parts = floor_parts(policy, rollout, info)
+        peaks["floor_load"] = max(peaks.get("floor_load", 0.0), parts.pop("load_peak_mb"))
+        floor_cpu = parts.pop("cpu_s")
+        if rep > 0:
+            cpu.setdefault("floor", []).append(floor_cpu)
+            for k, v in parts.items():
+                times.setdefault(f"floor_{k}", []).append(v)
+            for k, v in max_over_ranks_dict(naive_parts).items():
+                times.setdefault(f"naive_{k}", []).append(v)
+        if rep == 0:
+            bc.say(info.rank, "warm-up done")
+        else:
+            bc.say(info.rank, f"rep {rep}: " + ", ".join(f"{k} {v[-1]:.3f}s" for k, v in times.items()))
+        if info.rank == 0:
+            shutil.rmtree(naive_dir, ignore_errors=True)
+    return {"times": times, "peaks": peaks, "cpu": cpu}
+
+
+def logprob_check(policy, rollout, model_dir: str, bucket_mb: float, info) -> dict:
+    """vLLM reset to the checkpoint (stale), synced, then both sides score fresh samples."""
+    import torch
+
+    from rlcore import grpo
+
+    g = torch.Generator().manual_seed(100 + info.rank)
+    prompts = [torch.randint(3, 26, (16,), generator=g).tolist() for _ in range(8)]
+
+    def worst() -> float:
+        out = rollout.generate(prompts, n=2, temperature=1.0, max_tokens=16, seed=7)
+        flat = [(p, s) for p, ss in zip(prompts, out) for s in ss]
+        batch = grpo.RolloutBatch([p for p, _ in flat], [s.response_ids for _, s in flat],
+                                  [s.logprobs for _, s in flat], ["0"] * len(flat),
+                                  [s.finish_reason for _, s in flat], 2)
+        mask = batch.response_mask()
+        trainer = grpo.compute_logprobs_in_chunks(policy, batch, 1.0, 8, info.device).cpu()
+        diff = ((trainer - batch.rollout_logp_matrix()).abs() * mask).max().item()
+        return max_over_ranks([diff])[0]
+
+    rollout.update_weights_from_path(model_dir)
+    stale = worst()
+    rollout.update_weights(policy.named_hf_weights_bucketed("float32", bucket_mb))
+    return {"stale_logprob_diff": stale, "max_logprob_diff": worst()}
+
+
+def summarize(args, policy, measured: dict, check: dict) -> dict:
+    import torch.distributed as dist
+
+    t = {k: bc.median(v) for k, v in measured["times"].items()}
+    names = sorted(measured["peaks"])
+    peak = dict(zip(names, max_over_ranks([measured["peaks"][n] for n in names])))
+    first = f"sync_{args.buckets[0]:g}"
+    floor = t["floor_gather_s"] + t["floor_load_s"]
+    return {
+        "params": policy.num_params, "sync_s": t[first], "naive_s": t["naive"], "floor_s": floor,
+        "speedup_vs_naive": t["naive"] / t[first], "ratio_to_floor": t[first] / floor,
+        "peak_extra_rss_mb": peak[first], "max_logprob_diff": check["max_logprob_diff"],
+        "stale_logprob_diff": check["stale_logprob_diff"], "bucket_mb": args.buckets[0],
+        "floor_gather_s": t["floor_gather_s"], "floor_load_s": t["floor_load_s"],
+        "naive_save_s": t["naive_save_s"], "naive_load_s": t["naive_load_s"],
+        "sync_s_by_bucket_mb": {k.removeprefix("sync_"): v for k, v in t.items() if k.startswith("sync_")},
+        "peak_extra_rss_mb_by_method": peak,
+        "cpu_s_by_method": {k: bc.median(v) for k, v in measured["cpu"].items()}, "plan": policy.sync_plan_summary("float32", args.buckets[0]),
+        "reps": args.reps, "ranks": dist.get_world_size(),
+    }
+
+
+def worker(args) -> None:
+    import torch
+
+    from rlcore.dist import init_distributed
+
+    info = init_distributed("cpu")
+    root, model_dir, policy, rollout = setup(args, info)
+    bc.say(info.rank, f"model {policy.num_params / 1e6:.1f}M params, {info.world_size} ranks, "
+                      f"buckets {args.buckets} MiB, {args.reps} reps")
+    measured = run_methods(args, policy, rollout, root, info)
+    check = logprob_check(policy, rollout, model_dir, args.buckets[0], info)
+    result = summarize(args, policy, measured, check)
+    if info.rank == 0:
+        bc.write_result(result)
+        shutil.rmtree(root, ignore_errors=True)
+    rollout.shutdown()
+    torch.distributed.destroy_process_group()
+
+
+def main(argv: list[str]) -> None:
+    args = parse_args(argv)
+    if bc.under_torchrun():
+        worker(args)
+        return
+    import json
+
+    result = bc.relaunch(os.path.abspath(__file__), argv, args.nproc, args.timeout_s)
+    print(f"params {result['params'] / 1e6:.1f}M | sync {result['sync_s']:.3f}s | naive {result['naive_s']:.3f}s"
+          f" | floor {result['floor_s']:.3f}s (gather {result['floor_gather_s']:.3f} + load {result['floor_load_s']:.3f})"
+          f" | speedup {result['speedup_vs_naive']:.1f}x | ratio to floor {result['ratio_to_floor']:.2f}"
+          f" | peak extra {result['peak_extra_rss_mb']:.0f} MiB | max logprob diff {result['max_logprob_diff']:.2e}")
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

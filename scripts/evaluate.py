@@ -1,0 +1,131 @@
+"""Score a local HF model folder on a JSONL/Parquet prompt set with vLLM: greedy accuracy (pass@1),
+and mean@n / pass@n of sampled answers with --n > 1. The last line printed is JSON:
+``{"accuracy": ..., "n": ...}``.
+
+    python scripts/evaluate.py --model demo_assets/smollm2-135m-instruct --data data/arith_val.jsonl
+    python scripts/evaluate.py --model outputs/smollm2_arith/hf_final --data data/arith_val.jsonl
+
+Prompts are rendered and scored exactly as the trainer does (rlcore.data, rlcore.rewards,
+rlcore.validation). Under ``torchrun --nproc_per_node=N`` each rank scores a slice.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+for _key, _value in {
+    "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_LOGGING_LEVEL": "ERROR",
+    "TRANSFORMERS_VERBOSITY": "error", "TOKENIZERS_PARALLELISM": "false",
+}.items():
+    os.environ.setdefault(_key, _value)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", required=True, help="local HF model folder")
+    ap.add_argument("--data", required=True, nargs="+", help="JSONL or Parquet file(s)")
+    ap.add_argument("--prompt-key", default="prompt")
+    ap.add_argument("--answer-key", default="answer")
+    ap.add_argument("--chat-template", choices=["auto", "on", "off"], default="auto",
+                    help="render prompts with the tokenizer's chat template (auto: when it has one)")
+    ap.add_argument("--system-prompt", default=None)
+    ap.add_argument("--max-prompt-length", type=int, default=512)
+    ap.add_argument("--max-tokens", type=int, default=64, help="max response tokens")
+    ap.add_argument("--max-samples", type=int, default=0, help="first N prompts only; 0 = all")
+    ap.add_argument("--n", type=int, default=1, help="> 1 adds mean@n / pass@n of sampled answers")
+    ap.add_argument("--temperature", type=float, default=1.0, help="of the --n > 1 samples")
+    ap.add_argument("--reward", default="math", help="components, e.g. math or math=1,format_boxed=0.2")
+    ap.add_argument("--reward-fn", default=None, help="custom reward package.module:function")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--kv-cache-gb", type=float, default=1.0)
+    ap.add_argument("--samples-out", default=None, help="write every greedy generation to this JSONL")
+    return ap.parse_args(argv)
+
+
+def build_configs(args):
+    from rlcore.config import ConfigError, DataConfig, RewardConfig
+
+    def fail(msg):
+        print(f"error: {msg}", file=sys.stderr)
+        raise SystemExit(2)
+
+    if not os.path.isfile(os.path.join(args.model, "config.json")):
+        fail(f"--model={args.model!r} is invalid: no config.json there; point it to a local HF model folder")
+    components = {}
+    for part in filter(None, (p.strip() for p in args.reward.split(","))):
+        name, _, weight = part.partition("=")
+        components[name] = float(weight or 1.0)
+    try:
+        reward = RewardConfig(components=components, fn=args.reward_fn)
+        data = DataConfig(prompt_key=args.prompt_key, answer_key=args.answer_key,
+                          system_prompt=args.system_prompt, max_prompt_length=args.max_prompt_length)
+    except ConfigError as e:
+        fail(str(e))
+    return data, reward
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    data_cfg, reward_cfg = build_configs(args)
+    from transformers import AutoTokenizer
+
+    from rlcore.config import ConfigError
+    from rlcore.data import load_prompts
+    from rlcore.rewards import Scorer
+
+    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    has_template = getattr(tokenizer, "chat_template", None) is not None
+    data_cfg.apply_chat_template = args.chat_template == "on" or (args.chat_template == "auto" and has_template)
+    try:
+        prompts, stats = load_prompts(args.data, data_cfg, tokenizer)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(2)
+    metrics, examples = run_eval(args, prompts, tokenizer, Scorer(reward_cfg))
+    if int(os.environ.get("RANK", "0")) == 0:
+        report(args, metrics, examples, stats)
+
+
+def run_eval(args, prompts, tokenizer, scorer):
+    from rlcore.colocate_rollout import ColocateRollout
+    from rlcore.dist import init_distributed
+    from rlcore.validation import ValSettings, validate
+
+    info = init_distributed("auto")
+    longest = max(len(p.ids) for p in prompts)
+    rollout = ColocateRollout(args.model, info, tp_size=1, seed=args.seed, max_model_len=longest + args.max_tokens,
+                              kv_cache_gb=args.kv_cache_gb)
+    settings = ValSettings(n=args.n, temperature=args.temperature, max_tokens=args.max_tokens,
+                           max_samples=args.max_samples, num_examples=10**9, seed=args.seed)
+    try:
+        return validate(rollout, tokenizer, scorer, prompts, settings)
+    finally:
+        import torch.distributed as dist
+
+        rollout.shutdown()
+        dist.destroy_process_group()
+
+
+def report(args, metrics: dict, examples: list[dict], stats: dict) -> None:
+    if args.samples_out:
+        with open(args.samples_out, "w") as f:
+            for row in examples:
+                f.write(json.dumps(row) + "\n")
+    for row in examples[:3]:
+        print(f"--- answer {row['answer']!r} correct={row['correct']}: {row['response'][:200]!r}")
+    print(json.dumps({k: round(v, 6) for k, v in {**metrics, **stats}.items()}))
+    out = {"accuracy": metrics["val/accuracy"], "n": int(metrics["val/num_prompts"])}
+    if args.n > 1:
+        out[f"mean@{args.n}"] = metrics[f"val/mean@{args.n}"]
+        out[f"pass@{args.n}"] = metrics[f"val/pass@{args.n}"]
+    print(json.dumps(out), flush=True)
+
+
+if __name__ == "__main__":
+    main()

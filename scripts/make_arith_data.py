@@ -1,0 +1,95 @@
+"""Generate arithmetic word problems with exact integer answers, offline and reproducibly.
+
+    python scripts/make_arith_data.py --out data/
+        -> data/arith_train.jsonl (--n-train rows, --seed) and
+           data/arith_val.jsonl   (--n-val rows, --seed + 1, no problem shared with train)
+
+Each row: {"prompt": "<problem>\\n<instruction>", "answer": "<integer>", "op": "add|sub"}.
+The prompt is plain text; the trainer wraps it in the model's chat template
+(data.apply_chat_template=true). Difficulty knobs: --max-operand and --ops.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+
+NAMES = ["Tom", "Anna", "Ben", "Mia", "Sam", "Lily", "Max", "Emma", "Leo", "Zoe", "Jack", "Nora"]
+ITEMS = ["apples", "books", "coins", "pencils", "marbles", "stickers", "cookies", "cards", "shells", "toys"]
+INSTRUCTION = "Give only the final answer as a number."
+
+# {n}: name, {it}: item, {a}, {b}: operands
+ADD = [
+    "{n} has {a} {it}. {n} gets {b} more {it}. How many {it} does {n} have now?",
+    "There are {a} {it} in a box and {b} {it} on the table. How many {it} are there in total?",
+    "{n} found {a} {it} on Monday and {b} {it} on Tuesday. How many {it} did {n} find altogether?",
+    "What is {a} plus {b}?",
+]
+SUB = [
+    "{n} has {a} {it} and gives away {b} of them. How many {it} does {n} have left?",
+    "There were {a} {it} in a jar. {b} were taken out. How many {it} are in the jar now?",
+    "{n} had {a} {it} and lost {b}. How many {it} does {n} have now?",
+    "What is {a} minus {b}?",
+]
+
+
+def make_problem(rng: random.Random, max_operand: int, ops: list[str]) -> dict:
+    op = rng.choice(ops)
+    a, b = rng.randint(1, max_operand), rng.randint(1, max_operand)
+    if op == "sub" and b > a:
+        a, b = b, a  # non-negative answers
+    template = rng.choice(ADD if op == "add" else SUB)
+    text = template.format(n=rng.choice(NAMES), it=rng.choice(ITEMS), a=a, b=b)
+    answer = a + b if op == "add" else a - b
+    return {"prompt": f"{text}\n{INSTRUCTION}", "answer": str(answer), "op": op}
+
+
+def make_split(seed: int, n: int, max_operand: int, ops: list[str], exclude: set[str]) -> list[dict]:
+    rng, rows, seen = random.Random(seed), [], set(exclude)
+    attempts = 0
+    while len(rows) < n:
+        attempts += 1
+        if attempts > 100 * n:
+            raise SystemExit(f"error: only {len(rows)} distinct problems found for --n {n}; "
+                             "raise --max-operand or lower the row counts")
+        row = make_problem(rng, max_operand, ops)
+        if row["prompt"] not in seen:
+            seen.add(row["prompt"])
+            rows.append(row)
+    return rows
+
+
+def write_jsonl(path: str, rows: list[dict]) -> None:
+    with open(path, "w") as f:
+        for row in rows:
+            f.write(json.dumps(row) + "\n")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default="data")
+    ap.add_argument("--n-train", type=int, default=4000)
+    ap.add_argument("--n-val", type=int, default=300)
+    ap.add_argument("--max-operand", type=int, default=9)
+    ap.add_argument("--ops", default="add,sub", help="comma-separated subset of add,sub")
+    ap.add_argument("--seed", type=int, default=0, help="train seed; the validation split uses seed + 1")
+    args = ap.parse_args()
+    ops = [o.strip() for o in args.ops.split(",") if o.strip()]
+    bad = [o for o in ops if o not in ("add", "sub")]
+    if bad or not ops:
+        raise SystemExit(f"error: --ops={args.ops!r} is invalid: use a comma-separated subset of add,sub")
+    if args.max_operand < 1:
+        raise SystemExit(f"error: --max-operand={args.max_operand} is invalid: it must be >= 1")
+    os.makedirs(args.out, exist_ok=True)
+    val = make_split(args.seed + 1, args.n_val, args.max_operand, ops, set())
+    # Held-out: no validation problem (same wording and numbers) appears in training.
+    train = make_split(args.seed, args.n_train, args.max_operand, ops, {r["prompt"] for r in val})
+    write_jsonl(os.path.join(args.out, "arith_train.jsonl"), train)
+    write_jsonl(os.path.join(args.out, "arith_val.jsonl"), val)
+    print(f"wrote {len(train)} train and {len(val)} validation problems to {args.out}/")
+
+
+if __name__ == "__main__":
+    main()

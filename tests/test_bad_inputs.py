@@ -1,0 +1,256 @@
+"""Bad configurations and data files end the run before any model loads (or at the bad row), on
+every rank, with one paragraph naming what is wrong and how to fix it, and exit code 2.
+
+Most cases run in this process through the same two calls train_grpo.py makes before building
+any engine (``parse_config``, then ``preflight``), so each costs milliseconds; a few go through the
+real entry point, one of them under torchrun with 2 ranks (every rank must exit 2), with a probe
+that proves no engine module (vllm, veomni) was even imported. tests/test_config_and_data.py runs
+more cases through the entry point.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conftest import QUIET_ENV, REPO
+from workers.launch import rank_exit_codes
+
+PROBE = os.path.join(REPO, "tests", "workers", "trainer_probe.py")
+
+
+@pytest.fixture(scope="module")
+def env(tiny_model, toy_data, tmp_path_factory):
+    """Shared valid inputs plus every broken file the cases point at."""
+    d = tmp_path_factory.mktemp("bad_inputs")
+    good = open(toy_data[0]).read().splitlines()[:4]
+    files = {
+        "malformed": good + ["{not json"],
+        "not_object": good + ["[1, 2, 3]"],
+        "no_answer": good + [json.dumps({"prompt": "d 1 2 pick 1st ="})],
+        "empty_prompt": good + [json.dumps({"prompt": "   ", "answer": "1"})],
+        "null_prompt": good + [json.dumps({"prompt": None, "answer": "1"})],
+        "number_prompt": good + [json.dumps({"prompt": 12, "answer": "1"})],
+        "empty": [],
+    }
+    paths = {}
+    for name, lines in files.items():
+        paths[name] = str(d / f"{name}.jsonl")
+        with open(paths[name], "w") as f:
+            f.write("\n".join(lines) + ("\n" if lines else ""))
+    paths["not_utf8"] = str(d / "not_utf8.jsonl")
+    with open(paths["not_utf8"], "wb") as f:
+        f.write(("\n".join(good) + "\n").encode() + b'{"prompt": "d \xff\xfe", "answer": "1"}\n')
+    (d / "a_folder.jsonl").mkdir()
+    paths["folder"] = str(d / "a_folder.jsonl")
+    yaml = {"bad_yaml": "trainer: [unclosed\n", "unknown_key": "trainer:\n  totl_steps: 3\n",
+            "wrong_type": "rollout:\n  n: eight\n"}
+    for name, text in yaml.items():
+        paths[name] = str(d / f"{name}.yaml")
+        with open(paths[name], "w") as f:
+            f.write(text)
+    paths.update(_bad_models(d, tiny_model))
+    paths.update(_bad_checkpoints(d))
+    (d / "a_file").write_text("x")
+    paths["a_file"] = str(d / "a_file")
+    paths["model"], paths["train"], paths["out"] = tiny_model, toy_data[0], str(d / "out")
+    return paths
+
+
+def _bad_models(d, tiny_model) -> dict:
+    out = {}
+    for name, keep in (("model_no_weights", lambda f: not f.endswith(".safetensors")),
+                       ("model_no_tokenizer", lambda f: f in ("config.json", "model.safetensors")),
+                       ("model_bad_config", lambda f: True)):
+        folder = d / name
+        folder.mkdir()
+        for f in os.listdir(tiny_model):
+            if keep(f):
+                shutil.copy(os.path.join(tiny_model, f), folder / f)
+        out[name] = str(folder)
+    (d / "model_bad_config" / "config.json").write_text("{truncated")
+    return out
+
+
+def _bad_checkpoints(d) -> dict:
+    (d / "not_a_checkpoint").mkdir()
+    ckpt = d / "ckpt4" / "step_3"  # a complete-looking checkpoint written by 4 ranks
+    (ckpt / "extra_state").mkdir(parents=True)
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    (ckpt / ".metadata").write_bytes(pickle.dumps(Metadata(state_dict_metadata={})))
+    for r in range(4):
+        torch.save({"user": {}}, ckpt / "extra_state" / f"extra_state_rank_{r}.pt")
+    (ckpt / "meta.json").write_text(json.dumps({"step": 3, "world_size": 4}))
+    evil = d / "ckpt_evil" / "step_1"  # right world size, but its DCP metadata would run os.system
+    (evil / "extra_state").mkdir(parents=True)
+    for r in range(2):
+        torch.save({"user": {}}, evil / "extra_state" / f"extra_state_rank_{r}.pt")
+    (evil / ".metadata").write_bytes(pickle.dumps({"payload": os.system}))
+    return {"not_a_checkpoint": str(d / "not_a_checkpoint"), "ckpt4": str(ckpt), "ckpt_evil": str(evil)}
+
+
+def base_args(env) -> list[str]:
+    return ["--config", os.path.join(REPO, "configs", "demo_cpu.yaml"), "--model.path", env["model"],
+            "--data.train_files", json.dumps([env["train"]]), "--data.val_files", "[]",
+            "--trainer.output_dir", env["out"]]
+
+
+# (id, extra args with {placeholders} from env, text the message must contain, world size)
+CASES = [
+    # wrong types, unknown keys, broken config files
+    ("type_cli", ["--rollout.n", "abc"], "rollout.n", 2),
+    ("type_yaml", ["--config", "{wrong_type}"], "rollout.n", 2),
+    ("unknown_key_cli", ["--trainer.totl_steps", "3"], "totl_steps", 2),
+    ("unknown_key_yaml", ["--config", "{unknown_key}"], "totl_steps", 2),
+    ("unknown_section", ["--trainerr.total_steps", "3"], "trainerr", 2),
+    ("missing_config_file", ["--config", "/nonexistent/run.yaml"], "/nonexistent/run.yaml", 2),
+    ("malformed_yaml", ["--config", "{bad_yaml}"], "bad_yaml.yaml) is not valid YAML", 2),
+    ("bad_literal", ["--model.dtype", "float64"], "model.dtype", 2),
+    # values out of range
+    ("betas", ["--optim.betas", "[1.5, 0.999]"], "optim.betas=[1.5, 0.999]", 2),
+    ("micro_batch_zero", ["--algorithm.micro_batch_size", "0"], "algorithm.micro_batch_size=0", 2),
+    ("top_p", ["--rollout.top_p", "1.5"], "rollout.top_p=1.5", 2),
+    ("keep_last_zero", ["--checkpoint.keep_last", "0"], "checkpoint.keep_last=0", 2),
+    ("hf_every_negative", ["--checkpoint.hf_every", "-1"], "checkpoint.hf_every=-1", 2),
+    ("hf_dtype", ["--checkpoint.hf_dtype", "int8"], "checkpoint.hf_dtype", 2),
+    ("grace_zero", ["--trainer.preempt_grace_s", "0"], "trainer.preempt_grace_s=0", 2),
+    ("skips_zero", ["--trainer.max_consecutive_skips", "0"], "trainer.max_consecutive_skips=0", 2),
+    ("watchdog_negative", ["--trainer.watchdog_s", "-1"], "trainer.watchdog_s=-1", 2),
+    # against the world size
+    ("tp_not_dividing_world", ["--rollout.tensor_parallel_size", "3"], "rollout.tensor_parallel_size=3", 2),
+    ("prompts_not_divisible", ["--trainer.prompts_per_step", "3"], "trainer.prompts_per_step=3", 2),
+    ("mini_batches_not_dividing", ["--algorithm.mini_batches", "3"], "algorithm.mini_batches=3", 2),
+    ("tp_times_n_uneven", ["--rollout.tensor_parallel_size", "2", "--trainer.prompts_per_step", "1",
+                           "--rollout.n", "3"], "rollout.n=3", 2),
+    # lengths against the engine's context
+    ("response_beyond_context", ["--rollout.max_response_length", "60"], "rollout.max_model_len=64", 2),
+    ("context_beyond_model", ["--rollout.max_model_len", "1024"], "max_position_embeddings", 2),
+    # model folder
+    ("model_missing", ["--model.path", "/nonexistent/model"], "model.path='/nonexistent/model'", 2),
+    ("model_no_safetensors", ["--model.path", "{model_no_weights}"], "safetensors", 2),
+    ("model_no_tokenizer", ["--model.path", "{model_no_tokenizer}"], "no tokenizer", 2),
+    ("model_bad_config_json", ["--model.path", "{model_bad_config}"], "config.json does not parse", 2),
+    # data paths and files
+    ("no_train_files", ["--data.train_files", "[]"], "data.train_files=[]", 2),
+    ("train_file_missing", ["--data.train_files", "[/nonexistent.jsonl]"], "/nonexistent.jsonl", 2),
+    ("val_file_missing", ["--data.val_files", "[/nonexistent_val.jsonl]"], "data.val_files", 2),
+    ("train_file_is_folder", ["--data.train_files", "[{folder}]"], "a_folder.jsonl", 2),
+    ("empty_file", ["--data.train_files", "[{empty}]"], "no usable prompt", 2),
+    ("malformed_row", ["--data.train_files", "[{malformed}]"], "malformed.jsonl:5 is not valid JSON", 2),
+    ("row_not_object", ["--data.train_files", "[{not_object}]"], "not_object.jsonl:5 is not an object", 2),
+    ("row_without_answer", ["--data.train_files", "[{no_answer}]"], "no_answer.jsonl:5 lacks key(s) ['answer']", 2),
+    ("empty_prompt", ["--data.train_files", "[{empty_prompt}]"], "empty_prompt.jsonl:5 has an empty 'prompt'", 2),
+    ("null_prompt", ["--data.train_files", "[{null_prompt}]"], "null_prompt.jsonl:5 lacks key(s) ['prompt']", 2),
+    ("number_prompt", ["--data.train_files", "[{number_prompt}]"], "number_prompt.jsonl:5 has a 'prompt' of type int", 2),
+    ("not_utf8", ["--data.train_files", "[{not_utf8}]"], "not_utf8.jsonl:5 is not UTF-8 text", 2),
+    ("prompt_key_absent", ["--data.prompt_key", "question"], "lacks key(s) ['question']", 2),
+    ("all_prompts_too_long", ["--data.max_prompt_length", "4"], "no usable prompt", 2),
+    ("too_long_is_error", ["--data.max_prompt_length", "4", "--data.truncation", "error"],
+     "max_prompt_length=4", 2),
+    # reward, output folder, resume
+    ("reward_fn_import", ["--reward.fn", "no_such_package.rewards:score", "--reward.components", "{{custom: 1.0}}"],
+     "importing no_such_package.rewards failed", 2),
+    ("reward_unknown_name", ["--reward.components", "{{nope: 1.0}}"], "reward.components='nope'", 2),
+    ("output_dir_is_file", ["--trainer.output_dir", "{a_file}"], "trainer.output_dir", 2),
+    ("resume_path_missing", ["--checkpoint.resume", "/nonexistent/ckpt"], "no complete checkpoint", 2),
+    ("resume_not_checkpoint", ["--checkpoint.resume", "{not_a_checkpoint}"], "no complete checkpoint", 2),
+    ("resume_world_mismatch", ["--checkpoint.resume", "{ckpt4}"], "written by 4 ranks but this run has 2", 2),
+    ("resume_foreign_pickle", ["--checkpoint.resume", "{ckpt_evil}"], "refusing to unpickle", 2),
+]
+
+
+def checks_exit_code(argv: list[str], world_size: int, rank: int = 0):
+    """What train_grpo.main does up to the first engine: parse_config, then preflight."""
+    import train_grpo
+
+    try:
+        cfg = train_grpo.parse_config(argv)
+        train_grpo.preflight(cfg, rank, world_size)
+    except SystemExit as e:
+        return e.code
+    return 0
+
+
+def fill(args: list[str], env: dict) -> list[str]:
+    return [a.format(**env) for a in args]
+
+
+@pytest.mark.parametrize("case_id,extra,expected,world", CASES, ids=[c[0] for c in CASES])
+def test_bad_input_exits_2_before_any_model(env, capsys, case_id, extra, expected, world):
+    code = checks_exit_code(base_args(env) + fill(extra, env), world)
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert expected in err, err
+    assert err.startswith("error: ") and "Traceback" not in err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) <= 3, err  # one paragraph, not a dump
+
+
+def test_every_case_is_distinct_and_the_valid_base_passes(env, capsys):
+    assert len({c[0] for c in CASES}) == len(CASES) >= 40
+    assert checks_exit_code(base_args(env), 2) == 0, capsys.readouterr().err
+
+
+def run_probe(args: list[str], nproc: int | None = None, timeout: int = 300) -> subprocess.CompletedProcess:
+    """The real entry point (via a probe that reports engine imports at exit)."""
+    env = {**os.environ, **QUIET_ENV, "PYTHONPATH": REPO}
+    if nproc is None:
+        for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+            env.pop(key, None)
+        cmd = [sys.executable, PROBE, *args]
+    else:
+        # torchrun SIGTERMs the other ranks as soon as it sees one fail; polling every 5 s lets each
+        # rank reach its own exit, so the test sees what every rank does by itself.
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+               "--monitor-interval=5", PROBE, *args]
+    return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def test_entry_point_single_process_bad_row(env):
+    proc = run_probe(base_args(env) + ["--data.train_files", json.dumps([env["not_utf8"]])])
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "not_utf8.jsonl:5 is not UTF-8 text" in proc.stderr and "Traceback" not in proc.stderr
+    assert "probe: rank 0 exit 2 engines_imported=[]" in proc.stderr, proc.stderr[-3000:]
+
+
+def test_entry_point_two_ranks_every_rank_exits_2(env):
+    expected = "trainer.prompts_per_step=3"
+    proc = run_probe(base_args(env) + ["--trainer.prompts_per_step", "3"], nproc=2)
+    out = proc.stdout + proc.stderr
+    assert rank_exit_codes(out) == {0: 2, 1: 2}, out[-4000:]
+    assert out.count("error: ") >= 2 and out.count(expected) >= 2, out[-4000:]
+    for rank in (0, 1):
+        assert f"probe: rank {rank} exit 2 engines_imported=[]" in out, out[-4000:]
+    # torchrun's own failure report is the one traceback; the ranks print none.
+    assert out.count("Traceback (most recent call last)") == 1, out[-4000:]
+
+
+def test_nothing_foreign_is_unpickled_by_the_trainer():
+    """Static audit of the trainer's own code: every torch.load passes weights_only=True, and
+    nothing calls pickle.load(s) or np.load(allow_pickle=True). (VeOmni and DCP unpickle the
+    run's own checkpoint files; rlcore.checkpoint.verify_plain vets those first.)"""
+    import glob
+    import re
+
+    files = [os.path.join(REPO, "train_grpo.py")] + glob.glob(os.path.join(REPO, "rlcore", "*.py")) \
+        + glob.glob(os.path.join(REPO, "scripts", "*.py"))
+    calls = 0
+    for path in files:
+        text = open(path).read()
+        for m in re.finditer(r"torch\.load\(", text):
+            depth, i = 1, m.end()
+            while depth and i < len(text):
+                depth += {"(": 1, ")": -1}.get(text[i], 0)
+                i += 1
+            assert "weights_only=True" in text[m.end():i], f"{path}: {text[m.start():i]}"
+            calls += 1
+        assert not re.search(r"pickle\.loads?\(|allow_pickle\s*=\s*True", text), path
+    assert calls >= 2  # the audit sees rlcore/checkpoint.py's loads

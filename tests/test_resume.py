@@ -1,0 +1,228 @@
+"""Exact resume on the real entry point (2 CPU ranks under torchrun), plus the checkpoint folder's
+atomicity rules as unit tests.
+
+Four launches share one module fixture (8 training prompts, 4 per step: an epoch is 2 steps):
+  A   6 steps straight through, a checkpoint every 2 steps.
+  B1  the same run with a checkpoint every 3 steps, killed with kill -9 (launcher and both workers)
+      once step_3 is complete and step 4 has been logged (a row the resumed run must not duplicate);
+  B2  relaunched with checkpoint.resume=auto (step_3 is mid-epoch: epoch 1, index 4) and preempted
+      by SIGUSR1 during step 5's generation (RLCORE_TEST_SIGNAL_STEP): both ranks drop step 5,
+      checkpoint step 4 (an epoch boundary: epoch 1 used up) and exit 75;
+  B3  resumed by path (B's output folder, resolved to its newest checkpoint) to step 6, exporting HF
+      folders every 2 steps in bfloat16.
+Exactness means equal, not close: every metrics.jsonl value but wall-clock ones (timing/, memory/,
+perf/), and every bit of the final model and optimizer state (DCP checkpoints of step 6).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+
+import pytest
+import torch
+
+from conftest import REPO, run_torchrun
+from workers.launch import TRAIN, Launch, comparable, dcp_state, rank_exit_codes, read_rows, same
+
+STEPS = 6
+PROBE = os.path.join(REPO, "tests", "workers", "trainer_probe.py")
+
+
+def args(model, data, out, *extra):
+    return ["--config", os.path.join(REPO, "configs", "demo_cpu.yaml"), "--model.path", model,
+            "--data.train_files", json.dumps([data]), "--data.val_files", "[]", "--trainer.output_dir", out,
+            "--trainer.total_steps", str(STEPS), "--trainer.prompts_per_step", "4", "--rollout.n", "4",
+            "--checkpoint.keep_last", "10", *extra]
+
+
+@pytest.fixture(scope="module")
+def runs(tiny_model, toy_data, tmp_path_factory):
+    root = tmp_path_factory.mktemp("resume")
+    data = str(root / "train8.jsonl")
+    with open(toy_data[0]) as src, open(data, "w") as dst:
+        dst.writelines(src.readlines()[:8])
+    a, b = str(root / "a"), str(root / "b")
+    # A runs through the probe: the same main, plus a report of any non-local network access.
+    straight = run_torchrun(PROBE, 2, *args(tiny_model, data, a, "--checkpoint.save_every", "2"))
+
+    b_args = args(tiny_model, data, b, "--checkpoint.save_every", "3", "--checkpoint.resume", "auto")
+    killed = Launch(2, b_args)
+    try:
+        killed.wait_for(r"saved checkpoint .*step_3$", timeout=600)
+        killed.wait_for(r"^step     4 ", timeout=300)  # step 4 logged, not checkpointed: its row must go
+        killed.kill9()
+    finally:
+        killed.close()
+    rows_at_kill = [r["step"] for r in read_rows(b)]
+    preempted = Launch(2, b_args, env={"RLCORE_TEST_SIGNAL_STEP": "5"}, launcher_args=("--monitor-interval=5",))
+    try:
+        preempted.wait(timeout=600)
+    finally:
+        preempted.close()
+    finished = run_torchrun(TRAIN, 2, *args(tiny_model, data, b, "--checkpoint.save_every", "3",
+                                            "--checkpoint.resume", b, "--checkpoint.hf_every", "2",
+                                            "--checkpoint.hf_dtype", "bfloat16"))
+    return {"a": a, "b": b, "rows_at_kill": rows_at_kill, "preempted_out": preempted.output,
+            "straight_out": straight.stdout + straight.stderr, "finished_out": finished.stdout,
+            "model": tiny_model}
+
+
+def weights(folder: str) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(os.path.join(folder, "model.safetensors"))
+
+
+def trainer_state(ckpt: str) -> dict:
+    return torch.load(os.path.join(ckpt, "extra_state", "extra_state_rank_0.pt"), weights_only=True)["user"]["trainer"]
+
+
+def test_kill9_and_preemption_then_resume_is_exact(runs, tmp_path):
+    a_rows, b_rows = read_rows(runs["a"]), read_rows(runs["b"])
+    print(f"killed run had written rows for steps {runs['rows_at_kill']} when killed")
+    assert runs["rows_at_kill"][:4] == [1, 2, 3, 4]
+    preempted = runs["preempted_out"]
+    assert "resumed from" in preempted and "step_3 at step 3" in preempted, preempted[-3000:]
+    assert rank_exit_codes(preempted) == {0: 75, 1: 75}, preempted[-3000:]
+    for rank in (0, 1):  # the signal hit step 5's generation: the step was dropped, step 4 saved
+        assert f"rank {rank}: preempted at step 4 " in preempted, preempted[-3000:]
+    assert "step_4 at step 4" in runs["finished_out"], runs["finished_out"][-3000:]
+    # Rows the killed run wrote after step_3 were dropped on resume and written again: each step once.
+    assert [r["step"] for r in b_rows] == list(range(1, STEPS + 1))
+    for ra, rb in zip(a_rows, b_rows):
+        assert comparable(ra) == comparable(rb), (ra["step"], comparable(ra), comparable(rb))
+    assert any(r["actor/grad_norm"] > 0 for r in a_rows[3:])  # steps 4-6 really trained
+    sa = dcp_state(os.path.join(runs["a"], "checkpoints", "step_6"), tmp_path)
+    sb = dcp_state(os.path.join(runs["b"], "checkpoints", "step_6"), tmp_path)
+    assert sa["model"].keys() == sb["model"].keys() and len(sa["model"]) == 25
+    assert same(sa["model"], sb["model"]) and same(sa["optimizer"], sb["optimizer"])
+
+
+def test_resumes_covered_mid_epoch_and_epoch_boundary(runs):
+    ckpts = os.path.join(runs["b"], "checkpoints")
+    assert trainer_state(os.path.join(ckpts, "step_3"))["data"] == {"epoch": 1, "index": 4, "seed": 0}
+    assert trainer_state(os.path.join(ckpts, "step_4"))["data"] == {"epoch": 1, "index": 8, "seed": 0}
+
+
+def test_hf_exports_bf16_match_and_load_in_transformers(runs):
+    from transformers import AutoModelForCausalLM
+
+    hf_root = os.path.join(runs["b"], "hf")
+    assert sorted(os.listdir(hf_root)) == ["step_6"]  # B3 ran steps 5-6 with hf_every 2
+    folder = os.path.join(hf_root, "step_6")
+    assert json.load(open(os.path.join(folder, "config.json")))["dtype"] == "bfloat16"
+    model = AutoModelForCausalLM.from_pretrained(folder)
+    assert next(model.parameters()).dtype == torch.bfloat16
+    # bf16 export of B == A's fp32 export rounded to bf16, bit for bit; and it is not the base model.
+    wa, wb = weights(os.path.join(runs["a"], "hf_final")), weights(os.path.join(runs["b"], "hf_final"))
+    assert wa.keys() == wb.keys() == weights(folder).keys()
+    for name in wa:
+        assert wa[name].dtype == torch.float32 and wb[name].dtype == torch.bfloat16
+        assert torch.equal(wa[name].to(torch.bfloat16), wb[name]), name
+    base = AutoModelForCausalLM.from_pretrained(runs["model"], dtype=torch.float32).state_dict()
+    assert max((wa[k] - base[k]).abs().max().item() for k in wa) > 0
+
+
+def test_no_network_access_at_run_time(runs):
+    """Run A (build, 6 steps, checkpoints, HF export) made no Python-level attempt to reach a
+    non-local address on either rank: no hub lookups, no telemetry (audit hooks in the probe)."""
+    out = runs["straight_out"]
+    for rank in (0, 1):
+        assert f"probe: rank {rank} exit 0 engines_imported=['veomni', 'vllm'] remote_network=[]" in out, \
+            [line for line in out.splitlines() if line.startswith("probe:")]
+
+
+# ---------------------------------------------------------------------------------------------
+# The checkpoint folder's rules, without a model (fake DCP folders)
+# ---------------------------------------------------------------------------------------------
+
+
+def fake_checkpoint(root, name, step=1, world=2):
+    path = os.path.join(root, name)
+    os.makedirs(os.path.join(path, "extra_state"))
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    with open(os.path.join(path, ".metadata"), "wb") as f:
+        pickle.dump(Metadata(state_dict_metadata={}), f)
+    for r in range(world):
+        torch.save({"user": {"trainer": {"step": step}}}, os.path.join(path, "extra_state", f"extra_state_rank_{r}.pt"))
+    json.dump({"step": step, "world_size": world}, open(os.path.join(path, "meta.json"), "w"))
+    return path
+
+
+def test_half_written_checkpoints_are_never_chosen(tmp_path):
+    from rlcore import checkpoint
+    from rlcore.config import ConfigError
+
+    out = str(tmp_path)
+    root = checkpoint.checkpoint_root(out)
+    os.makedirs(root)
+    assert checkpoint.find_resume(out, "auto") is None  # nothing yet: start fresh
+    s2 = fake_checkpoint(root, "step_2", 2)
+    fake_checkpoint(root, ".tmp-step_3", 3)  # killed during the save: never renamed
+    os.makedirs(os.path.join(root, "step_4"))  # a folder without DCP metadata (damaged)
+    assert checkpoint.find_resume(out, "auto") == s2  # no latest pointer yet: newest complete step
+    checkpoint._write_latest(root, "step_2")
+    assert checkpoint.find_resume(out, "auto") == s2
+    assert checkpoint.find_resume(out, "never") is None
+    assert checkpoint.find_resume(out, out) == s2  # an output_dir resolves to its newest checkpoint
+    with pytest.raises(ConfigError, match="no complete checkpoint"):
+        checkpoint.find_resume(out, os.path.join(root, "step_4"))
+    s1 = fake_checkpoint(root, "step_1", 1)
+    fake_checkpoint(root, "step_9", 9)  # past latest: another timeline, not ours to delete
+    checkpoint._prune(root, keep_last=1)
+    # Leftovers and superseded checkpoints go; latest, the damaged folder and step_9 stay.
+    assert sorted(os.listdir(root)) == ["latest", "step_2", "step_4", "step_9"]
+    assert not os.path.exists(s1)
+
+
+def test_resume_checks_world_size_and_refuses_foreign_pickles(tmp_path):
+    from rlcore import checkpoint
+    from rlcore.config import ConfigError
+
+    path = fake_checkpoint(str(tmp_path), "step_5", 5, world=2)
+    checkpoint.validate_resume(path, rank=1, world_size=2)
+    with pytest.raises(ConfigError, match="written by 2 ranks but this run has 4"):
+        checkpoint.validate_resume(path, rank=3, world_size=4)
+    # Pickles that would run code on load are refused before VeOmni or DCP unpickle them.
+    metadata = open(os.path.join(path, ".metadata"), "rb").read()
+    with open(os.path.join(path, ".metadata"), "wb") as f:
+        pickle.dump({"x": os.system}, f)
+    with pytest.raises(ConfigError, match="posix.system is not part of DCP metadata"):
+        checkpoint.validate_resume(path, rank=1, world_size=2)
+    open(os.path.join(path, ".metadata"), "wb").write(metadata)
+    torch.save({"user": {"trainer": {"step": 5}}, "evil": os.system}, os.path.join(path, "extra_state", "extra_state_rank_1.pt"))
+    with pytest.raises(ConfigError, match="refusing to unpickle"):
+        checkpoint.validate_resume(path, rank=1, world_size=2)
+
+
+def test_rng_state_roundtrips_without_pickle(tmp_path):
+    import random
+
+    import numpy as np
+
+    from rlcore import checkpoint
+
+    torch.manual_seed(1), random.seed(2), np.random.seed(3)
+    torch.rand(3), random.random(), np.random.rand(), np.random.randn()  # noqa: B018  (advance every stream)
+    torch.save(checkpoint.rng_state(), tmp_path / "rng.pt")
+    expect = (torch.rand(4), random.random(), np.random.rand(2), np.random.randn())
+    checkpoint.set_rng_state(torch.load(tmp_path / "rng.pt", weights_only=True))
+    got = (torch.rand(4), random.random(), np.random.rand(2), np.random.randn())
+    assert torch.equal(expect[0], got[0]) and expect[1] == got[1]
+    assert np.array_equal(expect[2], got[2]) and expect[3] == got[3]
+
+
+def test_trim_metrics_drops_rows_after_the_checkpoint(tmp_path):
+    from rlcore import checkpoint
+
+    path = tmp_path / "metrics.jsonl"
+    rows = [json.dumps({"step": s, "x": s}) for s in (1, 2, 3, 4, 5)]
+    path.write_text("\n".join(rows) + "\n" + '{"step": 6, "x"')  # torn last line of a killed run
+    with open(path, "a") as handle:  # the logger's append handle stays valid across the trim
+        assert checkpoint.trim_metrics(str(tmp_path), 3) == 3
+        handle.write(json.dumps({"step": 4, "x": 40}) + "\n")
+    assert [json.loads(line) for line in path.read_text().splitlines()] == [
+        {"step": 1, "x": 1}, {"step": 2, "x": 2}, {"step": 3, "x": 3}, {"step": 4, "x": 40}]
