@@ -11,7 +11,9 @@ repetitions after one warm-up, methods interleaved, time = the slowest rank (bar
          into vLLM's reload_weights (what PhaseSwitcher runs every step)
   naive  save an HF checkpoint to disk (VeOmniPolicy.save_hf) and reload vLLM's weights from it
   floor  one all_gather_into_tensor of all parameters as one flat, pre-allocated buffer, plus one
-         reload_weights of full tensors gathered beforehand (no packing, no streaming)
+         reload_weights of full tensors gathered beforehand (no packing, no streaming); also
+         reported with the gather done as one broadcast per rank, the gloo primitive the sync
+         uses (floor_bcast_s, ratio_to_floor_bcast: the stricter comparison)
 
 Then vLLM is reset to the checkpoint's weights, synced once more, and its log-probs of fresh
 samples are compared with the trainer's (max |diff| over every sampled token of both ranks).
@@ -155,12 +157,18 @@ def floor_parts(policy, rollout, info) -> dict:
     gather = lambda: dist.all_gather_into_tensor(out, send)  # noqa: E731
     gather_s = timed(gather)
     gather_cpu = CPU_S[id(gather)]
+
+    def broadcasts():  # the primitive the sync itself uses on gloo: one broadcast per rank
+        for r in range(info.world_size):
+            dist.broadcast(out[r * numel: (r + 1) * numel], src=r)
+
+    bcast_s = timed(broadcasts)
     del send, out
     # vLLM's own transient memory while it loads (materialised layers, repacked weights): part
     # of every method's peak, a baseline for the sync's
     load = lambda: rollout.update_weights(iter(full))  # noqa: E731
     load_s, load_peak = with_peak(load, 0.0)
-    return {"gather_s": gather_s, "load_s": load_s, "load_peak_mb": load_peak,
+    return {"gather_s": gather_s, "gather_bcast_s": bcast_s, "load_s": load_s, "load_peak_mb": load_peak,
             "cpu_s": gather_cpu + CPU_S[id(load)]}
 
 
@@ -251,6 +259,9 @@ def summarize(args, policy, measured: dict, check: dict) -> dict:
         "peak_extra_rss_mb": peak[first], "max_logprob_diff": check["max_logprob_diff"],
         "stale_logprob_diff": check["stale_logprob_diff"], "bucket_mb": args.buckets[0],
         "floor_gather_s": t["floor_gather_s"], "floor_load_s": t["floor_load_s"],
+        # stricter floor: the gather done with the same gloo primitive as the sync (broadcasts)
+        "floor_bcast_s": t["floor_gather_bcast_s"] + t["floor_load_s"],
+        "ratio_to_floor_bcast": t[first] / (t["floor_gather_bcast_s"] + t["floor_load_s"]),
         "naive_save_s": t["naive_save_s"], "naive_load_s": t["naive_load_s"],
         "sync_s_by_bucket_mb": {k.removeprefix("sync_"): v for k, v in t.items() if k.startswith("sync_")},
         "peak_extra_rss_mb_by_method": peak,
@@ -289,6 +300,7 @@ def main(argv: list[str]) -> None:
     print(f"params {result['params'] / 1e6:.1f}M | sync {result['sync_s']:.3f}s | naive {result['naive_s']:.3f}s"
           f" | floor {result['floor_s']:.3f}s (gather {result['floor_gather_s']:.3f} + load {result['floor_load_s']:.3f})"
           f" | speedup {result['speedup_vs_naive']:.1f}x | ratio to floor {result['ratio_to_floor']:.2f}"
+          f" (broadcast floor {result['floor_bcast_s']:.3f}s: {result['ratio_to_floor_bcast']:.2f})"
           f" | peak extra {result['peak_extra_rss_mb']:.0f} MiB | max logprob diff {result['max_logprob_diff']:.2e}")
     print(json.dumps(result))
 
