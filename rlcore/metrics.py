@@ -47,7 +47,7 @@ class MetricsLogger:
         self.jsonl.flush()
         if self.writer is not None:
             self.writer.flush()
-        if step % self.console_every == 0:
+        if step % self.console_every == 0 and any(key in clean for key, _, _ in CONSOLE_KEYS):
             print(format_console(step, clean), flush=True)
 
     def close(self) -> None:

@@ -75,7 +75,8 @@ def first_word_match(response: str, answer: str) -> float:
 @register("math")
 def math_answer(response: str, answer: str) -> float:
     """Math answer checking with math-verify: the last boxed/LaTeX/plain expression of the
-    response (of its last <answer>...</answer> when present) against the gold answer, numeric and symbolic equality (1/2 == 0.5 == \\frac{1}{2}).
+    response (of its last <answer>...</answer> when present) against the gold answer, numeric
+    and symbolic equality (1/2 == 0.5 == \\frac{1}{2}).
     math-verify times itself out with SIGALRM, which works in the main thread (the trainer's)."""
     from math_verify import parse, verify
 

@@ -5,7 +5,7 @@ import glob
 import json
 import os
 
-import pytest
+
 import torch
 
 from conftest import REPO, run_torchrun

@@ -17,7 +17,7 @@ def test_gradients_invariant_to_micro_batch_and_world_size(tiny_model, tmp_path)
     run_torchrun(WORKER, 1, tiny_model, str(one))
     run_torchrun(WORKER, 2, tiny_model, str(two))
     g1, g2 = torch.load(one, weights_only=True), torch.load(two, weights_only=True)
-    reference = g1[f"token-mean/vanilla/4"]
+    reference = g1["token-mean/vanilla/4"]
     worst = 0.0
     for mode in advantage.AGG_MODES:
         for loss in ("vanilla", "gspo"):
