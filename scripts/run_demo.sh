@@ -5,5 +5,6 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup_env.sh
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+export PYTHONWARNINGS=${PYTHONWARNINGS:-ignore::FutureWarning}  # third-party deprecation noise
 .venv/bin/python scripts/prepare_demo.py --out demo_assets
 exec .venv/bin/torchrun --standalone --nproc_per_node=${NPROC:-2} train_grpo.py --config configs/demo_cpu.yaml "$@"
