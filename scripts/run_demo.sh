@@ -7,4 +7,7 @@ bash scripts/setup_env.sh
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 export PYTHONWARNINGS=${PYTHONWARNINGS:-ignore::FutureWarning}  # third-party deprecation noise
 .venv/bin/python scripts/prepare_demo.py --out demo_assets
-exec .venv/bin/torchrun --standalone --nproc_per_node=${NPROC:-2} train_grpo.py --config configs/demo_cpu.yaml "$@"
+# Held-out greedy accuracy before training and every 25 steps (the YAML leaves validation off so
+# tests can reuse it without validation data).
+exec .venv/bin/torchrun --standalone --nproc_per_node=${NPROC:-2} train_grpo.py --config configs/demo_cpu.yaml \
+  --trainer.val_before_train true --trainer.val_every 25 "$@"
