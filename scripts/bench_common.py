@@ -23,10 +23,18 @@ QUIET_ENV = {
     "PYTHONUNBUFFERED": "1",
 }
 RESULT_ENV = "BENCH_RESULT_FILE"
+ARGV_ENV = "BENCH_ARGV"
 
 
 def under_torchrun() -> bool:
     return RESULT_ENV in os.environ and "LOCAL_RANK" in os.environ
+
+
+def script_argv(argv: list[str]) -> list[str]:
+    """The benchmark's own arguments: in the relaunched ranks they travel in the environment,
+    since torchrun's parser would take a script option that prefixes one of its own
+    (``--n``, ``--nproc``) as an ambiguous abbreviation and refuse to start."""
+    return json.loads(os.environ[ARGV_ENV]) if under_torchrun() else argv
 
 
 def relaunch(script: str, argv: list[str], nproc: int, timeout_s: float) -> dict:
@@ -34,10 +42,10 @@ def relaunch(script: str, argv: list[str], nproc: int, timeout_s: float) -> dict
     result. On failure print the tail of the output and exit with the launcher's code."""
     fd, result = tempfile.mkstemp(prefix="bench_", suffix=".json")
     os.close(fd)
-    env = {**os.environ, **QUIET_ENV, RESULT_ENV: result, "PYTHONPATH": REPO,
+    env = {**os.environ, **QUIET_ENV, RESULT_ENV: result, ARGV_ENV: json.dumps(argv), "PYTHONPATH": REPO,
            "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           script, *argv]
+           script]
     lines: list[str] = []
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:

@@ -264,6 +264,7 @@ def worker(args) -> None:
 
 
 def main(argv: list[str]) -> None:
+    argv = bc.script_argv(argv)
     args = parse_args(argv)
     if bc.under_torchrun():
         worker(args)

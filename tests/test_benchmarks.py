@@ -1,0 +1,46 @@
+"""The benchmark scripts run end to end at a tiny size, exactly as a user starts them, and their
+last line holds the documented JSON fields. Only correctness is asserted here (the synced
+weights match the trainer's, the replayed generation is identical); their timings are figures
+to read, not to test."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+from conftest import QUIET_ENV, REPO
+
+
+def run_bench(name: str, *args: str) -> dict:
+    proc = subprocess.run([sys.executable, os.path.join("scripts", name), *args], cwd=REPO,
+                          env={**os.environ, **QUIET_ENV}, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, f"{name} exited {proc.returncode}\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}"
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_bench_weight_sync_small():
+    r = run_bench("bench_weight_sync.py", "--params", "2e6", "--reps", "1", "--bucket-mb", "1,64", "--nproc", "2")
+    for key in ("params", "sync_s", "naive_s", "floor_s", "speedup_vs_naive", "ratio_to_floor",
+                "peak_extra_rss_mb", "max_logprob_diff", "floor_kernel_s", "speedup_ceiling_kernel"):
+        assert key in r and r[key] == r[key], key  # present and not NaN
+    assert 2e6 < r["params"] < 20e6 and r["ranks"] == 2
+    assert set(r["sync_s_by_bucket_mb"]) == {"1", "64"}
+    # the benchmarked sync really moves vLLM from the stale checkpoint to the trainer's weights
+    assert r["stale_logprob_diff"] > 0.1
+    assert r["max_logprob_diff"] <= 1e-4
+    assert r["plan"]["buckets"] > 1  # a 1 MiB bucket splits this model
+
+
+def test_bench_step_small():
+    # --n and --nproc prefix torchrun's own options: they must reach the script, not torchrun
+    r = run_bench("bench_step.py", "--steps", "1", "--warmup", "1", "--response-len", "4",
+                  "--prompts-per-step", "4", "--n", "2", "--nproc", "2")
+    for key in ("overhead_ratio", "rollout_efficiency", "step_s", "generate_s", "train_s", "weight_sync_s"):
+        assert key in r and r[key] > 0, key
+    assert r["replay_same_tokens"] is True  # the bare vLLM call sampled exactly the trainer's tokens
+    assert r["ranks"] == 2 and r["steps"] == 1
+    phases = {"generate", "release_rollout", "onload", "train", "offload_optimizer", "wake_weights",
+              "sync_weights", "offload_params", "wake_kv_cache"}
+    assert {f"memory/{p}_rss_gb" for p in phases} <= set(r["phases"])
