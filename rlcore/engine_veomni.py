@@ -1,7 +1,7 @@
 """The policy engine: a VeOmni-built HF causal LM sharded with FSDP2 over every rank.
 
-This module (with its private helper ``rlcore.fsdp_sync``, the bucketed export of FSDP2 shards) is
-the only one in the project that touches VeOmni, FSDP2 or DTensor. Everything else
+This module is the only one in the project that touches VeOmni, FSDP2 or DTensor (its helper
+``rlcore.bucket_gather`` gathers the plain local shards it is handed). Everything else
 sees plain tensors: packed ``(1, L)`` token batches in, per-token log-probs out, and full
 HF-named weight tensors streamed out for vLLM and for export.
 
@@ -31,7 +31,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from rlcore.dist import DistInfo, empty_cache
-from rlcore.fsdp_sync import SyncBuffers, SyncPlan
+from rlcore.bucket_gather import ShardSpec, SyncBuffers, SyncPlan
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Files of the source folder that save_hf must not copy: weights it rewrites, and config.json,
@@ -334,14 +334,7 @@ class VeOmniPolicy:
         dtype = _to_dtype(dtype)
         self._reshard()
         for name, param in self.model.named_parameters():
-            t = param.detach()
-            if dtype is not None:
-                t = t.to(dtype)
-            if t.device != self.device:  # offloaded: gather on the device the group talks on
-                t = t.to(self.device)
-            if isinstance(t, DTensor):
-                t = t.full_tensor()
-            yield _hf_name(name), t
+            yield _hf_name(name), _full_tensor(param, dtype, self.device)
 
     @torch.no_grad()
     def named_hf_weights_bucketed(self, dtype: str | torch.dtype | None = None, bucket_mb: float = 64.0
@@ -350,7 +343,7 @@ class VeOmniPolicy:
 
         Parameters are packed into flat buckets of about ``bucket_mb`` MiB (gathered size) and
         each bucket is one gather over the FSDP2 shard group (``all_gather_into_tensor``; one
-        broadcast per rank on gloo); see ``rlcore.fsdp_sync`` for the layout. The local shards
+        broadcast per rank on gloo); see ``rlcore.bucket_gather`` for the layout. The local shards
         are cast to ``dtype`` while being packed, so the gather moves rollout-dtype bytes.
         Bucket ``i + 1`` is gathered in the background while the caller consumes bucket ``i``:
         peak extra memory is about two buckets (the consumed bucket's full tensors, the next
@@ -371,7 +364,8 @@ class VeOmniPolicy:
         # buckets), where the memory belongs to training in between and the caching allocator
         # makes the next allocation cheap.
         buffers = plan.kept_buffers if self.info.device_type == "cpu" else SyncBuffers(keep=False)
-        yield from plan.run(params, self.device, buffers)
+        yield from plan.run(lambda n: params[n].to_local(), lambda n: _full_tensor(params[n], dtype, self.device),
+                            self.device, buffers)
 
     def _sync_plan(self, dtype: torch.dtype | None, bucket_mb: float) -> SyncPlan:
         """The bucket layout depends only on names, shapes, meshes and the two arguments: build
@@ -379,8 +373,9 @@ class VeOmniPolicy:
         key = (dtype, float(bucket_mb))
         cache = self.__dict__.setdefault("_sync_plans", {})
         if key not in cache:
-            named = [(name, p) for name, p in self.model.named_parameters()]
-            cache[key] = SyncPlan.build(named, dtype, int(bucket_mb * 2**20), _hf_name)
+            specs = [ShardSpec(name, _hf_name(name), tuple(p.shape), p.dtype, _dim0_shard_group(p))
+                     for name, p in self.model.named_parameters()]
+            cache[key] = SyncPlan.build(specs, dtype, int(bucket_mb * 2**20))
         return cache[key]
 
     def sync_scratch_bytes(self, dtype: str | torch.dtype | None = None, bucket_mb: float = 64.0) -> int:
@@ -470,6 +465,33 @@ def _hf_name(name: str) -> str:
     for wrapper in ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module."):
         name = name.replace(wrapper, "")
     return name
+
+
+def _full_tensor(param, dtype: torch.dtype | None, device) -> torch.Tensor:
+    """One parameter, whole, on ``device``: cast on the local shard first (a bf16 export moves
+    half the bytes), moved to the device the group talks on (offloaded shards live on CPU)."""
+    t = param.detach()
+    if dtype is not None:
+        t = t.to(dtype)
+    if t.device != device:
+        t = t.to(device)
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def _dim0_shard_group(param):
+    """The process group to gather ``param`` over when it is a plain dim-0 FSDP2 shard (one
+    ``Shard(0)`` mesh dim, the others ``Replicate``, as with FSDP and HSDP); None otherwise
+    (not a DTensor, a scalar, or a layout the bucketed gather does not handle: it exports
+    those alone through ``_full_tensor``)."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    if not isinstance(param, DTensor) or param.dim() == 0:
+        return None
+    shard_dims = [i for i, p in enumerate(param.placements) if type(p) is Shard]
+    others_replicated = all(isinstance(p, Replicate) for i, p in enumerate(param.placements) if i not in shard_dims)
+    if len(shard_dims) != 1 or param.placements[shard_dims[0]].dim != 0 or not others_replicated:
+        return None
+    return param.device_mesh.get_group(shard_dims[0])
 
 
 class _ShardWriter:

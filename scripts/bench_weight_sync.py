@@ -7,7 +7,7 @@ sharded with VeOmni FSDP2 (one AdamW step moves it away from the checkpoint) nex
 in-process vLLM engine per rank (tp=1). Measured in one run, each a median of ``--reps``
 repetitions after one warm-up, methods interleaved, time = the slowest rank (barrier to barrier):
 
-  sync   the project's sync: bucketed all-gather of the FSDP2 shards (rlcore.fsdp_sync) streamed
+  sync   the project's sync: bucketed all-gather of the FSDP2 shards (rlcore.bucket_gather) streamed
          into vLLM's reload_weights (what PhaseSwitcher runs every step)
   naive  save an HF checkpoint to disk (VeOmniPolicy.save_hf) and reload vLLM's weights from it
   floor  one all_gather_into_tensor of all parameters as one flat, pre-allocated buffer, plus one

@@ -1,7 +1,9 @@
-"""Bucketed export of FSDP2-sharded weights as full tensors: many parameters per collective.
+"""Bucketed gather of dim-0 row shards into full tensors: many parameters per collective.
 
-Private helper of ``rlcore.engine_veomni`` (the engine owns everything FSDP2/DTensor; this file
-only keeps it under a readable size). Used for the weight sync into vLLM every step.
+Helper of ``rlcore.engine_veomni`` for the weight sync into vLLM every step. It sees plain
+tensors and process groups only: the engine (the one module that touches VeOmni, FSDP2 and
+DTensor) describes each parameter as a ``ShardSpec`` and hands over its local shard (or, for
+layouts this path does not handle, its full tensor) when asked.
 
 Layout. FSDP2 shards every parameter on dim 0 like ``torch.chunk`` over the shard group of W
 ranks: rank r holds rows ``[r * chunk, min((r + 1) * chunk, rows))`` with ``chunk = ceil(rows / W)``,
@@ -20,19 +22,32 @@ buckets (three, kept between syncs, on CPU: see ``SyncBuffers``).
 Buckets are filled in parameter order with whole "sync units" (all parameters under one
 grandparent module: ``model.layers.3.self_attn`` holds q/k/v, ``model.layers.3.mlp`` gate/up,
 which vLLM fuses into one parameter each), up to ``bucket_bytes`` of gathered data; a unit larger
-than that gets a bucket of its own. Parameters whose layout is not a plain dim-0 shard (other
-placements, tensor parallel, non-DTensors) are exported alone with ``full_tensor()``.
+than that gets a bucket of its own. Parameters without a shard group (not a plain dim-0 shard:
+other placements, tensor parallel, unsharded) are exported alone through the engine's
+``full(name)``.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
+
+
+@dataclass(frozen=True)
+class ShardSpec:
+    """One parameter as the gather sees it. ``group``: the process group over which it is split
+    on dim 0 like ``torch.chunk`` (FSDP2's ``Shard(0)``); None: export it alone, whole."""
+
+    name: str  # the engine's parameter name (the key of local/full)
+    hf_name: str  # the name it is yielded under
+    shape: tuple[int, ...]  # global (unsharded) shape
+    dtype: torch.dtype
+    group: object = None
 
 
 def _sync_unit(hf_name: str) -> str:
@@ -40,23 +55,6 @@ def _sync_unit(hf_name: str) -> str:
     ``model.layers.3.self_attn.q_proj.weight`` -> ``model.layers.3.self_attn`` keeps q/k/v (and
     ``mlp``: gate/up) of a layer together, which vLLM fuses into one parameter."""
     return hf_name.rsplit(".", 2)[0] if hf_name.count(".") >= 2 else ""
-
-
-def _shard_group(param):
-    """The process group to gather ``param`` over when it is a plain dim-0 FSDP2 shard (one
-    ``Shard(0)`` mesh dim, the others ``Replicate``, as with FSDP and HSDP); None otherwise
-    (not a DTensor, replicated, or a layout this path does not handle: full_tensor() then)."""
-    from torch.distributed.tensor import Replicate, Shard
-
-    if not isinstance(param, DTensor):
-        return None
-    shard_dims = [i for i, p in enumerate(param.placements) if type(p) is Shard]
-    others_replicated = all(isinstance(p, Replicate) for i, p in enumerate(param.placements) if i not in shard_dims)
-    if len(shard_dims) != 1 or param.placements[shard_dims[0]].dim != 0 or not others_replicated:
-        return None
-    if param.dim() == 0:
-        return None
-    return param.device_mesh.get_group(shard_dims[0])
 
 
 class _Item:
@@ -77,14 +75,14 @@ class _Item:
 
 
 class _Bucket:
-    def __init__(self, group, world: int):
-        self.group, self.world = group, world
+    def __init__(self, group, world: int, dtype: torch.dtype):
+        self.group, self.world, self.dtype = group, world, dtype  # dtype: what the gather moves
         self.items: list[_Item] = []
         self.seg_numel = 0  # per-rank segment length; the gathered buffer is world x this
         self.nbytes = 0  # gathered size in the export dtype
 
-    def add(self, name: str, hf_name: str, param) -> None:
-        item = _Item(name, hf_name, param.shape, self.world, self.seg_numel)
+    def add(self, spec: ShardSpec) -> None:
+        item = _Item(spec.name, spec.hf_name, torch.Size(spec.shape), self.world, self.seg_numel)
         self.items.append(item)
         self.seg_numel += item.seg_numel
 
@@ -92,16 +90,16 @@ class _Bucket:
     def full_numel(self) -> int:
         return sum(math.prod(it.shape) for it in self.items)
 
-    def launch(self, params: dict, dtype, device, buffers: "SyncBuffers", pool):
+    def launch(self, local: Callable, device, buffers: "SyncBuffers", pool):
         """Pack the local shards into this rank's segment of the gather buffer (in place: no
-        separate send buffer; the copy casts to ``dtype``) and start gathering the others."""
-        dtype = dtype or params[self.items[0].name].dtype
-        out = buffers.get("out", self.world * self.seg_numel, dtype, device)  # (W * S,)
+        separate send buffer; the copy casts to the bucket's dtype) and start gathering the
+        others."""
+        out = buffers.get("out", self.world * self.seg_numel, self.dtype, device)  # (W * S,)
         me = dist.get_rank(self.group)
         mine = out[me * self.seg_numel: (me + 1) * self.seg_numel]  # (S,)
         for it in self.items:
-            local = params[it.name].to_local().reshape(-1)  # (rank_rows * row_numel,)
-            mine[it.offset: it.offset + local.numel()].copy_(local)
+            local_shard = local(it.name).reshape(-1)  # (rank_rows * row_numel,)
+            mine[it.offset: it.offset + local_shard.numel()].copy_(local_shard)
         return _start_gather(out, mine, self.group, pool), out
 
     def unpack(self, out: torch.Tensor, buffers: "SyncBuffers") -> list[tuple[str, torch.Tensor]]:
@@ -120,31 +118,31 @@ class _Bucket:
 
 
 class SyncPlan:
-    """Ordered steps of a bucketed export: ``_Bucket`` (one all-gather) or a parameter name
-    exported alone through ``full_tensor()`` (layouts the bucket path does not handle)."""
+    """Ordered steps of a bucketed export: ``_Bucket`` (one all-gather) or a ``ShardSpec``
+    exported alone through ``full`` (layouts the bucket path does not handle)."""
 
     def __init__(self, steps: list, dtype):
-        self.steps, self.dtype = steps, dtype
+        self.steps, self.dtype = steps, dtype  # dtype None: every parameter keeps its own
         self.kept_buffers = SyncBuffers(keep=True)  # for callers that keep scratch memory between runs
 
     @classmethod
-    def build(cls, named: list, dtype, bucket_bytes: int, hf_name=lambda n: n) -> "SyncPlan":
-        units: dict[str, list] = {}
-        for name, p in named:  # first appearance order; FSDP2 need not list q/k/v together
-            units.setdefault(_sync_unit(hf_name(name)), []).append((name, p))
+    def build(cls, specs: list[ShardSpec], dtype, bucket_bytes: int) -> "SyncPlan":
+        units: dict[str, list[ShardSpec]] = {}
+        for spec in specs:  # first appearance order; FSDP2 need not list q/k/v together
+            units.setdefault(_sync_unit(spec.hf_name), []).append(spec)
         steps, current = [], None
         for members in units.values():
             for group, part in _split_by_group(members):
                 if group is None:
-                    steps.extend((name, hf_name(name)) for name, _ in part)
+                    steps.extend(part)
                     continue
-                size = sum(_gathered_bytes(p, dtype, dist.get_world_size(group)) for _, p in part)
-                if current is None or current.group is not group or \
+                size = sum(_gathered_bytes(spec, dtype, dist.get_world_size(group)) for spec in part)
+                if current is None or current.group is not group or current.dtype != (dtype or part[0].dtype) or \
                         (current.items and current.nbytes + size > bucket_bytes):
-                    current = _Bucket(group, dist.get_world_size(group))
+                    current = _Bucket(group, dist.get_world_size(group), dtype or part[0].dtype)
                     steps.append(current)
-                for name, p in part:
-                    current.add(name, hf_name(name), p)
+                for spec in part:
+                    current.add(spec)
                 current.nbytes += size
         return cls(steps, dtype)
 
@@ -159,28 +157,31 @@ class SyncPlan:
             "fresh_arenas": self.kept_buffers.fresh_arenas,
         }
 
-    def _reserve(self, params: dict, device, buffers: "SyncBuffers") -> None:
+    def _reserve(self, device, buffers: "SyncBuffers") -> None:
         """Size the scratch buffers for the biggest bucket once, instead of growing them."""
         buckets = [s for s in self.steps if isinstance(s, _Bucket)]
         if not buckets:
             return
-        dtype = self.dtype or params[buckets[0].items[0].name].dtype
+        dtype = buckets[0].dtype  # mixed dtypes (dtype=None over mixed parameters) regrow them
         buffers.get("out", max(b.world * b.seg_numel for b in buckets), dtype, device)
         buffers.reserve_arenas(max(b.full_numel for b in buckets), dtype, device)
 
-    def run(self, params: dict, device, buffers: "SyncBuffers") -> Iterator[tuple[str, torch.Tensor]]:
-        """Gather bucket i + 1 in the background while the caller consumes bucket i."""
-        self._reserve(params, device, buffers)
+    def run(self, local: Callable[[str], torch.Tensor], full: Callable[[str], torch.Tensor], device,
+            buffers: "SyncBuffers") -> Iterator[tuple[str, torch.Tensor]]:
+        """Yield ``(hf_name, full tensor)`` for every parameter, in plan order (collective).
+        ``local(name)``: this rank's shard of a bucketed parameter; ``full(name)``: a parameter
+        exported alone, already whole and cast. Bucket i + 1 is gathered in the background while
+        the caller consumes bucket i."""
+        self._reserve(device, buffers)
         pending = None  # (bucket, work, out) in flight
         pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="weight-sync")  # gloo gathers
         try:
             for i, step in enumerate(self.steps):
                 if not isinstance(step, _Bucket):
-                    name, hf = step
-                    yield hf, full_tensor(params[name], self.dtype, device)
+                    yield step.hf_name, full(step.name)
                     continue
                 if pending is None:
-                    pending = (step, *step.launch(params, self.dtype, device, buffers, pool))
+                    pending = (step, *step.launch(local, device, buffers, pool))
                 bucket, work, out = pending
                 work.wait()
                 tensors = bucket.unpack(out, buffers)  # out is free again: the next gather reuses it
@@ -188,7 +189,7 @@ class SyncPlan:
                 pending = None
                 nxt = self.steps[i + 1] if i + 1 < len(self.steps) else None
                 if isinstance(nxt, _Bucket):
-                    pending = (nxt, *nxt.launch(params, self.dtype, device, buffers, pool))
+                    pending = (nxt, *nxt.launch(local, device, buffers, pool))
                 tensors.reverse()
                 while tensors:  # hand each tensor over: the caller then holds the only reference
                     yield tensors.pop()
@@ -311,29 +312,18 @@ class _FutureWork:
         self.future.result()
 
 
-def _split_by_group(members: list) -> list[tuple[object, list]]:
+def _split_by_group(members: list[ShardSpec]) -> list[tuple[object, list[ShardSpec]]]:
     """Consecutive runs of a unit's parameters that share a shard group (None: unbucketed)."""
-    runs: list[tuple[object, list]] = []
-    for name, p in members:
-        g = _shard_group(p)
-        if runs and runs[-1][0] is g:
-            runs[-1][1].append((name, p))
+    runs: list[tuple[object, list[ShardSpec]]] = []
+    for spec in members:
+        if runs and runs[-1][0] is spec.group:
+            runs[-1][1].append(spec)
         else:
-            runs.append((g, [(name, p)]))
+            runs.append((spec.group, [spec]))
     return runs
 
 
-def _gathered_bytes(param, dtype, world: int) -> int:
-    rows = param.shape[0]
-    elem = torch.empty((), dtype=dtype or param.dtype).element_size()
-    return -(-rows // world) * world * math.prod(param.shape[1:]) * elem
-
-
-def full_tensor(param, dtype, device) -> torch.Tensor:
-    """One parameter, cast on the local shard first, gathered on ``device``."""
-    t = param.detach()
-    if dtype is not None:
-        t = t.to(dtype)
-    if t.device != device:
-        t = t.to(device)
-    return t.full_tensor() if isinstance(t, DTensor) else t
+def _gathered_bytes(spec: ShardSpec, dtype, world: int) -> int:
+    rows = spec.shape[0]
+    elem = torch.empty((), dtype=dtype or spec.dtype).element_size()
+    return -(-rows // world) * world * math.prod(spec.shape[1:]) * elem
