@@ -258,7 +258,7 @@ class ValConfig:
     top_p: float = 1.0
     max_samples: int = 0  # validation prompts used (the first ones); 0 = all
     max_response_length: int = 0  # 0 = rollout.max_response_length
-    num_examples: int = 8  # generations written to output_dir/val/step_N.jsonl per validation
+    num_examples: int = 8  # greedy generations of the first val prompts, written to output_dir/val/step_N.jsonl
 
     def __post_init__(self):
         _check_positive("val", self, "n", "temperature")

@@ -118,6 +118,15 @@ def all_reduce_sum(values: list[float]) -> list[float]:
     return t.cpu().tolist()
 
 
+def all_gather_objects(obj) -> list:
+    """Every rank's picklable ``obj``, in rank order, on every rank (small things only)."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return [obj]
+    parts = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, obj)  # NCCL/HCCL: goes through the current device
+    return parts
+
+
 def _comm_device() -> torch.device:
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         return torch.device("cuda", torch.cuda.current_device())

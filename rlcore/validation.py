@@ -13,7 +13,7 @@ import json
 import os
 from dataclasses import dataclass
 
-from rlcore.dist import all_reduce_sum
+from rlcore.dist import all_gather_objects, all_reduce_sum
 
 
 @dataclass
@@ -23,7 +23,7 @@ class ValSettings:
     top_p: float = 1.0
     max_tokens: int = 64
     max_samples: int = 0  # first prompts used; 0 = all
-    num_examples: int = 8  # generations kept for the JSONL file (rank 0's slice)
+    num_examples: int = 8  # greedy generations of the first prompts, kept for the JSONL file
     seed: int = 0  # of the sampled (n > 1) pass
 
 
@@ -48,7 +48,8 @@ def _generate_and_score(rollout, tokenizer, scorer, prompts, **gen) -> tuple[lis
 
 
 def validate(rollout, tokenizer, scorer, prompts: list, settings: ValSettings) -> tuple[dict, list[dict]]:
-    """Returns (``val/*`` metrics over all ranks, example rows from this rank's slice)."""
+    """Returns (``val/*`` metrics over all ranks, the greedy rows of the first
+    ``num_examples`` prompts), the same on every rank (collective)."""
     chosen = prompts[: settings.max_samples] if settings.max_samples else prompts
     mine = chosen[rollout.dp_rank:: rollout.dp_size]
     counts = 1.0 if rollout.tp_rank == 0 else 0.0  # count each replica's outputs once
@@ -64,11 +65,18 @@ def validate(rollout, tokenizer, scorer, prompts: list, settings: ValSettings) -
         local += [sum(sampled.correct), sum(sampled.rewards), sum(any(c) for c in per_prompt), sampled.errors]
     totals = all_reduce_sum([v * counts for v in local])
     metrics = _metrics(totals, settings.n)
-    examples = [
-        {"prompt": p.text, "response": t, "answer": p.answer, "reward": r, "correct": bool(c), "response_len": ln}
-        for p, t, r, c, ln in zip(mine, greedy.texts, greedy.rewards, greedy.correct, greedy.lens)
-    ][: settings.num_examples]
-    return metrics, examples
+    return metrics, _first_examples(rollout, mine, greedy, settings.num_examples)
+
+
+def _first_examples(rollout, mine: list, greedy: _Scored, k: int) -> list[dict]:
+    """The rows of prompts 0..k-1 of the set, collected from the replicas that generated them
+    (replica d holds prompts d, d + dp, ...: its first k rows cover its share of the first k)."""
+    rows = [
+        {"index": rollout.dp_rank + i * rollout.dp_size, "prompt": p.text, "response": t, "answer": p.answer,
+         "reward": r, "correct": bool(c), "response_len": ln}
+        for i, (p, t, r, c, ln) in enumerate(zip(mine, greedy.texts, greedy.rewards, greedy.correct, greedy.lens))
+    ][:k] if rollout.tp_rank == 0 else []  # TP ranks of a replica hold the same rows
+    return sorted((r for part in all_gather_objects(rows) for r in part), key=lambda r: r["index"])[:k]
 
 
 def _metrics(totals: list[float], n: int) -> dict:

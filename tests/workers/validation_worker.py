@@ -65,12 +65,15 @@ def main(model: str, val_file: str, out: str) -> None:
     scorer = Scorer(RewardConfig(fn=f"{__file__}:first_is_digit"))
     settings = ValSettings(n=N, temperature=1.0, max_tokens=MAX_TOKENS, max_samples=MAX_SAMPLES,
                            num_examples=2, seed=SEED)
-    results = {}
+    results = {"first_prompts": [p.text for p in prompts[:2]]}
     for tp in (1, 2):
         rollout = ColocateRollout(model, info, tp_size=tp, seed=3, max_model_len=64, kv_cache_gb=0.05)
         metrics, examples = validate(rollout, tokenizer, scorer, prompts, settings)
         parts = [None] * info.world_size
         dist.all_gather_object(parts, recount(rollout, tokenizer, prompts))
+        every_rank = [None] * info.world_size
+        dist.all_gather_object(every_rank, examples)
+        assert all(e == examples for e in every_rank), "validate() returned different rows on different ranks"
         results[f"tp{tp}"] = {"metrics": metrics, "expected": expected_metrics(parts), "examples": examples}
         rollout.shutdown()
     if info.is_main:
