@@ -202,6 +202,7 @@ class VeOmniPolicy:
             ops_overrides=ops_overrides,
         )
         self.optimizer = self.lr_scheduler = None
+        self.lr_schedule_changes: list[str] = []  # config vs the resumed checkpoint's schedule
         if trainable:
             self.model.train()
             self._build_optimizer(lr, weight_decay, betas, adam_eps, lr_schedule, warmup_steps,
@@ -437,11 +438,7 @@ class VeOmniPolicy:
         build_checkpointer("dcp", "fsdp2").load(path, state)
         extra = state["extra_state"]
         if self.lr_scheduler is not None and extra["engine"]["lr_scheduler"] is not None:
-            self.lr_scheduler.load_state_dict(extra["engine"]["lr_scheduler"])
-            # The optimizer's lr comes back from the DCP param groups; set it from the scheduler
-            # anyway, so the next step's lr never depends on what DCP chose to restore.
-            for group, lr in zip(self.optimizer.param_groups, self.lr_scheduler.get_last_lr()):
-                group["lr"] = lr
+            self.lr_schedule_changes = _resume_lr_schedule(self.lr_scheduler, extra["engine"]["lr_scheduler"])
         return extra["user"]
 
     def save_hf(self, path: str, dtype: str = "float32", max_shard_bytes: int = 4 * 2**30) -> None:
@@ -465,6 +462,27 @@ def _hf_name(name: str) -> str:
     for wrapper in ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module."):
         name = name.replace(wrapper, "")
     return name
+
+
+def _resume_lr_schedule(sched, saved: dict) -> list[str]:
+    """Continue ``sched`` at the saved step count under the schedule built from the current
+    config (lr, warm-up, total steps, min ratio), so that a resumed run can be extended or
+    re-shaped; returns what differs from the checkpoint's schedule, for the log."""
+    current = {"base lr": list(sched.base_lrs), **vars(sched.lr_lambdas[0])}
+    sched.load_state_dict(saved)  # the step count, and the checkpoint's lambda settings and base lrs
+    before = {"base lr": list(sched.base_lrs), **vars(sched.lr_lambdas[0])}
+    sched.base_lrs = current.pop("base lr")
+    vars(sched.lr_lambdas[0]).update(current)
+    lrs = [base * lam(sched.last_epoch) for base, lam in zip(sched.base_lrs, sched.lr_lambdas)]
+    # The optimizer's lr also comes back from the DCP param groups; set it here, so that the next
+    # step's lr never depends on what DCP chose to restore.
+    for group, lr in zip(sched.optimizer.param_groups, lrs):
+        group["lr"] = lr
+    sched._last_lr = lrs
+    now = {"base lr": sched.base_lrs, **current}
+    names = {"base lr": "lr", "schedule": "lr_schedule", "warmup": "warmup_steps", "total": "total optimizer steps",
+             "min_ratio": "min_lr_ratio"}
+    return [f"{names.get(k, k)} {before.get(k)} -> {now[k]}" for k in now if before.get(k) != now[k]]
 
 
 def _full_tensor(param, dtype: torch.dtype | None, device) -> torch.Tensor:

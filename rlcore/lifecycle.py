@@ -58,6 +58,9 @@ def resume(run: Run) -> None:
         checkpoint.purge_tensorboard(run.logger, run.step)
         note = f"; dropped {dropped} metrics.jsonl row(s) written after it" if dropped else ""
         print(f"resumed from {path} at step {run.step}{note}", flush=True)
+        if run.policy.lr_schedule_changes:
+            print(f"LR schedule follows this run's config from step {run.step} on, not the checkpoint's: "
+                  + "; ".join(run.policy.lr_schedule_changes), flush=True)
 
 
 def trainer_state(run: Run) -> dict:

@@ -40,10 +40,11 @@ def args(model, data, out, *extra):
 @pytest.fixture(scope="module")
 def runs(tiny_model, toy_data, tmp_path_factory):
     root = tmp_path_factory.mktemp("resume")
-    data = str(root / "train8.jsonl")
+    a, b = str(root / "a"), str(root / "b")
+    data = os.path.join(a, "train8.jsonl")  # next to A's output: a later test resumes A
+    os.makedirs(a)
     with open(toy_data[0]) as src, open(data, "w") as dst:
         dst.writelines(src.readlines()[:8])
-    a, b = str(root / "a"), str(root / "b")
     # A runs through the probe: the same main, plus a report of any non-local network access.
     straight = run_torchrun(PROBE, 2, *args(tiny_model, data, a, "--checkpoint.save_every", "2"))
 
@@ -98,6 +99,20 @@ def test_kill9_and_preemption_then_resume_is_exact(runs, tmp_path):
     sb = dcp_state(os.path.join(runs["b"], "checkpoints", "step_6"), tmp_path)
     assert sa["model"].keys() == sb["model"].keys() and len(sa["model"]) == 25
     assert same(sa["model"], sb["model"]) and same(sa["optimizer"], sb["optimizer"])
+
+
+def test_resume_follows_the_new_lr_schedule(runs, tmp_path):
+    """Resuming A's step-4 checkpoint with another lr and schedule: the run continues at optimizer
+    step 4 under the new settings (not the checkpoint's) and says so."""
+    out = str(tmp_path / "relr")
+    proc = run_torchrun(TRAIN, 2, *args(runs["model"], os.path.join(runs["a"], "train8.jsonl"), out,
+                                        "--checkpoint.resume", os.path.join(runs["a"], "checkpoints", "step_4"),
+                                        "--optim.lr", "2e-3", "--optim.lr_schedule", "cosine",
+                                        "--checkpoint.save_hf_final", "false"))
+    assert "lr [0.001] -> [0.002]" in proc.stdout and "lr_schedule constant -> cosine" in proc.stdout, proc.stdout
+    lrs = {r["step"]: r["actor/lr"] for r in read_rows(out)}
+    # one optimizer step per trainer step; cosine to 0 over 6: lr(k) = 2e-3 * (1 + cos(pi k / 6)) / 2
+    assert lrs[5] == pytest.approx(2e-3 * 0.25, rel=1e-9) and lrs[6] == pytest.approx(1e-3 * (1 - 3 ** 0.5 / 2), rel=1e-9)
 
 
 def test_resumes_covered_mid_epoch_and_epoch_boundary(runs):
