@@ -137,7 +137,7 @@ def sample_batch(run: Run) -> tuple[grpo.RolloutBatch, torch.Tensor, dict]:
     kept, dropped, seen = [], [], 0
     for round_ in range(a.max_sampling_rounds):
         if round_ > 0:
-            batch = generate(run, next_prompts(run))
+            batch = generate(run, next_prompts(run), round_)
             scores, _ = score(run, batch)
         good = set(grpo.informative_groups(scores, n))
         seen += len(scores) // n
@@ -163,12 +163,14 @@ def next_prompts(run: Run) -> list:
     return batch[dp_rank * per: (dp_rank + 1) * per]
 
 
-def generate(run: Run, prompts: list) -> grpo.RolloutBatch:
+def generate(run: Run, prompts: list, round_: int = 0) -> grpo.RolloutBatch:
     r = run.cfg.rollout
+    # Per step (reproducible across a resume) and per dynamic-sampling round: a round that reused
+    # the step's seed would draw the same random stream for its new prompts.
+    seed = run.cfg.trainer.seed * 1_000_003 + run.step + round_ * 2**62
     with run.timer("generate"):
         out = run.rollout.generate([p.ids for p in prompts], n=r.n, temperature=r.temperature,
-                                   top_p=r.top_p, top_k=r.top_k, max_tokens=r.max_response_length,
-                                   seed=run.cfg.trainer.seed * 1_000_003 + run.step)
+                                   top_p=r.top_p, top_k=r.top_k, max_tokens=r.max_response_length, seed=seed)
     flat = [(p, s) for p, samples in zip(prompts, out) for s in samples]
     return grpo.RolloutBatch(
         prompt_ids=[p.ids for p, _ in flat], response_ids=[s.response_ids for _, s in flat],

@@ -130,3 +130,32 @@ def test_mask_truncated_removes_truncated_sequences_from_the_loss():
     mask = batch.response_mask()
     assert mask[2].sum() == 0 and mask[5].sum() == 0 and mask[0].sum() == 5
     assert copy.copy(batch).keep == [1.0, 1.0, 0.0, 1.0, 1.0, 0.0, 1.0, 1.0]
+
+
+def test_dynamic_sampling_rounds_draw_fresh_seeds():
+    """Each extra round of a step gets its own generation seed (round 0 keeps the step's, which
+    resume exactness relies on): a round that reused it would draw the same random stream."""
+    import contextlib
+    import types
+
+    import train_grpo
+    from rlcore.colocate_rollout import Sample
+
+    seeds = []
+
+    class RecordingRollout:  # records what the trainer asks of the engine
+        def generate(self, prompt_ids, n, seed, **sampling):
+            seeds.append(seed)
+            return [[Sample([1, 2], [-0.5, -0.5], "stop") for _ in range(n)] for _ in prompt_ids]
+
+    cfg = types.SimpleNamespace(rollout=types.SimpleNamespace(n=2, temperature=1.0, top_p=1.0, top_k=-1,
+                                                              max_response_length=2),
+                                trainer=types.SimpleNamespace(seed=7))
+    run = types.SimpleNamespace(cfg=cfg, step=5, rollout=RecordingRollout(), timer=lambda _: contextlib.nullcontext())
+    prompts = [types.SimpleNamespace(ids=[3, 4], answer="1")]
+    for round_ in range(3):
+        batch = train_grpo.generate(run, prompts, round_)
+        assert len(batch) == 2
+    run.step = 6
+    train_grpo.generate(run, prompts)
+    assert seeds[0] == 7 * 1_000_003 + 5 and len(set(seeds)) == 4, seeds
