@@ -2,8 +2,8 @@
 the rank-0 result back, measure process memory, take medians.
 
 A benchmark run as ``.venv/bin/python scripts/bench_X.py ARGS`` re-launches itself as
-``python -m torch.distributed.run --standalone --nproc_per_node=N scripts/bench_X.py ARGS``
-with a result file; rank 0 writes a JSON object there, and the launcher prints the ranks'
+``python -m torch.distributed.run --standalone --nproc_per_node=N scripts/bench_X.py`` (ARGS in
+the environment, see ``run_or_relaunch``) with a result file; rank 0 writes a JSON object there, and the launcher prints the ranks'
 ``bench:`` progress lines and then that object as the last line of its output.
 """
 
@@ -30,11 +30,16 @@ def under_torchrun() -> bool:
     return RESULT_ENV in os.environ and "LOCAL_RANK" in os.environ
 
 
-def script_argv(argv: list[str]) -> list[str]:
-    """The benchmark's own arguments: in the relaunched ranks they travel in the environment,
-    since torchrun's parser would take a script option that prefixes one of its own
-    (``--n``, ``--nproc``) as an ambiguous abbreviation and refuse to start."""
-    return json.loads(os.environ[ARGV_ENV]) if under_torchrun() else argv
+def run_or_relaunch(script: str, argv: list[str], parse_args, worker) -> dict | None:
+    """A benchmark's entry point. In a rank: ``worker(args)``, returns None. Otherwise: start
+    ``script`` on ``args.nproc`` ranks and return rank 0's result. The arguments travel to the
+    ranks in the environment: torchrun's parser would take a script option that prefixes one of
+    its own (``--n``, ``--nproc``) as an ambiguous abbreviation and refuse to start."""
+    if under_torchrun():
+        worker(parse_args(json.loads(os.environ[ARGV_ENV])))
+        return None
+    args = parse_args(argv)
+    return relaunch(script, argv, args.nproc, args.timeout_s)
 
 
 def relaunch(script: str, argv: list[str], nproc: int, timeout_s: float) -> dict:

@@ -264,12 +264,9 @@ def worker(args) -> None:
 
 
 def main(argv: list[str]) -> None:
-    argv = bc.script_argv(argv)
-    args = parse_args(argv)
-    if bc.under_torchrun():
-        worker(args)
+    r = bc.run_or_relaunch(os.path.abspath(__file__), argv, parse_args, worker)
+    if r is None:  # this process was a rank
         return
-    r = bc.relaunch(os.path.abspath(__file__), argv, args.nproc, args.timeout_s)
     print(f"step {r['step_s']:.3f}s = generate {r['generate_s']:.3f} + train {r['train_s']:.3f} + weight sync "
           f"{r['weight_sync_s']:.3f} + rest; overhead_ratio {r['overhead_ratio']:.3f}; rollout tokens/s "
           f"{r['gen_tokens_per_s']:.0f} vs bare vLLM {r['bare_tokens_per_s']:.0f}: efficiency {r['rollout_efficiency']:.3f}")

@@ -327,14 +327,11 @@ def worker(args) -> None:
 
 
 def main(argv: list[str]) -> None:
-    argv = bc.script_argv(argv)
-    args = parse_args(argv)
-    if bc.under_torchrun():
-        worker(args)
-        return
     import json
 
-    result = bc.relaunch(os.path.abspath(__file__), argv, args.nproc, args.timeout_s)
+    result = bc.run_or_relaunch(os.path.abspath(__file__), argv, parse_args, worker)
+    if result is None:  # this process was a rank
+        return
     print(f"params {result['params'] / 1e6:.1f}M | sync {result['sync_s']:.3f}s | naive {result['naive_s']:.3f}s"
           f" | floor {result['floor_s']:.3f}s (gather {result['floor_gather_s']:.3f} + load {result['floor_load_s']:.3f})"
           f" | speedup {result['speedup_vs_naive']:.1f}x | ratio to floor {result['ratio_to_floor']:.2f}"
