@@ -260,9 +260,6 @@ class SyncBuffers:
         self._turn = 1 - self._turn
         return self.get(name, numel, dtype, device)
 
-    def clear(self) -> None:
-        self._bufs.clear()
-
     def nbytes(self) -> int:
         return sum(b.numel() * b.element_size() for b in self._bufs.values())
 

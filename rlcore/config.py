@@ -1,20 +1,24 @@
-"""Typed configuration: one dataclass per concern, parsed by jsonargparse from a YAML file plus
-``--section.key value`` overrides. Every check runs before any model is loaded, and a failed
-check exits with code 2 and one paragraph naming the key, the value and the fix.
+"""Typed configuration: one dataclass per concern, parsed by jsonargparse (``rlcore.cli``) from a
+YAML file plus ``--section.key value`` overrides.
+
+Each field's docstring is its help text (``train_grpo.py --help`` shows it with the default).
+``__post_init__`` only checks; it never fills in a value, because jsonargparse builds every
+section once with its defaults before the YAML arrives (a default filled in there would look
+like a user's choice). Defaults that depend on another field or on the device (``None`` or
+``"auto"`` below) are filled in once, after parsing, by ``resolve()``. Every check runs before
+any model loads; a failed one exits with code 2 and one paragraph naming the key, the value and
+the fix.
 """
 
 from __future__ import annotations
 
-import os
-import sys
+import dataclasses
+import textwrap
 from dataclasses import dataclass, field
 from typing import Literal, Optional
 
 from rlcore import advantage
-
-
-class ConfigError(ValueError):
-    """A user mistake in the configuration or inputs; printed without a traceback, exit code 2."""
+from rlcore.exit_codes import ConfigError, fail  # noqa: F401  (re-exported: the config's error type)
 
 
 def check(ok: bool, key: str, value, fix: str) -> None:
@@ -25,30 +29,55 @@ def check(ok: bool, key: str, value, fix: str) -> None:
 def _check_positive(section: str, obj, *names: str) -> None:
     for name in names:
         value = getattr(obj, name)
-        check(value > 0, f"{section}.{name}", value, "it must be > 0")
+        check(value is None or value > 0, f"{section}.{name}", value, "it must be > 0")
 
 
 @dataclass
 class ModelConfig:
-    path: str = ""  # local HF folder (config.json + *.safetensors + tokenizer); no hub downloads
-    dtype: Literal["float32", "bfloat16"] = "float32"
+    """The policy model."""
+
+    path: str = ""
+    """Local HF folder (config.json, *.safetensors, tokenizer files); nothing is downloaded."""
+    dtype: Optional[Literal["float32", "bfloat16"]] = None
+    """Compute dtype of the trainer and weight dtype of vLLM (master weights and optimizer state
+    stay float32). null = bfloat16 on cuda/npu, float32 on cpu."""
     gradient_checkpointing: bool = False
-    attn_implementation: str = "sdpa"
+    """Recompute each decoder layer in backward (less activation memory, ~30% more compute)."""
+    attn_implementation: str = "auto"
+    """Training attention over packed sequences: auto (varlen flash attention where installed,
+    else sdpa), sdpa, flash_attention_2, eager."""
+
+    def __post_init__(self):
+        check(bool(self.attn_implementation), "model.attn_implementation", self.attn_implementation,
+              "use auto, sdpa, flash_attention_2 or eager")
 
 
 @dataclass
 class DataConfig:
+    """Prompts from local JSONL or Parquet files."""
+
     train_files: list[str] = field(default_factory=list)
+    """JSONL or Parquet files of training prompts."""
     val_files: list[str] = field(default_factory=list)
+    """Validation files (needed when trainer.val_every or trainer.val_before_train is on)."""
     prompt_key: str = "prompt"
+    """Row key of the prompt (dotted for nested keys, e.g. extra.question)."""
     answer_key: str = "answer"
+    """Row key of the reference answer the reward compares with."""
     apply_chat_template: bool = False
+    """Render each prompt with the tokenizer's chat template (as one user turn)."""
     system_prompt: Optional[str] = None
+    """System turn placed before each prompt (with apply_chat_template)."""
     max_prompt_length: int = 256
+    """Prompt tokens at most."""
     truncation: Literal["filter", "error"] = "filter"
+    """Prompts over max_prompt_length: filter (drop and count them) or error (exit 2 at the row)."""
     skip_bad_rows: bool = False
+    """Skip (and count) malformed rows instead of stopping at the first with file:line."""
     shuffle: bool = True
+    """Shuffle the prompts every epoch."""
     seed: int = 0
+    """Seed of the shuffle."""
 
     def __post_init__(self):
         _check_positive("data", self, "max_prompt_length")
@@ -56,29 +85,50 @@ class DataConfig:
 
 @dataclass
 class RolloutConfig:
-    n: int = 8  # samples per prompt (the GRPO group size)
+    """Generation with the in-process vLLM engine."""
+
+    n: int = 8
+    """Samples per prompt (the GRPO group size)."""
     temperature: float = 1.0
+    """Sampling temperature (also used for the trainer's log-probs)."""
     top_p: float = 1.0
+    """Nucleus sampling threshold."""
     top_k: int = -1
+    """Top-k sampling; -1 = off."""
     max_response_length: int = 64
+    """Response tokens at most."""
     tensor_parallel_size: int = 1
+    """Ranks that shard one vLLM engine; must divide the world size."""
     max_model_len: int = 512
-    kv_cache_gb: float = 0.5  # CPU: explicit KV cache size per engine
-    gpu_memory_utilization: float = 0.5  # accelerators: vLLM's share of device memory
-    # What release frees while training (accelerators; CPU has no sleep mode and frees only the
-    # KV cache buffer): 0 the KV cache, 1 also the weights (kept in host memory), 2 also the
-    # weights (discarded; the full sync before each generation refills them). None = 2.
+    """vLLM's context length; must hold data.max_prompt_length + max_response_length."""
+    kv_cache_gb: float = 0.5
+    """CPU only: KV cache size per engine in GiB (vLLM's auto sizing would take most of the RAM)."""
+    gpu_memory_utilization: float = 0.5
+    """Accelerators: vLLM's share of device memory (its weights + KV cache)."""
     sleep_level: Optional[Literal[0, 1, 2]] = None
-    free_kv_cache: bool = True  # release vLLM's memory while training
-    # Weight sync: MiB gathered per collective; peak extra memory ~2 buckets (or 2x the largest
-    # layer block, e.g. the embedding, when that is bigger). 64 pipelines well on CPU and GPUs.
+    """What vLLM frees while training: 0 the KV cache; 1 also the weights (kept in host memory);
+    2 also the weights (discarded; the full sync before each generation refills them).
+    null = 2 on accelerators; CPU has no sleep mode and frees the KV cache buffer only."""
+    free_kv_cache: bool = True
+    """Release vLLM's memory while training."""
     sync_bucket_mb: float = 64.0
-    # How synced weights enter vLLM: reload (reload_weights; every device) or direct
-    # (model.load_weights, no extra copy; CUDA only). auto = direct on CUDA, reload elsewhere.
+    """Weight sync: MiB gathered per collective; peak extra memory about 2 buckets."""
     weight_load: Literal["auto", "reload", "direct"] = "auto"
+    """How synced weights enter vLLM: reload (vLLM's reload_weights; CPU needs it: linear weights
+    are repacked there) or direct (model.load_weights, no extra copy). auto = direct on cuda/npu,
+    reload on cpu."""
+    enforce_eager: Optional[bool] = None
+    """Run vLLM without CUDA graphs. null = false on cuda/npu (graphs survive sleep/wake), true on cpu."""
+    max_num_seqs: Optional[int] = None
+    """vLLM's max concurrent sequences per engine; null = vLLM's default."""
+    max_num_batched_tokens: Optional[int] = None
+    """vLLM's token budget per scheduler step; null = vLLM's default."""
+    enable_prefix_caching: Optional[bool] = None
+    """Share the prompt's KV blocks between the n samples of a prompt; null = vLLM's default."""
 
     def __post_init__(self):
-        _check_positive("rollout", self, "n", "max_response_length", "tensor_parallel_size", "max_model_len")
+        _check_positive("rollout", self, "n", "max_response_length", "tensor_parallel_size", "max_model_len",
+                        "max_num_seqs", "max_num_batched_tokens")
         check(self.temperature > 0, "rollout.temperature", self.temperature,
               "GRPO needs sampling: use a temperature > 0 (e.g. 1.0)")
         check(0 < self.top_p <= 1, "rollout.top_p", self.top_p, "it must be in (0, 1]")
@@ -86,47 +136,69 @@ class RolloutConfig:
               self.max_response_length, f"it must be < rollout.max_model_len={self.max_model_len}")
         check(self.sync_bucket_mb > 0, "rollout.sync_bucket_mb", self.sync_bucket_mb,
               "it must be > 0 MiB (e.g. 64; smaller buckets cost more collectives, larger more memory)")
+        check(0 < self.gpu_memory_utilization < 1, "rollout.gpu_memory_utilization", self.gpu_memory_utilization,
+              "it must be in (0, 1), e.g. 0.5; the trainer's state needs the rest while vLLM is awake")
+        check(self.max_num_batched_tokens is None or self.max_num_batched_tokens >= self.max_model_len,
+              "rollout.max_num_batched_tokens", self.max_num_batched_tokens,
+              f"it must be >= rollout.max_model_len={self.max_model_len} (or null for vLLM's default)")
 
 
 @dataclass
 class OffloadConfig:
-    """Trainer state moved to host memory while vLLM generates. None = auto: on for cuda/npu
-    (frees device memory for vLLM's weights and KV cache), off on CPU (the host is the device:
-    the move would copy nothing and free nothing)."""
+    """Trainer state moved to host memory while vLLM generates (null = auto: on for cuda/npu, where
+    it frees device memory for vLLM; off on cpu, where the host is the device)."""
 
     params: Optional[bool] = None
+    """Offload the policy's parameter shards while generating."""
     optimizer: Optional[bool] = None
-
-    def resolve(self, device_type: str) -> tuple[bool, bool]:
-        """(params, optimizer) for this device."""
-        auto = device_type != "cpu"
-        return (auto if self.params is None else self.params,
-                auto if self.optimizer is None else self.optimizer)
+    """Offload the optimizer state while generating."""
+    ref: Optional[bool] = None
+    """Keep the reference policy (kl_loss_coef > 0) on the host outside its forward; null = as params."""
 
 
 @dataclass
 class AlgorithmConfig:
+    """Advantages and the policy loss (rlcore/advantage.py)."""
+
     adv_estimator: str = "grpo"
-    norm_by_std: bool = True  # False: Dr.GRPO
+    """grpo, rloo, reinforce_pp or reinforce_pp_baseline."""
+    norm_by_std: bool = True
+    """Divide GRPO advantages by the group's std; false = Dr.GRPO."""
     policy_loss: str = "vanilla"
+    """vanilla (PPO clip with dual clip) or gspo."""
     clip_low: float = 0.2
-    clip_high: float = 0.2  # > clip_low: DAPO clip-higher
+    """PPO ratio clip below 1."""
+    clip_high: float = 0.2
+    """PPO ratio clip above 1; > clip_low is DAPO's clip-higher."""
     dual_clip_c: float = 3.0
+    """Dual-clip bound for negative advantages."""
     loss_agg_mode: str = "token-mean"
-    kl_loss_coef: float = 0.0  # > 0 builds a frozen reference policy
+    """token-mean, seq-mean-token-sum, seq-mean-token-mean or seq-mean-token-sum-norm."""
+    kl_loss_coef: float = 0.0
+    """Weight of the KL loss to a frozen reference policy; > 0 builds the reference."""
     kl_loss_type: str = "low_var_kl"
+    """k1, abs, k2, k3 or low_var_kl."""
     entropy_coef: float = 0.0
+    """Entropy bonus weight."""
     ppo_epochs: int = 1
-    mini_batches: int = 1  # optimizer steps per epoch
-    micro_batch_size: int = 8  # sequences per forward/backward on each rank
-    gamma: float = 1.0  # reinforce_pp discount
-    # DAPO overlong shaping: reward -= (L - (max_len - buffer)) / buffer * factor past max_len - buffer
+    """Passes over each step's samples."""
+    mini_batches: int = 1
+    """Optimizer steps per epoch."""
+    micro_batch_size: int = 8
+    """Sequences per forward/backward on each rank (the gradient does not depend on it)."""
+    gamma: float = 1.0
+    """reinforce_pp discount."""
     overlong_buffer_len: int = 0
+    """DAPO overlong shaping: past max_response_length - buffer, the reward drops linearly by up to
+    overlong_penalty_factor; 0 = off."""
     overlong_penalty_factor: float = 1.0
-    mask_truncated: bool = False  # drop responses cut at max_response_length from the loss
-    # DAPO dynamic sampling: drop groups whose rewards are all equal and sample more prompts
+    """Maximum overlong penalty."""
+    mask_truncated: bool = False
+    """Drop responses cut at rollout.max_response_length from the loss."""
     dynamic_sampling: bool = False
+    """DAPO dynamic sampling: drop groups whose rewards are all equal and sample more prompts."""
     max_sampling_rounds: int = 3
+    """Generation rounds per step at most with dynamic_sampling."""
 
     def __post_init__(self):
         for key, value, valid in (
@@ -146,17 +218,31 @@ class AlgorithmConfig:
         check(self.max_sampling_rounds >= 1, "algorithm.max_sampling_rounds", self.max_sampling_rounds,
               "it must be >= 1")
 
+    @property
+    def optim_steps_per_step(self) -> int:
+        return self.ppo_epochs * self.mini_batches
+
 
 @dataclass
 class OptimConfig:
+    """AdamW and its learning-rate schedule."""
+
     lr: float = 1e-6
+    """Peak learning rate."""
     weight_decay: float = 0.0
+    """AdamW weight decay (every parameter)."""
     betas: tuple[float, float] = (0.9, 0.999)
+    """AdamW betas."""
     eps: float = 1e-8
+    """AdamW epsilon."""
     lr_schedule: Literal["constant", "cosine"] = "constant"
+    """After warm-up: constant, or cosine down to min_lr_ratio x lr at the last step."""
     warmup_steps: int = 0
+    """Optimizer steps of linear warm-up."""
     min_lr_ratio: float = 0.0
+    """Final lr of the cosine schedule, as a fraction of lr."""
     grad_clip: float = 1.0
+    """Max global gradient norm."""
 
     def __post_init__(self):
         check(self.lr > 0, "optim.lr", self.lr, "it must be > 0 (1e-6 is typical for LLMs)")
@@ -169,26 +255,30 @@ class OptimConfig:
 
 @dataclass
 class RewardConfig:
-    # name -> weight of built-in rewards (see rlcore.rewards.REWARDS) and "custom" (= reward.fn),
-    # summed. Default: {math: 1.0}, or {custom: 1.0} when reward.fn is set.
+    """Rule-based and custom rewards (rlcore/rewards.py)."""
+
     components: Optional[dict[str, float]] = None
-    fn: Optional[str] = None  # "package.module:function" or "path/file.py:function" (rlcore/rewards.py)
-    timeout_s: Optional[float] = None  # per call of reward.fn; None = no limit
-    error_value: float = 0.0  # reward of a sample whose reward call raised or timed out
+    """name -> weight of the built-in rewards and "custom" (= reward.fn), summed.
+    null = {custom: 1.0} when reward.fn is set, else {math: 1.0}."""
+    fn: Optional[str] = None
+    """Your reward: "package.module:function" or "path/file.py:function" (signature in rlcore/rewards.py)."""
+    timeout_s: Optional[float] = None
+    """Per call of reward.fn; null = no limit."""
+    error_value: float = 0.0
+    """Reward of a sample whose reward call raised or timed out."""
 
     def __post_init__(self):
         from rlcore.rewards import CUSTOM, REWARDS, load_custom_fn
 
-        if self.components is None:
-            self.components = {CUSTOM: 1.0} if self.fn else {"math": 1.0}
-        check(len(self.components) > 0, "reward.components", self.components, "name at least one reward")
-        for name in self.components:
+        components = self.effective_components()
+        check(len(components) > 0, "reward.components", components, "name at least one reward")
+        for name in components:
             check(name in REWARDS or name == CUSTOM, "reward.components", name,
                   f"choose from {', '.join(REWARDS)}, or {CUSTOM} together with reward.fn")
-        check(CUSTOM not in self.components or self.fn, "reward.components", CUSTOM,
+        check(CUSTOM not in components or self.fn, "reward.components", CUSTOM,
               "the custom component needs reward.fn=package.module:function")
         if self.fn:
-            check(CUSTOM in self.components, "reward.fn", self.fn,
+            check(CUSTOM in components, "reward.fn", self.fn,
                   f"reward.components lists no {CUSTOM!r} entry; add {CUSTOM}: 1.0 (or leave components unset)")
             try:
                 load_custom_fn(self.fn)
@@ -197,21 +287,40 @@ class RewardConfig:
         check(self.timeout_s is None or self.timeout_s > 0, "reward.timeout_s", self.timeout_s,
               "it must be > 0 seconds (or unset for no limit)")
 
+    def effective_components(self) -> dict[str, float]:
+        from rlcore.rewards import CUSTOM
+
+        if self.components is not None:
+            return dict(self.components)
+        return {CUSTOM: 1.0} if self.fn else {"math": 1.0}
+
 
 @dataclass
 class ParallelConfig:
+    """Devices and process groups."""
+
     device: Literal["auto", "cuda", "npu", "cpu"] = "auto"
-    timeout_s: float = 1800.0  # process-group timeout: a hung collective becomes an error
+    """auto = cuda, else npu, else cpu."""
+    timeout_s: float = 1800.0
+    """Process-group timeout: a hung collective becomes an error after this long."""
 
 
 @dataclass
 class CheckpointConfig:
-    save_every: int = 0  # steps; 0 = only at the end
-    resume: str = "auto"  # auto | never | PATH
+    """Run checkpoints and HF exports."""
+
+    save_every: int = 0
+    """Steps between checkpoints; 0 = only at the end."""
+    resume: str = "auto"
+    """auto (newest complete checkpoint in trainer.output_dir, else fresh), never, or a path."""
     keep_last: int = 2
+    """Complete checkpoints kept."""
     save_hf_final: bool = True
-    hf_every: int = 0  # steps between HF safetensors exports to {output_dir}/hf/step_N; 0 = none
-    hf_dtype: Literal["float32", "bfloat16"] = "float32"  # of every HF export (hf_every and hf_final)
+    """Export an HF safetensors folder to {output_dir}/hf_final at the end."""
+    hf_every: int = 0
+    """Steps between HF exports to {output_dir}/hf/step_N; 0 = none."""
+    hf_dtype: Literal["float32", "bfloat16"] = "float32"
+    """dtype of every HF export."""
 
     def __post_init__(self):
         check(self.save_every >= 0, "checkpoint.save_every", self.save_every, "it must be >= 0")
@@ -223,24 +332,39 @@ class CheckpointConfig:
 
 @dataclass
 class LoggingConfig:
+    """TensorBoard, metrics.jsonl and the console."""
+
     tensorboard: bool = True
+    """Write TensorBoard events to {output_dir}/tensorboard."""
     console_every: int = 1
-    switch_trace: bool = False  # log every step of every phase switch (rank, order, what it did, seconds)
+    """Steps between console lines."""
+    switch_trace: bool = False
+    """Print every step of every phase switch (rank, order, what it did, seconds)."""
 
 
 @dataclass
 class TrainerConfig:
+    """The loop."""
+
     total_steps: int = 10
-    prompts_per_step: int = 8  # global, over all data-parallel rollout replicas
+    """Training steps of the run."""
+    prompts_per_step: int = 8
+    """Prompts per step, global over all data-parallel rollout replicas."""
     output_dir: str = "outputs/run"
+    """Checkpoints, metrics.jsonl, TensorBoard events, HF exports, validation samples."""
     seed: int = 0
-    val_every: int = 0  # steps between validations on data.val_files (and at the last step); 0 = none
-    val_before_train: bool = False  # validate the initial model (step 0)
-    # SIGTERM/SIGUSR1: checkpoint at the next phase boundary and exit 75 within this many seconds
-    # (torchrun's --shutdown-timeout and Slurm's --signal lead time must be longer).
+    """Seed of the model's randomness and of vLLM's sampling."""
+    val_every: int = 0
+    """Steps between validations on data.val_files (and at the last step); 0 = none."""
+    val_before_train: bool = False
+    """Validate the initial model (step 0)."""
     preempt_grace_s: float = 120.0
-    max_consecutive_skips: int = 5  # steps in a row with a non-finite loss/grad norm before the run stops (exit 3)
-    watchdog_s: float = 600.0  # report a phase running longer than this, naming phase and rank; 0 = off
+    """SIGTERM/SIGUSR1: checkpoint at the next phase boundary and exit 75 within this many seconds
+    (torchrun's --shutdown-timeout and Slurm's --signal lead time must be longer)."""
+    max_consecutive_skips: int = 5
+    """Steps in a row with a non-finite loss or gradient norm before the run stops (exit 3)."""
+    watchdog_s: float = 600.0
+    """Report a phase running longer than this, naming phase and rank; 0 = off."""
 
     def __post_init__(self):
         _check_positive("trainer", self, "total_steps", "prompts_per_step", "preempt_grace_s",
@@ -253,12 +377,18 @@ class TrainerConfig:
 class ValConfig:
     """Validation generations on data.val_files: greedy pass@1, and mean@n with sampling when n > 1."""
 
-    n: int = 1  # > 1 adds n samples per prompt at val.temperature -> val/mean@n and val/pass@n
-    temperature: float = 1.0  # of the n > 1 samples (the greedy pass always uses 0)
+    n: int = 1
+    """> 1 adds n samples per prompt at val.temperature -> val/mean@n and val/pass@n."""
+    temperature: float = 1.0
+    """Of the n > 1 samples (the greedy pass always uses 0)."""
     top_p: float = 1.0
-    max_samples: int = 0  # validation prompts used (the first ones); 0 = all
-    max_response_length: int = 0  # 0 = rollout.max_response_length
-    num_examples: int = 8  # greedy generations of the first val prompts, written to output_dir/val/step_N.jsonl
+    """Of the n > 1 samples."""
+    max_samples: int = 0
+    """Validation prompts used (the first ones); 0 = all."""
+    max_response_length: int = 0
+    """Response tokens at most; 0 = rollout.max_response_length."""
+    num_examples: int = 8
+    """Greedy generations of the first val prompts written to {output_dir}/val/step_N.jsonl."""
 
     def __post_init__(self):
         _check_positive("val", self, "n", "temperature")
@@ -283,122 +413,56 @@ class Config:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
 
 
-def validate_against_world(cfg: Config, world_size: int) -> None:
-    """Checks across sections, against the world size and the files on disk; before any model loads."""
-    tp = cfg.rollout.tensor_parallel_size
-    check(world_size % tp == 0, "rollout.tensor_parallel_size", tp,
-          f"it must divide the world size {world_size} (e.g. 1 or {world_size})")
-    dp = world_size // tp
-    check(cfg.trainer.prompts_per_step % dp == 0, "trainer.prompts_per_step", cfg.trainer.prompts_per_step,
-          f"it must be divisible by the {dp} rollout replicas (world size / tensor_parallel_size)")
-    per_rank = cfg.trainer.prompts_per_step // dp * cfg.rollout.n
-    check(per_rank % tp == 0, "rollout.n", cfg.rollout.n,
-          f"prompts per replica x rollout.n = {per_rank} must split evenly over tensor_parallel_size={tp}")
-    per_rank //= tp
-    check(per_rank % cfg.algorithm.mini_batches == 0, "algorithm.mini_batches", cfg.algorithm.mini_batches,
-          f"it must divide the {per_rank} sequences each rank trains on per step")
-    check(len(cfg.data.train_files) > 0, "data.train_files", cfg.data.train_files,
-          "list at least one JSONL or Parquet file")
-    check(os.path.isfile(os.path.join(cfg.model.path, "config.json")), "model.path", cfg.model.path,
-          "no config.json there; point it to a local HF model folder (scripts/ can make one)")
-    check(any(f.endswith(".safetensors") for f in os.listdir(cfg.model.path)), "model.path", cfg.model.path,
-          "it holds no *.safetensors weights; weights are read only from safetensors (re-save the model with "
-          "save_pretrained(..., safe_serialization=True))")
-    context = _model_context(cfg.model.path)
-    check(context is None or cfg.rollout.max_model_len <= context, "rollout.max_model_len", cfg.rollout.max_model_len,
-          f"the model's context (max_position_embeddings in config.json) is {context}; use at most that")
-    check(not os.path.exists(cfg.trainer.output_dir) or os.path.isdir(cfg.trainer.output_dir),
-          "trainer.output_dir", cfg.trainer.output_dir, "it exists and is not a folder; choose a folder path")
-    for i, path in enumerate(cfg.data.train_files + cfg.data.val_files):
-        check(os.path.isfile(path), "data.train_files" if i < len(cfg.data.train_files) else "data.val_files",
-              path, "the file does not exist")
-    check(cfg.algorithm.overlong_buffer_len < cfg.rollout.max_response_length, "algorithm.overlong_buffer_len",
-          cfg.algorithm.overlong_buffer_len,
-          f"it must be < rollout.max_response_length={cfg.rollout.max_response_length}")
-    needed = cfg.data.max_prompt_length + cfg.rollout.max_response_length
-    check(needed <= cfg.rollout.max_model_len, "rollout.max_model_len", cfg.rollout.max_model_len,
-          f"it must hold data.max_prompt_length + rollout.max_response_length = {needed}")
-    _validate_val(cfg)
+# ---------------------------------------------------------------------------------------------
+# dependent defaults: filled in once, after parsing
+# ---------------------------------------------------------------------------------------------
 
 
-def _model_context(model_path: str) -> int | None:
-    """max_position_embeddings of the model's config.json (None when it does not say)."""
-    import json
+def resolve(cfg: Config, device_type: str) -> Config:
+    """A copy of ``cfg`` with every default that depends on another field or on the device filled
+    in (the ``null`` / ``auto`` values documented on the fields), checked where the combination
+    is what matters. Call once, after parsing; resolving a resolved config changes nothing."""
+    from rlcore.colocate_rollout import _pick_sleep_level as pick_sleep_level, _pick_weight_load as pick_weight_load  # INTEGRATE
 
+    def pick_enforce_eager(device_type, value):  # INTEGRATE
+        return device_type == "cpu" if value is None else value
+
+    def pick_attn_implementation(requested, device_type):  # INTEGRATE
+        return ("sdpa" if requested == "auto" else requested, "")
+
+    accel = device_type != "cpu"
+    m, r, o = cfg.model, cfg.rollout, cfg.offload
+    params = accel if o.params is None else o.params
     try:
-        with open(os.path.join(model_path, "config.json")) as f:
-            config = json.load(f)
-    except (OSError, ValueError) as e:
-        raise ConfigError(f"model.path={model_path!r} is invalid: its config.json does not parse as JSON "
-                          f"({e}); re-export the model folder") from e
-    value = config.get("max_position_embeddings") if isinstance(config, dict) else None
-    return value if isinstance(value, int) else None
-
-
-def _validate_val(cfg: Config) -> None:
-    t = cfg.trainer
-    if t.val_every or t.val_before_train:
-        check(len(cfg.data.val_files) > 0, "data.val_files", cfg.data.val_files,
-              "validation is on (trainer.val_every / trainer.val_before_train): list at least one file, "
-              "or set trainer.val_every=0 and trainer.val_before_train=false")
-    needed = cfg.data.max_prompt_length + (cfg.val.max_response_length or cfg.rollout.max_response_length)
-    check(needed <= cfg.rollout.max_model_len, "val.max_response_length", cfg.val.max_response_length,
-          f"data.max_prompt_length + val.max_response_length = {needed} must fit rollout.max_model_len="
-          f"{cfg.rollout.max_model_len}")
-
-
-def build_parser():
-    from jsonargparse import ActionConfigFile, ArgumentParser
-
-    parser = ArgumentParser(
-        prog="train_grpo.py", exit_on_error=False, default_env=False,
-        description="Colocated GRPO trainer: VeOmni FSDP2 policy + in-process vLLM, launched by torchrun.",
+        weight_load = pick_weight_load(device_type, r.weight_load)
+    except ValueError as e:
+        raise ConfigError(f"rollout.weight_load={r.weight_load!r} is invalid: {e}") from e
+    try:
+        attn = pick_attn_implementation(m.attn_implementation, device_type)[0]
+    except ValueError as e:
+        raise ConfigError(f"model.attn_implementation={m.attn_implementation!r} is invalid: {e}") from e
+    return dataclasses.replace(
+        cfg,
+        model=dataclasses.replace(m, dtype=m.dtype or ("bfloat16" if accel else "float32"), attn_implementation=attn),
+        rollout=dataclasses.replace(
+            r, sleep_level=pick_sleep_level(device_type, r.sleep_level), weight_load=weight_load,
+            enforce_eager=pick_enforce_eager(device_type, r.enforce_eager)),
+        offload=dataclasses.replace(o, params=params, optimizer=accel if o.optimizer is None else o.optimizer,
+                                    ref=params if o.ref is None else o.ref),
+        reward=dataclasses.replace(cfg.reward, components=cfg.reward.effective_components()),
+        val=dataclasses.replace(cfg.val, max_response_length=cfg.val.max_response_length or r.max_response_length),
     )
-    parser.add_argument("--config", action=ActionConfigFile, help="YAML config file")
-    parser.add_class_arguments(Config, nested_key=None, as_group=False)
-    return parser
 
 
-def parse_config(argv: list[str] | None = None) -> Config:
-    """Parse and validate; on a user mistake print one paragraph and exit with code 2."""
-    parser = build_parser()
-    try:
-        ns = parser.parse_args(argv)
-        cfg = parser.instantiate(ns)
-        return Config(**{k: getattr(cfg, k) for k in Config.__dataclass_fields__})
-    except SystemExit:
-        raise
-    except Exception as e:  # jsonargparse wraps __post_init__ errors; show the user's part only
-        fail(_clean_message(e, argv if argv is not None else sys.argv[1:]))
+def _field_docs(cls) -> dict[str, str]:
+    """Field name -> its docstring (the string literal under it), as jsonargparse reads them for --help."""
+    import ast
+    import inspect
 
-
-# jsonargparse message -> how to fix it (its messages name the key and value, not the fix)
-_PARSER_FIXES = (
-    ("unrecognized arguments", "check the key's spelling; `train_grpo.py --print_config` lists every valid key"),
-    ("does not accept option", "check the key's spelling; `train_grpo.py --print_config` lists every valid key"),
-    ("File does not exist", "pass an existing YAML file to --config"),
-    ("Expected a", "give a value of that type; `train_grpo.py --help` shows each key's type"),
-    ("Does not validate", "give a value of that type; `train_grpo.py --help` shows each key's type"),
-)
-
-
-def _clean_message(e: Exception, argv: list[str]) -> str:
-    msg = str(e).strip()
-    for line in msg.splitlines():
-        if "is invalid:" in line:
-            return line.strip()
-    one_line = " ".join(part.strip() for part in msg.splitlines() if part.strip())
-    if "Problems parsing config" in msg:
-        files = [argv[i + 1] for i, a in enumerate(argv[:-1]) if a == "--config"]
-        return (f"a --config file ({', '.join(files)}) is not valid YAML: "
-                f"{one_line.removeprefix('Problems parsing config:').strip()}; fix its syntax")
-    for pattern, fix in _PARSER_FIXES:
-        if pattern in msg:
-            return f"{one_line}; {fix}"
-    return one_line
-
-
-def fail(message: str) -> None:
-    """Print a user-facing error (once, from every rank's stderr is fine) and exit with code 2."""
-    print(f"error: {message}", file=sys.stderr, flush=True)
-    raise SystemExit(2)
+    body = ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0].body
+    docs = {}
+    for node, nxt in zip(body, body[1:]):
+        if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and isinstance(nxt, ast.Expr)
+                and isinstance(nxt.value, ast.Constant) and isinstance(nxt.value.value, str)):
+            docs[node.target.id] = " ".join(nxt.value.value.split())
+    return docs

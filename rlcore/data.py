@@ -154,6 +154,12 @@ def load_prompts(files: list[str], cfg: DataConfig, tokenizer) -> tuple[list[Pro
     return prompts, {"data/bad_rows": bad, "data/filtered_too_long": too_long, "data/prompts": len(prompts)}
 
 
+def derive_seed(seed: int, offset: int) -> int:
+    """The one formula for every seed derived from a run's seed: the data order of each epoch,
+    each step's generation, validation (see rlcore.sampling.generation_seed)."""
+    return seed * 1_000_003 + offset
+
+
 class PromptSampler:
     """Epoch-wise seeded shuffle with a resumable position; the same order on every rank."""
 
@@ -165,7 +171,7 @@ class PromptSampler:
     def _make_order(self) -> list[int]:
         order = list(range(len(self.prompts)))
         if self.shuffle:
-            random.Random(self.seed * 1_000_003 + self.epoch).shuffle(order)
+            random.Random(derive_seed(self.seed, self.epoch)).shuffle(order)
         return order
 
     def next_batch(self, size: int) -> list[Prompt]:

@@ -118,6 +118,16 @@ def all_reduce_sum(values: list[float]) -> list[float]:
     return t.cpu().tolist()
 
 
+def all_reduce_max(values: list[float]) -> list[float]:
+    """Element-wise max of a few python numbers over all ranks."""
+    t = torch.tensor(values, dtype=torch.float64)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        if dist.get_backend() != "gloo":
+            t = t.to(_comm_device())
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.cpu().tolist()
+
+
 def all_gather_objects(obj) -> list:
     """Every rank's picklable ``obj``, in rank order, on every rank (small things only)."""
     if not (dist.is_initialized() and dist.get_world_size() > 1):

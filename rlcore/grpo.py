@@ -6,13 +6,15 @@ Works with any policy exposing ``forward_logprobs``/``backward``/``step`` (rlcor
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
 
 from rlcore import advantage
 from rlcore.config import AlgorithmConfig
-from rlcore.dist import all_reduce_sum
+from rlcore.dist import all_reduce_max, all_reduce_sum
+from rlcore.metrics import all_rank_means, all_rank_sums
 
 
 @dataclass
@@ -155,16 +157,33 @@ def ppo_update(policy, batch: RolloutBatch, adv: torch.Tensor, old_logp: torch.T
     sums: dict[str, float] = {}
     step_metrics: list[dict] = []
     n_mini = cfg.mini_batches
+    # The trainer's log-probs before any update, to compare with vLLM's: old_logp, or recorded by
+    # the single on-policy mini-batch (its optimizer step comes after all its micro-batches).
+    pre_update = torch.zeros_like(mask_all) if old_logp is None else old_logp
     for _ in range(cfg.ppo_epochs):
         for mini in micro_batches(len(batch), len(batch) // n_mini):
             accumulate_gradients(policy, batch, mini, adv, old_logp, ref_logp, cfg, temperature, world_size,
-                                 device, norm_len, mask_all, sums)
+                                 device, norm_len, mask_all, sums, record=pre_update if old_logp is None else None)
             step_metrics.append(policy.step())
-    return _reduce_update_metrics(sums, step_metrics, world_size)
+    metrics = _reduce_update_metrics(sums, step_metrics, world_size)
+    metrics.update(mismatch_metrics(pre_update, batch.rollout_logp_matrix().to(device), mask_all))
+    return metrics
+
+
+def mismatch_metrics(trainer_logp: torch.Tensor, rollout_logp: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
+    """How far vLLM's sampling log-probs are from the trainer's on the same weights (all ranks):
+    ``rollout/mismatch_kl`` the masked mean k3 estimate of KL(rollout || trainer) (the tokens were
+    sampled by vLLM), ``rollout/mismatch_max`` the largest |difference| of one token. Kernels,
+    dtypes and (for MoE) routing make them differ; a stale or partial weight sync shows here."""
+    k3 = advantage.kl_penalty(rollout_logp, trainer_logp, "k3")  # (N, T)
+    diff = (trainer_logp - rollout_logp).abs() * mask  # (N, T)
+    sums = all_rank_sums({"k3": (k3 * mask).sum().item(), "tokens": mask.sum().item()})
+    return {"rollout/mismatch_kl": sums["k3"] / max(sums["tokens"], 1.0),
+            "rollout/mismatch_max": all_reduce_max([diff.max().item() if diff.numel() else 0.0])[0]}
 
 
 def accumulate_gradients(policy, batch, mini, adv, old_logp, ref_logp, cfg, temperature, world_size, device,
-                         norm_len=None, mask_all=None, sums=None) -> None:
+                         norm_len=None, mask_all=None, sums=None, record: torch.Tensor | None = None) -> None:
     """Forward/backward one mini-batch (indices ``mini``) in micro-batches, normalised by the
     mini-batch's token and sequence counts over all ranks."""
     mask_all = batch.response_mask().to(device) if mask_all is None else mask_all
@@ -172,13 +191,16 @@ def accumulate_gradients(policy, batch, mini, adv, old_logp, ref_logp, cfg, temp
     agg = {"global_tokens": totals[0], "global_seqs": totals[1], "dp_size": world_size, "norm_len": norm_len}
     for idx in (mini[i: i + cfg.micro_batch_size] for i in range(0, len(mini), cfg.micro_batch_size)):
         _micro_step(policy, batch, idx, adv, old_logp, ref_logp, cfg, temperature, agg, device,
-                    {} if sums is None else sums)
+                    {} if sums is None else sums, record)
 
 
-def _micro_step(policy, batch, idx, adv, old_logp, ref_logp, cfg, temperature, agg, device, sums) -> None:
+def _micro_step(policy, batch, idx, adv, old_logp, ref_logp, cfg, temperature, agg, device, sums,
+                record=None) -> None:
     sub = batch.select(idx)
     logp, ent = logprob_matrix(policy, sub, temperature, grad=True, with_entropy=True, device=device)
     t = logp.shape[1]
+    if record is not None:
+        record[idx, :t] = logp.detach()
     mask = sub.response_mask().to(device)
     a = adv[idx, :t].to(device)
     old = logp.detach() if old_logp is None else old_logp[idx, :t]
@@ -206,8 +228,7 @@ def _add(sums: dict, key: str, value: float) -> None:
 
 
 def _reduce_update_metrics(sums: dict, step_metrics: list[dict], world_size: int) -> dict[str, float]:
-    keys = sorted(sums)
-    totals = dict(zip(keys, all_reduce_sum([sums[k] for k in keys])))
+    totals = all_rank_sums(sums)
     tokens = max(totals.pop("tokens"), 1.0)
     n_steps = len(step_metrics)
     out = {k: v / tokens for k, v in totals.items()}
@@ -216,4 +237,42 @@ def _reduce_update_metrics(sums: dict, step_metrics: list[dict], world_size: int
     out.setdefault("actor/kl", 0.0)
     for key in step_metrics[0]:
         out[key] = sum(m[key] for m in step_metrics) / (1 if key == "actor/skipped" else n_steps)
+    return out
+
+
+def train_on_batch(policy, ref, batch: RolloutBatch, adv: torch.Tensor, cfg: AlgorithmConfig, temperature: float,
+                   world_size: int, device, norm_len: int) -> dict[str, float]:
+    """The train phase of one step: old and reference log-probs when needed, then the update."""
+    on_policy = cfg.ppo_epochs == 1 and cfg.mini_batches == 1
+    old = None if on_policy else compute_logprobs_in_chunks(policy, batch, temperature, cfg.micro_batch_size, device)
+    ref_logp = None
+    if ref is not None:
+        with ref.on_device() if hasattr(ref, "on_device") else nullcontext():  # INTEGRATE an offloaded reference comes to the device once per step
+            ref_logp = compute_logprobs_in_chunks(ref, batch, temperature, cfg.micro_batch_size, device)
+    return ppo_update(policy, batch, adv.to(device), old, ref_logp, cfg, temperature, world_size, device,
+                      norm_len=norm_len)
+
+
+def rollout_metrics(batch: RolloutBatch, scores: torch.Tensor, adv: torch.Tensor, metrics: dict,
+                    world_size: int, tp_size: int) -> dict[str, float]:
+    """Global (all-rank) statistics of the step's samples, merged with the phase ``metrics``
+    (reward components and filter fractions are per-rank means: averaged over ranks)."""
+    mask = batch.response_mask()
+    lens = [len(r) for r in batch.response_ids]
+    g = all_rank_sums({
+        "s": scores.sum().item(), "s2": (scores ** 2).sum().item(), "cnt": len(scores), "ntok": sum(lens),
+        "trunc": float(sum(f == "length" for f in batch.finish_reasons)), "ntok_loss": mask.sum().item(),
+        "a1": (adv * mask).sum().item(), "a2": (adv ** 2 * mask).sum().item()})
+    out = dict(metrics)
+    out.update(all_rank_means({k: v for k, v in metrics.items() if k.startswith(("reward/", "rollout/filtered"))},
+                              world_size))
+    if "reward/errors" in out:  # a count: the sum over replicas (TP ranks score the same samples)
+        out["reward/errors"] *= world_size / tp_size
+    mean, a_mean, ntok_loss = g["s"] / g["cnt"], g["a1"] / max(g["ntok_loss"], 1), max(g["ntok_loss"], 1)
+    out.update({
+        "reward/mean": mean, "reward/std": max(g["s2"] / g["cnt"] - mean ** 2, 0.0) ** 0.5,
+        "rollout/response_len_mean": g["ntok"] / g["cnt"], "rollout/truncated_frac": g["trunc"] / g["cnt"],
+        "rollout/tokens": g["ntok"],
+        "advantage/mean": a_mean, "advantage/std": max(g["a2"] / ntok_loss - a_mean ** 2, 0.0) ** 0.5,
+    })
     return out

@@ -8,7 +8,10 @@ import json
 import math
 import os
 import time
+from collections import deque
 from contextlib import contextmanager
+
+from rlcore.dist import all_reduce_sum
 
 CONSOLE_KEYS = (
     ("reward/mean", "reward", "{:.3f}"),
@@ -21,9 +24,23 @@ CONSOLE_KEYS = (
 )
 
 
+def all_rank_sums(values: dict[str, float]) -> dict[str, float]:
+    """Each named value summed over all ranks, in one all-reduce (collective: every rank passes
+    the same keys)."""
+    keys = sorted(values)
+    return dict(zip(keys, all_reduce_sum([values[k] for k in keys])))
+
+
+def all_rank_means(values: dict[str, float], world_size: int) -> dict[str, float]:
+    """Means over ranks of per-rank values (of equal-sized shares: their mean is the global one)."""
+    return {k: v / world_size for k, v in all_rank_sums(values).items()}
+
+
 class MetricsLogger:
-    def __init__(self, output_dir: str, is_main: bool, tensorboard: bool = True, console_every: int = 1):
-        self.is_main, self.console_every = is_main, console_every
+    def __init__(self, output_dir: str, is_main: bool, tensorboard: bool = True, console_every: int = 1,
+                 total_steps: int | None = None):
+        self.is_main, self.console_every, self.total_steps = is_main, console_every, total_steps
+        self.step_times: deque[float] = deque(maxlen=10)  # recent timing/step_s, for the ETA
         self.writer, self.jsonl = None, None
         if not is_main:
             return
@@ -47,8 +64,17 @@ class MetricsLogger:
         self.jsonl.flush()
         if self.writer is not None:
             self.writer.flush()
+        if "timing/step_s" in clean:
+            self.step_times.append(clean["timing/step_s"])
         if step % self.console_every == 0 and any(key in clean for key, _, _ in CONSOLE_KEYS):
-            print(format_console(step, clean), flush=True)
+            print(format_console(step, clean, self.total_steps, self.eta_s(step)), flush=True)
+
+    def eta_s(self, step: int) -> float | None:
+        """Seconds left at the median of the recent step times (validation and saves not included)."""
+        if not self.total_steps or not self.step_times:
+            return None
+        recent = sorted(self.step_times)
+        return recent[len(recent) // 2] * max(self.total_steps - step, 0)
 
     def close(self) -> None:
         if self.writer is not None:
@@ -57,12 +83,24 @@ class MetricsLogger:
             self.jsonl.close()
 
 
-def format_console(step: int, metrics: dict[str, float]) -> str:
-    parts = [f"step {step:>5}"]
+def format_console(step: int, metrics: dict[str, float], total_steps: int | None = None,
+                   eta_s: float | None = None) -> str:
+    width = len(str(total_steps)) if total_steps else 5
+    parts = [f"step {step:>{width}}/{total_steps}" if total_steps else f"step {step:>5}"]
     for key, short, fmt in CONSOLE_KEYS:
         if key in metrics:
             parts.append(f"{short} {fmt.format(metrics[key])}")
+    if eta_s is not None:
+        parts.append(f"eta {format_duration(eta_s)}")
     return " | ".join(parts)
+
+
+def format_duration(seconds: float) -> str:
+    """3h05m, 4m10s or 12s."""
+    seconds = int(round(seconds))
+    h, rem = divmod(seconds, 3600)
+    m, s = divmod(rem, 60)
+    return f"{h}h{m:02d}m" if h else f"{m}m{s:02d}s" if m else f"{s}s"
 
 
 class Timer:

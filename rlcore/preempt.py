@@ -6,7 +6,7 @@ SIGTERM (what torchrun forwards, and what Slurm sends on preemption) and SIGUSR1
 is a collective (one all-reduce of the flag), so a signal that reached a single rank still stops
 every rank at the same boundary, and they write one checkpoint together. If the run has not exited
 ``grace_s`` seconds after the first signal (a hung collective, a phase far longer than the grace),
-a timer thread ends the process with ``EXIT_GRACE_EXPIRED``: the last complete checkpoint is still
+a timer thread ends the process with ``Exit.GRACE_EXPIRED``: the last complete checkpoint is still
 valid, since checkpoints are written atomically.
 """
 
@@ -19,13 +19,8 @@ import time
 from contextlib import contextmanager
 
 from rlcore.dist import all_reduce_sum
+from rlcore.exit_codes import Exit
 
-# Exit codes of train_grpo.py (per rank; torchrun itself exits 1 when any rank exits non-zero).
-EXIT_OK = 0  # trainer.total_steps reached
-EXIT_CONFIG = 2  # bad configuration or input data, reported before any model loads
-EXIT_NON_FINITE = 3  # trainer.max_consecutive_skips steps in a row had a non-finite loss / grad norm
-EXIT_PREEMPTED = 75  # stopped by SIGTERM/SIGUSR1 after writing a checkpoint: resume with checkpoint.resume=auto
-EXIT_GRACE_EXPIRED = 76  # stop signal, but no checkpoint within trainer.preempt_grace_s: resume from the last one
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
@@ -42,7 +37,6 @@ class StopRequest:
         self.grace_s, self.rank = grace_s, rank
         self.signum: int | None = None
         self.received_at: float | None = None
-        self.agreed_at: float | None = None
         self._timer: threading.Timer | None = None
         self._signals = signals
 
@@ -63,10 +57,10 @@ class StopRequest:
 
     def _deadline(self) -> None:
         _say(f"rank {self.rank}: no checkpoint within trainer.preempt_grace_s={self.grace_s:g} s of the stop "
-             f"signal; exiting with code {EXIT_GRACE_EXPIRED}. The last complete checkpoint is intact: "
+             f"signal; exiting with code {int(Exit.GRACE_EXPIRED)}. The last complete checkpoint is intact: "
              f"resume with checkpoint.resume=auto, and raise trainer.preempt_grace_s (and the time given "
              f"by Slurm's --signal / torchrun's --shutdown-timeout) if phases take longer.")
-        os._exit(EXIT_GRACE_EXPIRED)
+        os._exit(Exit.GRACE_EXPIRED)
 
     @property
     def requested(self) -> bool:
@@ -74,10 +68,7 @@ class StopRequest:
 
     def agreed(self) -> bool:
         """Collective: True on every rank when any rank received a stop signal."""
-        stop = all_reduce_sum([1.0 if self.requested else 0.0])[0] > 0
-        if stop and self.agreed_at is None:
-            self.agreed_at = time.monotonic()
-        return stop
+        return all_reduce_sum([1.0 if self.requested else 0.0])[0] > 0
 
     def seconds_since_signal(self) -> float | None:
         return None if self.received_at is None else time.monotonic() - self.received_at

@@ -256,17 +256,11 @@ def score_samples(responses: list[str], answers: list[str], components: dict[str
     return totals, correct, metrics
 
 
-def score(responses: list[str], answers: list[str], components: dict[str, float], **kw) -> tuple[list[float], dict]:
-    """(weighted totals, metrics); see score_samples for the keyword arguments."""
-    totals, _, metrics = score_samples(responses, answers, components, **kw)
-    return totals, metrics
-
-
 class Scorer:
     """A RewardConfig made callable: ``Scorer(cfg).score(responses, answers)``."""
 
     def __init__(self, cfg):
-        self.components = dict(cfg.components)
+        self.components = cfg.effective_components()  # the resolved components, or their default
         self.custom_fn = load_custom_fn(cfg.fn) if cfg.fn else None
         self.timeout_s, self.error_value = cfg.timeout_s, cfg.error_value
 

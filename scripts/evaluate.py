@@ -19,11 +19,9 @@ import sys
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-for _key, _value in {
-    "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_LOGGING_LEVEL": "ERROR",
-    "TRANSFORMERS_VERBOSITY": "error", "TOKENIZERS_PARALLELISM": "false",
-}.items():
-    os.environ.setdefault(_key, _value)
+from rlcore import quiet  # noqa: E402
+
+quiet.install()  # the trainer's offline, quiet environment
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -93,14 +91,19 @@ def main(argv=None) -> None:
 
 
 def run_eval(args, prompts, tokenizer, scorer):
-    from rlcore.colocate_rollout import ColocateRollout
+    from rlcore.build import build_rollout
+    from rlcore.config import Config, ModelConfig, RolloutConfig, resolve
     from rlcore.dist import init_distributed
     from rlcore.validation import ValSettings, validate
 
     info = init_distributed("auto")
     longest = max(len(p.ids) for p in prompts)
-    rollout = ColocateRollout(args.model, info, tp_size=1, seed=args.seed, max_model_len=longest + args.max_tokens,
-                              kv_cache_gb=args.kv_cache_gb)
+    # The trainer's builder and defaults for this device (dtype, sleep level, eager mode, ...).
+    cfg = resolve(Config(model=ModelConfig(path=args.model), rollout=RolloutConfig(
+        max_model_len=longest + args.max_tokens + 1, max_response_length=args.max_tokens,
+        kv_cache_gb=args.kv_cache_gb)), info.device_type)
+    with quiet.filtered_output():
+        rollout = build_rollout(cfg.model, cfg.rollout, info, seed=args.seed)
     settings = ValSettings(n=args.n, temperature=args.temperature, max_tokens=args.max_tokens,
                            max_samples=args.max_samples, num_examples=10**9, seed=args.seed)
     try:

@@ -23,6 +23,8 @@ from rlcore.advantage import (
     policy_loss,
 )
 
+pytestmark = pytest.mark.unit  # pure logic: no torchrun, no vLLM, no model build
+
 F64 = torch.float64
 EPS = 1e-6
 

@@ -183,6 +183,7 @@ def fill(args: list[str], env: dict) -> list[str]:
     return [a.format(**env) for a in args]
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("case_id,extra,expected,world", CASES, ids=[c[0] for c in CASES])
 def test_bad_input_exits_2_before_any_model(env, capsys, case_id, extra, expected, world):
     code = checks_exit_code(base_args(env) + fill(extra, env), world)
@@ -194,6 +195,7 @@ def test_bad_input_exits_2_before_any_model(env, capsys, case_id, extra, expecte
     assert len(lines) <= 3, err  # one paragraph, not a dump
 
 
+@pytest.mark.unit
 def test_every_case_is_distinct_and_the_valid_base_passes(env, capsys):
     assert len({c[0] for c in CASES}) == len(CASES) >= 40
     assert checks_exit_code(base_args(env), 2) == 0, capsys.readouterr().err
@@ -233,6 +235,7 @@ def test_entry_point_two_ranks_every_rank_exits_2(env):
     assert out.count("Traceback (most recent call last)") == 1, out[-4000:]
 
 
+@pytest.mark.unit
 def test_nothing_foreign_is_unpickled_by_the_trainer():
     """Static audit of the trainer's own code: every torch.load passes weights_only=True, and
     nothing calls pickle.load(s) or np.load(allow_pickle=True). (VeOmni and DCP unpickle the

@@ -69,12 +69,81 @@ def test_empty_dataset_is_an_error(base_args, tmp_path):
     assert proc.returncode == 2 and "no usable prompt" in proc.stderr, proc.stderr
 
 
-def test_print_config_shows_resolved_values(base_args):
+def test_print_config_round_trips_with_help_comments(base_args, tmp_path):
+    """--print_config prints a commented YAML a user can save, edit and pass back: auto values stay
+    unresolved (null/auto), so the same file works on another device."""
+    import yaml
+
     proc = run_trainer(*base_args, "--rollout.n", "3", "--print_config")
     assert proc.returncode == 0, proc.stderr
-    assert "n: 3" in proc.stdout and "adv_estimator: grpo" in proc.stdout
+    assert "  # Samples per prompt (the GRPO group size)." in proc.stdout
+    data = yaml.safe_load(proc.stdout)
+    assert data["rollout"]["n"] == 3 and data["algorithm"]["adv_estimator"] == "grpo"
+    assert data["rollout"]["enforce_eager"] is None and data["model"]["attn_implementation"] == "auto"
+    saved = tmp_path / "saved.yaml"
+    saved.write_text(proc.stdout)
+    again = run_trainer("--config", str(saved), "--print_config")
+    assert again.returncode == 0 and again.stdout == proc.stdout, again.stderr
 
 
+def test_help_shows_each_keys_meaning_and_default():
+    proc = run_trainer("--help")
+    assert proc.returncode == 0, proc.stderr
+    text = " ".join(proc.stdout.split())
+    for phrase in ("Samples per prompt (the GRPO group size). (type: int, default: 8)",
+                   "Weight of the KL loss to a frozen reference policy",
+                   "null = bfloat16 on cuda/npu, float32 on cpu", "--print_resolved"):
+        assert phrase in text, phrase
+
+
+def resolved(*args: str) -> dict:
+    import yaml
+
+    proc = run_trainer(*args, "--print_resolved")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("# resolved for device cpu")
+    return yaml.safe_load(proc.stdout)
+
+
+def test_dependent_defaults_are_resolved_after_parsing(tmp_path):
+    """Every default that depends on another key or on the device, through the real command line.
+    The reward case is the bug users met: a YAML with only reward.fn exited 2 ("lists no 'custom'
+    entry") because the default section had filled components={math: 1.0} before the YAML arrived."""
+    reward = tmp_path / "my_reward.py"
+    reward.write_text("def score(response, answer):\n    return float(response.strip() == answer)\n")
+    only_fn = tmp_path / "only_fn.yaml"
+    only_fn.write_text(f"reward:\n  fn: {reward}:score\nrollout:\n  max_response_length: 40\n")
+    cfg = resolved("--config", str(only_fn))
+    assert cfg["reward"]["components"] == {"custom": 1.0}
+    assert cfg["val"]["max_response_length"] == 40  # 0 = rollout.max_response_length
+    assert cfg["model"]["dtype"] == "float32" and cfg["model"]["attn_implementation"] == "sdpa"
+    assert cfg["offload"] == {"params": False, "optimizer": False, "ref": False}
+    r = cfg["rollout"]
+    assert r["weight_load"] == "reload" and r["enforce_eager"] is True and r["sleep_level"] == 0
+    assert resolved()["reward"]["components"] == {"math": 1.0}
+    # Explicit values win over every dependent default.
+    cfg = resolved("--config", str(only_fn), "--reward.components", "{custom: 0.5, exact_match: 1.0}",
+                   "--val.max_response_length", "7", "--offload.params", "true", "--model.dtype", "bfloat16")
+    assert cfg["reward"]["components"] == {"custom": 0.5, "exact_match": 1.0}
+    assert cfg["val"]["max_response_length"] == 7 and cfg["model"]["dtype"] == "bfloat16"
+    assert cfg["offload"] == {"params": True, "optimizer": False, "ref": True}  # ref follows params
+
+
+@pytest.mark.unit
+def test_accelerator_defaults_resolve_per_device():
+    from rlcore.config import Config, resolve
+
+    for device in ("cuda", "npu"):
+        cfg = resolve(Config(), device)
+        assert cfg.model.dtype == "bfloat16" and cfg.rollout.sleep_level == 2
+        assert (cfg.offload.params, cfg.offload.optimizer, cfg.offload.ref) == (True, True, True)
+        assert cfg.rollout.weight_load == "direct" and cfg.rollout.enforce_eager is False
+        assert resolve(cfg, device) == cfg  # resolving twice changes nothing
+    cpu = resolve(Config(), "cpu")
+    assert cpu.model.dtype == "float32" and cpu.rollout.weight_load == "reload" and cpu.rollout.enforce_eager
+
+
+@pytest.mark.unit
 def test_prompt_sampler_is_seeded_and_resumable(tiny_model, toy_data):
     from transformers import AutoTokenizer
 
@@ -96,6 +165,7 @@ def test_prompt_sampler_is_seeded_and_resumable(tiny_model, toy_data):
     assert a.epoch == 1
 
 
+@pytest.mark.unit
 def test_long_prompts_are_filtered_or_rejected(tiny_model, toy_data):
     from transformers import AutoTokenizer
 

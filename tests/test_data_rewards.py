@@ -45,6 +45,7 @@ def write_parquet(path, rows):
 ROWS = [{"q": "d 1 2 pick 1st =", "meta": {"gt": "1"}}, {"q": "d 3 4 pick 2nd =", "meta": {"gt": "4"}}]
 
 
+@pytest.mark.unit
 def test_jsonl_and_parquet_give_the_same_prompts(tok, tmp_path):
     from rlcore.config import DataConfig
     from rlcore.data import load_prompts
@@ -58,6 +59,7 @@ def test_jsonl_and_parquet_give_the_same_prompts(tok, tmp_path):
     assert stats == {"data/bad_rows": 0, "data/filtered_too_long": 0, "data/prompts": 4}
 
 
+@pytest.mark.unit
 def test_chat_messages_and_system_prompt_use_the_chat_template(tok, tmp_path):
     from rlcore.config import ConfigError, DataConfig
     from rlcore.data import load_prompts
@@ -74,6 +76,7 @@ def test_chat_messages_and_system_prompt_use_the_chat_template(tok, tmp_path):
         load_prompts([path], DataConfig(max_prompt_length=64), tok)  # messages need the template
 
 
+@pytest.mark.unit
 def test_bad_parquet_row_names_file_and_row_or_is_counted(tok, tmp_path):
     from rlcore.config import ConfigError, DataConfig
     from rlcore.data import load_prompts
@@ -105,6 +108,7 @@ MATH_CASES = [  # (response, gold, expected)
 ]
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("response,gold,expected", MATH_CASES)
 def test_math_reward(response, gold, expected):
     from rlcore.rewards import math_answer
@@ -112,6 +116,7 @@ def test_math_reward(response, gold, expected):
     assert math_answer(response, gold) == expected
 
 
+@pytest.mark.unit
 def test_weighted_sum_accuracy_and_component_means():
     from rlcore.rewards import score_samples
 
@@ -166,6 +171,7 @@ def _scorer(**kw):
     return Scorer(RewardConfig(**kw))
 
 
+@pytest.mark.unit
 def test_custom_reward_by_module_and_file_and_batched(custom_module):
     s = _scorer(fn="my_rewards:strict")
     assert s.components == {"custom": 1.0}
@@ -176,6 +182,7 @@ def test_custom_reward_by_module_and_file_and_batched(custom_module):
     assert totals == pytest.approx([0.5 * 0.3, 0.5 * 0.1 + 1.0], abs=1e-12)
 
 
+@pytest.mark.unit
 def test_failing_custom_reward_gives_error_value_and_counts(custom_module, capfd):
     from rlcore import rewards
 
@@ -210,6 +217,7 @@ def test_failing_custom_reward_gives_error_value_and_counts(custom_module, capfd
     ({"fn": "my_rewards:strict", "components": {"math": 1.0}}, "lists no 'custom' entry"),
     ({"fn": "my_rewards:strict", "timeout_s": 0}, "reward.timeout_s=0"),
 ])
+@pytest.mark.unit
 def test_reward_config_errors(custom_module, kw, expected):
     from rlcore.config import ConfigError, RewardConfig
 

@@ -13,6 +13,8 @@ import torch
 from rlcore import grpo
 from rlcore.config import AlgorithmConfig
 
+pytestmark = pytest.mark.unit  # pure logic: no torchrun, no vLLM, no model build
+
 VOCAB = 12
 
 
@@ -138,8 +140,8 @@ def test_dynamic_sampling_rounds_draw_fresh_seeds():
     import contextlib
     import types
 
-    import train_grpo
     from rlcore.colocate_rollout import Sample
+    from rlcore.sampling import StepSampler
 
     seeds = []
 
@@ -148,14 +150,12 @@ def test_dynamic_sampling_rounds_draw_fresh_seeds():
             seeds.append(seed)
             return [[Sample([1, 2], [-0.5, -0.5], "stop") for _ in range(n)] for _ in prompt_ids]
 
-    cfg = types.SimpleNamespace(rollout=types.SimpleNamespace(n=2, temperature=1.0, top_p=1.0, top_k=-1,
-                                                              max_response_length=2),
-                                trainer=types.SimpleNamespace(seed=7))
-    run = types.SimpleNamespace(cfg=cfg, step=5, rollout=RecordingRollout(), timer=lambda _: contextlib.nullcontext())
+    rollout_cfg = types.SimpleNamespace(n=2, temperature=1.0, top_p=1.0, top_k=-1, max_response_length=2)
+    sampler = StepSampler(RecordingRollout(), None, None, None, rollout_cfg, None, 1, 7,
+                          lambda _: contextlib.nullcontext())
     prompts = [types.SimpleNamespace(ids=[3, 4], answer="1")]
     for round_ in range(3):
-        batch = train_grpo.generate(run, prompts, round_)
+        batch = sampler.generate(prompts, 5, round_)
         assert len(batch) == 2
-    run.step = 6
-    train_grpo.generate(run, prompts)
+    sampler.generate(prompts, 6)
     assert seeds[0] == 7 * 1_000_003 + 5 and len(set(seeds)) == 4, seeds

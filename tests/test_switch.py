@@ -127,22 +127,30 @@ def test_generate_refuses_garbage_weights_until_a_full_sync(run2):
 # ----------------------------------------------------------------------------- in-process
 
 
+@pytest.mark.unit
 def test_config_offload_defaults_and_errors(capsys):
-    from rlcore.config import OffloadConfig, parse_config
+    from rlcore.cli import parse_config
+    from rlcore.config import Config, OffloadConfig, resolve
 
-    assert OffloadConfig().resolve("cpu") == (False, False)
-    assert OffloadConfig().resolve("cuda") == (True, True)
-    assert OffloadConfig().resolve("npu") == (True, True)
-    assert OffloadConfig(params=True, optimizer=False).resolve("cpu") == (True, False)
-    cfg = parse_config(["--offload.optimizer", "false", "--rollout.sync_bucket_mb", "64"])
-    assert cfg.offload.optimizer is False and cfg.offload.params is None and cfg.rollout.sync_bucket_mb == 64
-    assert cfg.rollout.sleep_level is None
+    def offload(device, **kw):
+        o = resolve(Config(offload=OffloadConfig(**kw)), device).offload
+        return o.params, o.optimizer, o.ref
+
+    assert offload("cpu") == (False, False, False)
+    assert offload("cuda") == (True, True, True)
+    assert offload("npu") == (True, True, True)
+    assert offload("cpu", params=True, optimizer=False) == (True, False, True)
+    assert offload("cuda", params=True, ref=False) == (True, True, False)
+    cfg = parse_config(["--offload.optimizer", "false", "--rollout.sync_bucket_mb", "64"], device_type="cuda")
+    assert cfg.offload.optimizer is False and cfg.offload.params is True and cfg.rollout.sync_bucket_mb == 64
+    assert cfg.rollout.sleep_level == 2
     with pytest.raises(SystemExit) as e:
         parse_config(["--rollout.sync_bucket_mb", "0"])
     assert e.value.code == 2
     assert "rollout.sync_bucket_mb=0" in capsys.readouterr().err
 
 
+@pytest.mark.unit
 def test_sleep_level_and_weight_load_choices():
     from rlcore.colocate_rollout import _pick_sleep_level, _pick_weight_load
 
@@ -156,6 +164,7 @@ def test_sleep_level_and_weight_load_choices():
         _pick_weight_load("cpu", "direct")
 
 
+@pytest.mark.unit
 def test_kv_buffer_zeroed_without_touching_it():
     """Resume of the CPU KV buffer: reads back all zeros, and the whole pages were dropped rather
     than written (RSS falls by about the buffer size instead of staying)."""

@@ -14,6 +14,7 @@ import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TRAIN = os.path.join(REPO, "train_grpo.py")
+FAULTY = os.path.join(REPO, "tests", "workers", "faulty_train.py")  # train_grpo.py with injected faults
 DROP = ("timing/", "memory/", "perf/")  # wall-clock dependent metrics
 
 

@@ -1,0 +1,122 @@
+"""What the loop needs from the two engines (``Policy``, ``Rollout``), and the builders that make
+them from their own config sections. Shared by ``train_grpo.py`` and ``scripts/evaluate.py``;
+tests' fakes satisfy the same protocols.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+import torch
+
+from rlcore import quiet
+from rlcore.config import Config, ModelConfig, OffloadConfig, OptimConfig, RolloutConfig
+from rlcore.dist import DistInfo
+from rlcore.metrics import Timer
+
+
+@runtime_checkable
+class Policy(Protocol):
+    """The trainer engine (``rlcore.engine_veomni.VeOmniPolicy``). Every method that runs a
+    forward, gathers weights or touches a checkpoint is collective."""
+
+    lr_schedule_changes: list[str]
+
+    def forward_logprobs(self, input_ids: torch.Tensor, position_ids: torch.Tensor, labels: torch.Tensor,
+                         temperature: float = 1.0, with_entropy: bool = False, grad: bool = True
+                         ) -> tuple[torch.Tensor, torch.Tensor | None]: ...
+    def backward(self, loss: torch.Tensor) -> None: ...
+    def step(self) -> dict: ...
+    def named_hf_weights_bucketed(self, dtype=None, bucket_mb: float = 64.0) -> Iterator[tuple[str, torch.Tensor]]: ...
+    def sync_plan_summary(self, dtype=None, bucket_mb: float = 64.0) -> dict: ...
+    def offload(self, params: bool = True, optimizer: bool = True) -> None: ...
+    def onload(self, params: bool = True, optimizer: bool = True) -> None: ...
+    def on_device(self) -> AbstractContextManager: ...
+    def save_checkpoint(self, path: str, extra_state: dict | None = None) -> None: ...
+    def load_checkpoint(self, path: str) -> dict: ...
+    def save_hf(self, path: str, dtype: str = "float32") -> None: ...
+    def describe(self) -> str: ...
+
+
+@runtime_checkable
+class Rollout(Protocol):
+    """The generation engine (``rlcore.colocate_rollout.ColocateRollout``): one vLLM engine per
+    tensor-parallel group; ``dp_*`` name the replica, ``tp_*`` the rank inside it."""
+
+    dp_rank: int
+    dp_size: int
+    tp_rank: int
+    tp_size: int
+    weights_valid: bool
+    released: frozenset
+
+    def generate(self, prompts: list[list[int]], *, n: int, temperature: float = 1.0, top_p: float = 1.0,
+                 top_k: int = -1, max_tokens: int = 64, seed: int | None = None,
+                 stop_token_ids: list[int] | None = None) -> list: ...
+    def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]], *, full: bool = True) -> int: ...
+    def release_memory(self) -> None: ...
+    def resume_memory(self, tags: list[str] | None = None) -> None: ...
+    def shutdown(self) -> None: ...
+    def describe(self) -> str: ...
+
+
+@dataclass
+class Engines:
+    policy: Policy
+    ref: Policy | None  # frozen reference for the KL loss (algorithm.kl_loss_coef > 0)
+    rollout: Rollout
+    switch: object  # rlcore.switch.PhaseSwitcher
+
+
+def build_policy(model: ModelConfig, optim: OptimConfig, info: DistInfo, total_optim_steps: int) -> Policy:
+    from rlcore.engine_veomni import VeOmniPolicy
+
+    return VeOmniPolicy(
+        model.path, info, dtype=model.dtype, gradient_checkpointing=model.gradient_checkpointing,
+        attn_implementation=model.attn_implementation, lr=optim.lr, weight_decay=optim.weight_decay,
+        betas=tuple(optim.betas), adam_eps=optim.eps, lr_schedule=optim.lr_schedule,
+        warmup_steps=optim.warmup_steps, min_lr_ratio=optim.min_lr_ratio, total_steps=total_optim_steps,
+        grad_clip=optim.grad_clip)
+
+
+def build_reference(model: ModelConfig, offload: OffloadConfig, info: DistInfo) -> Policy:
+    from rlcore.engine_veomni import VeOmniPolicy
+
+    return VeOmniPolicy(model.path, info, dtype=model.dtype, trainable=False,
+                        attn_implementation=model.attn_implementation)  # INTEGRATE offload.ref
+
+
+def build_rollout(model: ModelConfig, rollout: RolloutConfig, info: DistInfo, seed: int) -> Rollout:
+    from rlcore.colocate_rollout import ColocateRollout
+
+    r = rollout
+    return ColocateRollout(
+        model.path, info, tp_size=r.tensor_parallel_size, seed=seed, max_model_len=r.max_model_len,
+        dtype=model.dtype, kv_cache_gb=r.kv_cache_gb, gpu_memory_utilization=r.gpu_memory_utilization,
+        sleep_level=r.sleep_level, weight_load=r.weight_load)  # INTEGRATE speed settings
+
+
+def build_switch(policy: Policy, rollout: Rollout, model: ModelConfig, r: RolloutConfig, offload: OffloadConfig,
+                 info: DistInfo, timer: Timer):
+    from rlcore.switch import PhaseSwitcher
+
+    return PhaseSwitcher(policy, rollout, timer, info.device_type, offload_params=offload.params,
+                         offload_optimizer=offload.optimizer, free_kv_cache=r.free_kv_cache,
+                         rollout_dtype=model.dtype, sync_bucket_mb=r.sync_bucket_mb, rank=info.rank)
+
+
+def build_engines(cfg: Config, info: DistInfo, timer: Timer) -> Engines:
+    """The policy, the reference (when the KL loss is on), the vLLM engine and the phase switch,
+    for a resolved config (``rlcore.config.resolve``); third-party start-up noise filtered."""
+    torch.manual_seed(cfg.trainer.seed)
+    with quiet.filtered_output():
+        policy = build_policy(cfg.model, cfg.optim, info, cfg.trainer.total_steps * cfg.algorithm.optim_steps_per_step)
+        ref = build_reference(cfg.model, cfg.offload, info) if cfg.algorithm.kl_loss_coef > 0 else None
+        rollout = build_rollout(cfg.model, cfg.rollout, info, cfg.trainer.seed)
+    switch = build_switch(policy, rollout, cfg.model, cfg.rollout, cfg.offload, info, timer)
+    if cfg.logging.switch_trace:
+        switch.trace_to_stderr()
+    return Engines(policy, ref, rollout, switch)

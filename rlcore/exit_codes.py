@@ -1,0 +1,28 @@
+"""The exit codes of train_grpo.py (per rank), in one table, and the one way to stop on a user error.
+
+torchrun itself exits 1 whenever a rank fails or it was signalled, and lists the ranks' codes.
+The README's table is this one.
+"""
+
+from __future__ import annotations
+
+import sys
+from enum import IntEnum
+
+
+class Exit(IntEnum):
+    OK = 0  # trainer.total_steps reached
+    CONFIG = 2  # bad configuration or input data, reported before any model loads (or at the bad row)
+    NON_FINITE = 3  # trainer.max_consecutive_skips steps in a row had a non-finite loss or gradient norm
+    PREEMPTED = 75  # stopped by SIGTERM/SIGUSR1 after writing a checkpoint: resume with checkpoint.resume=auto
+    GRACE_EXPIRED = 76  # stop signal, but no checkpoint within trainer.preempt_grace_s: the previous one is intact
+
+
+class ConfigError(ValueError):
+    """A user mistake in the configuration or inputs; printed without a traceback, exit code 2."""
+
+
+def fail(message: str, code: Exit = Exit.CONFIG) -> None:
+    """Print a user-facing error (every rank may print it) and exit with ``code``."""
+    print(f"error: {message}", file=sys.stderr, flush=True)
+    raise SystemExit(int(code))
