@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from conftest import QUIET_ENV, REPO
-from workers.launch import Launch, dcp_state, rank_exit_codes, read_rows, same, wait_gone
+from workers.launch import FAULTY, Launch, dcp_state, rank_exit_codes, read_rows, same, wait_gone
 
 GRACE_S = 60
 
@@ -46,7 +46,7 @@ def test_signal_one_rank_stops_all_then_resume_and_sigterm_torchrun(tiny_model, 
     first = Launch(2, args(tiny_model, toy_data[0], out, 500, "--trainer.watchdog_s", "2"),
                    launcher_args=("--monitor-interval=5",))
     try:
-        first.wait_for(r"^step     2 ")
+        first.wait_for(r"^step +2/")
         workers = first.worker_pids()
         t_signal = time.monotonic()
         os.kill(workers[1], signal.SIGUSR1)
@@ -68,7 +68,7 @@ def test_signal_one_rank_stops_all_then_resume_and_sigterm_torchrun(tiny_model, 
     second = Launch(2, args(tiny_model, toy_data[0], out, 500))
     try:
         second.wait_for(rf"resumed from .*step_{step} at step {step}")
-        second.wait_for(rf"^step {step + 2:>5} ")
+        second.wait_for(rf"^step +{step + 2}/")
         workers = second.worker_pids()
         t_signal = time.monotonic()
         second.proc.send_signal(signal.SIGTERM)
@@ -94,7 +94,7 @@ def test_non_finite_steps_are_skipped_counted_and_stop_the_run(tiny_model, toy_d
     out = str(tmp_path / "nan")
     run = Launch(2, args(tiny_model, toy_data[0], out, 8, "--checkpoint.save_every", "1", "--checkpoint.keep_last", "10",
                          "--trainer.max_consecutive_skips", "2"),
-                 env={"RLCORE_TEST_NAN_STEPS": "2,4,5"}, launcher_args=("--monitor-interval=5",))
+                 env={"RLCORE_TEST_NAN_STEPS": "2,4,5"}, script=FAULTY, launcher_args=("--monitor-interval=5",))
     try:
         rc = run.wait(timeout=900)
     finally:
@@ -228,3 +228,159 @@ def test_sbatch_time_limit_signal_checkpoints_and_requeues(tmp_path):
     assert "scancel --signal=TERM 4242" in log and "srun got TERM" in log
     assert "scontrol requeue 4242" in log and "requeueing job 4242" in out
     assert os.path.isdir(tmp_path / "logs" / "grpo-4242" / "attempt1")
+
+
+# ---------------------------------------------------------------------------------------------
+# Slurm batch script: devices (CUDA / Ascend NPU), network interfaces, kill-on-bad-exit
+# ---------------------------------------------------------------------------------------------
+
+# `npu-smi info -m` on an Atlas A3 node: 8 modules of 2 compute chips (16 devices) plus one Mcu each.
+FAKE_NPU_SMI = """#!/bin/bash
+[ "$1 $2" = "info -m" ] || exit 1
+printf '%-31s%-31s%-31s%s\\n' "NPU ID" "Chip ID" "Chip Logic ID" "Chip Name"
+for npu in 0 1 2 3 4 5 6 7; do
+  printf '%-31s%-31s%-31s%s\\n' $npu 0 $((2 * npu)) "Ascend 910_9391"
+  printf '%-31s%-31s%-31s%s\\n' $npu 1 $((2 * npu + 1)) "Ascend 910_9391"
+  printf '%-31s%-31s%-31s%s\\n' $npu 2 - Mcu
+done
+"""
+FAKE_NVIDIA_SMI_NONE = """#!/bin/bash
+echo "No devices were found"
+exit 6
+"""
+FAKE_NVIDIA_SMI_FOUR = """#!/bin/bash
+for i in 0 1 2 3; do echo "GPU $i: NVIDIA H100 80GB HBM3 (UUID: GPU-$i)"; done
+"""
+# Records the environment and arguments the ranks would get, then ends like a finished run.
+FAKE_SRUN_ENV = """#!/bin/bash
+echo "srun $*" >> "$FAKE_DIR/calls"
+env > "$FAKE_DIR/srun.env"
+exit 0
+"""
+
+
+def isolated_bin(tmp_path, **fakes):
+    """A PATH holding only the tools the batch script uses plus the given stand-ins, so whatever
+    nvidia-smi / npu-smi the test machine has cannot change which device the script detects."""
+    import shutil
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(parents=True, exist_ok=True)
+    for tool in ("bash", "dirname", "awk", "grep", "wc", "sed", "date", "cat", "env", "mkdir"):
+        found = shutil.which(tool)
+        assert found, tool
+        os.symlink(found, bin_dir / tool)
+    for name, text in fakes.items():
+        (bin_dir / name).write_text(text)
+        (bin_dir / name).chmod(0o755)
+    return str(bin_dir)
+
+
+NO_DEVICE_ENV = {"SLURM_GPUS_ON_NODE": "", "CUDA_VISIBLE_DEVICES": "", "ASCEND_RT_VISIBLE_DEVICES": "", "DEVICE": "",
+                 "NPROC_PER_NODE": "", "IFNAME": "", "GLOO_SOCKET_IFNAME": "", "NCCL_SOCKET_IFNAME": "",
+                 "HCCL_SOCKET_IFNAME": "", "ASCEND_TOOLKIT_HOME": "", "ATB_HOME_PATH": ""}
+
+
+def dry_run(tmp_path, env, *args):
+    proc = sbatch(tmp_path, "configs/demo_cpu.yaml", *args, env={**NO_DEVICE_ENV, "DRY_RUN": "1", **env})
+    out, _ = proc.communicate(timeout=60)
+    launch = next((line for line in out.splitlines() if line.startswith("+ srun ")), "")
+    envline = next((line for line in out.splitlines() if line.startswith("environment: ")), "")
+    return proc.returncode, out, launch, envline.removeprefix("environment: ").split()
+
+
+def test_sbatch_dry_run_kill_on_bad_exit_and_ifname(tmp_path):
+    header = open(SBATCH).read()
+    import re
+
+    # NPU clusters have no gpu GRES, and a header line cannot be undone: GPU users pass it to sbatch.
+    assert not re.search(r"^#SBATCH --(gpus-per-node|gres)", header, re.M)
+    rc, out, launch, env = dry_run(tmp_path, {"SLURM_GPUS_ON_NODE": "8"})
+    assert rc == 0, out
+    assert launch.startswith("+ srun --nodes=2 --ntasks-per-node=1 --kill-on-bad-exit=1 --output="), launch
+    assert "2 node(s) x 8 cuda rank(s) (from SLURM_GPUS_ON_NODE)" in out
+    assert env == [] and "note: IFNAME and GLOO_SOCKET_IFNAME are unset" in out  # 2 nodes: say how to fix gloo
+    # IFNAME sets gloo's and NCCL's interface; a variable the user set keeps its value.
+    rc, out, launch, env = dry_run(tmp_path, {"SLURM_GPUS_ON_NODE": "8", "IFNAME": "ib0", "NCCL_SOCKET_IFNAME": "eth1"})
+    assert rc == 0, out
+    assert env == ["GLOO_SOCKET_IFNAME=ib0", "NCCL_SOCKET_IFNAME=eth1"], out
+    assert "note: IFNAME" not in out and "MULTI_STREAM_MEMORY_REUSE" not in out  # no Ascend variables on CUDA
+    # GLOO_SOCKET_IFNAME alone (no IFNAME) is shown and silences the note.
+    rc, out, launch, env = dry_run(tmp_path, {"SLURM_GPUS_ON_NODE": "8", "GLOO_SOCKET_IFNAME": "bond0"})
+    assert rc == 0 and env == ["GLOO_SOCKET_IFNAME=bond0"] and "note: IFNAME" not in out, out
+
+
+def test_sbatch_dry_run_gpu_count_without_slurm_gres(tmp_path):
+    """No SLURM_GPUS_ON_NODE (submitted without --gpus-per-node): nvidia-smi counts the GPUs, or the
+    script stops with exit 2 and says how to request them."""
+    path = isolated_bin(tmp_path, **{"nvidia-smi": FAKE_NVIDIA_SMI_FOUR})
+    rc, out, launch, _ = dry_run(tmp_path, {"PATH": path})
+    assert rc == 0, out
+    assert "--nproc_per_node 4 " in launch and "x 4 cuda rank(s) (from nvidia-smi -L)" in out
+    rc, out, launch, _ = dry_run(tmp_path, {"PATH": path, "CUDA_VISIBLE_DEVICES": "0,1"})
+    assert rc == 0 and "--nproc_per_node 2 " in launch, out
+    (tmp_path / "bin" / "nvidia-smi").write_text(FAKE_NVIDIA_SMI_NONE)
+    rc, out, launch, _ = dry_run(tmp_path, {"PATH": path})
+    assert rc == 2 and not launch, out
+    assert "found no GPU" in out and "--gpus-per-node=N" in out and "NPROC_PER_NODE" in out
+    rc, out, launch, _ = dry_run(tmp_path, {"PATH": path, "NPROC_PER_NODE": "3"})
+    assert rc == 0 and "--nproc_per_node 3 " in launch, out
+
+
+def test_sbatch_dry_run_npu_node(tmp_path):
+    """An Ascend A3 node: detected by npu-smi, 16 ranks (one per chip), CANN's set_env.sh sourced,
+    the Ascend variables set (each overridable), HCCL's interface from IFNAME."""
+    path = isolated_bin(tmp_path, **{"npu-smi": FAKE_NPU_SMI})
+    ascend = tmp_path / "Ascend"
+    for sub in ("ascend-toolkit", "nnal/atb"):
+        (ascend / sub).mkdir(parents=True)
+        (ascend / sub / "set_env.sh").write_text("export ASCEND_FAKE=1\n")
+    base = {"PATH": path, "SLURM_NNODES": "1", "SLURM_JOB_NODELIST": "npu-a", "ASCEND_HOME": str(ascend)}
+    rc, out, launch, env = dry_run(tmp_path, {**base, "IFNAME": "enp189s0f0", "TASK_QUEUE_ENABLE": "2"})
+    assert rc == 0, out
+    assert launch.startswith("+ srun --nodes=1 --ntasks-per-node=1 --kill-on-bad-exit=1 "), launch
+    assert "torchrun --nnodes 1 --nproc_per_node 16 " in launch and "--rdzv_endpoint npu-a:29500" in launch
+    assert "1 node(s) x 16 npu rank(s) (from npu-smi info -m)" in out
+    assert f"+ source {ascend}/ascend-toolkit/set_env.sh" in out and f"+ source {ascend}/nnal/atb/set_env.sh" in out
+    assert env == ["HCCL_CONNECT_TIMEOUT=1200", "MULTI_STREAM_MEMORY_REUSE=2", "TASK_QUEUE_ENABLE=2",
+                   "CPU_AFFINITY_CONF=1", "GLOO_SOCKET_IFNAME=enp189s0f0", "NCCL_SOCKET_IFNAME=enp189s0f0",
+                   "HCCL_SOCKET_IFNAME=enp189s0f0"], out
+    assert "note: IFNAME" not in out  # one node: nothing crosses nodes
+    # ASCEND_RT_VISIBLE_DEVICES alone marks an NPU node and gives the count; a set-up CANN is not re-sourced.
+    rc, out, launch, env = dry_run(tmp_path, {"PATH": isolated_bin(tmp_path / "x"), "ASCEND_HOME": str(ascend),
+                                              "ASCEND_RT_VISIBLE_DEVICES": "0,1,2,3", "ASCEND_TOOLKIT_HOME": "/opt/cann",
+                                              "ATB_HOME_PATH": "/opt/atb"})
+    assert rc == 0, out
+    assert "torchrun --nnodes 2 --nproc_per_node 4 " in launch and "(from ASCEND_RT_VISIBLE_DEVICES)" in out
+    assert "+ source" not in out and "MULTI_STREAM_MEMORY_REUSE=2" in env
+    # DEVICE=npu without any NPU to count: exit 2 naming what to set.
+    rc, out, launch, _ = dry_run(tmp_path, {"PATH": isolated_bin(tmp_path / "y"), "DEVICE": "npu",
+                                            "ASCEND_HOME": str(ascend)})
+    if not os.path.exists("/dev/davinci0"):
+        assert rc == 2 and "found no NPU" in out and "ASCEND_RT_VISIBLE_DEVICES" in out, out
+    rc, out, _, _ = dry_run(tmp_path, {"DEVICE": "tpu"})
+    assert rc == 2 and "DEVICE=tpu" in out
+
+
+def test_sbatch_npu_environment_reaches_the_ranks(tmp_path):
+    """Not a dry run: CANN's set_env.sh is really sourced (under set -u, reading an unset variable),
+    and srun, which passes its environment to every node's torchrun, sees the Ascend and interface
+    variables and gets --kill-on-bad-exit=1."""
+    path = isolated_bin(tmp_path, **{"npu-smi": FAKE_NPU_SMI, "srun": FAKE_SRUN_ENV})
+    ascend = tmp_path / "Ascend"
+    (ascend / "ascend-toolkit").mkdir(parents=True)
+    (ascend / "ascend-toolkit" / "set_env.sh").write_text(
+        'export ASCEND_TOOLKIT_HOME=/fake/cann/latest\n'
+        'export LD_LIBRARY_PATH=/fake/cann/lib64:$UNSET_BY_ANYONE_RLCORE\nfalse\n')
+    env = {**NO_DEVICE_ENV, "PATH": path, "FAKE_DIR": str(tmp_path), "ASCEND_HOME": str(ascend), "IFNAME": "ib0",
+           "HEAD_NODE": "npu-a"}
+    proc = sbatch(tmp_path, "configs/demo_cpu.yaml", env=env)
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 0 and "training finished (exit 0)" in out, out
+    calls = (tmp_path / "calls").read_text()
+    assert calls.startswith("srun --nodes=2 --ntasks-per-node=1 --kill-on-bad-exit=1 ") and "--nproc_per_node 16" in calls
+    seen = dict(line.split("=", 1) for line in (tmp_path / "srun.env").read_text().splitlines() if "=" in line)
+    for key, value in (("ASCEND_TOOLKIT_HOME", "/fake/cann/latest"), ("HCCL_CONNECT_TIMEOUT", "1200"),
+                       ("MULTI_STREAM_MEMORY_REUSE", "2"), ("TASK_QUEUE_ENABLE", "1"), ("CPU_AFFINITY_CONF", "1"),
+                       ("GLOO_SOCKET_IFNAME", "ib0"), ("NCCL_SOCKET_IFNAME", "ib0"), ("HCCL_SOCKET_IFNAME", "ib0")):
+        assert seen.get(key) == value, (key, seen.get(key), out)
