@@ -1,0 +1,578 @@
+"""Memory plan before launch: bytes per rank of every resident thing, per phase of the switch.
+
+Pure arithmetic from the model's ``config.json`` and the run's ``Config``: no torch.distributed,
+no weights (torch only in ``device_total_gb``). GB = 2**30 bytes, as torch reports device memory.
+Notation: P parameters, W world size (FSDP shards over every rank), c bytes of ``model.dtype``
+(compute and rollout dtype; master weights and AdamW state are fp32), T tokens of one micro-batch,
+h hidden size, V vocab. Each component's formula is in its function's docstring; docs/memory_plan.md
+has them all with a worked Qwen3-8B plan.
+
+Phases, in the order a run meets them (the steps are rlcore/switch.py's); each total is a peak:
+    startup   the first generation: vLLM is built while the trainer's fp32 shard (and reference) are
+              on the device, and refuses to start unless gpu_memory_utilization x device is free
+    train     params, gradients, optimizer, activations, FSDP's gathered weights, the resident
+              reference, and what vLLM keeps at its sleep level
+    sync      to_generation step 3: optimizer offloaded (if configured), vLLM weights woken, trainer
+              params still resident, two sync buckets; the KV cache is woken only after
+    generate  vLLM's weights + KV cache + activations, plus the trainer state not offloaded
+A phase fits when its total <= device - RESERVE_GB (CUDA/CANN context and kernels ~1 GB, the
+trainer's NCCL/HCCL communicators ~1 GB, allocator fragmentation ~1 GB).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass, field, replace
+
+GB = 2**30
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+PHASES = ("startup", "train", "sync", "generate")  # the order a run goes through them
+COMPONENTS = ("trainer_params", "gradients", "optimizer", "reference", "activations", "fsdp_gathered",
+              "vllm_weights", "kv_cache", "vllm_activations", "vllm_overhead", "sync_buckets")
+RESERVE_GB = {"cuda": 3.0, "npu": 3.0}  # other devices (cpu): 0
+VLLM_OVERHEAD_GB = 0.5  # non-torch memory vLLM keeps: TP communicator, cuBLAS/ACL workspaces
+# CUDA/ACL graph pool (rollout.enforce_eager false), kept across sleep/wake. A rough allowance:
+# vLLM logs the real figure at start-up ("Graph capturing finished ... took X GiB").
+VLLM_GRAPHS_GB = 1.0
+LOGITS_CHUNK = 1024  # tokens per lm_head chunk of VeOmni's log-prob kernel (its default)
+LOGITS_BUFFERS = 6  # fp32 (chunk, V) buffers alive at the kernel's backward peak
+SAMPLER_BUFFERS = 3  # fp32 (max_num_seqs, V) buffers of vLLM's sampler in its profile run
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the plan needs from config.json: dense Llama/Qwen-style and Qwen-MoE decoders."""
+
+    arch: str
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    vocab: int
+    tied: bool
+    qkv_bias: bool = False
+    qk_norm: bool = False  # Qwen3: RMSNorm over head_dim on q and k
+    experts: int = 0
+    experts_per_tok: int = 0
+    moe_intermediate: int = 0
+    shared_intermediate: int = 0  # Qwen2-MoE shared expert (0 for Qwen3-MoE)
+    sparse: tuple[bool, ...] = ()  # per layer: routed experts instead of the dense MLP
+
+    @classmethod
+    def from_hf_config(cls, c: dict) -> "ModelShape":
+        mtype, layers = c.get("model_type", ""), c["num_hidden_layers"]
+        experts = c.get("num_experts") or c.get("num_local_experts") or 0
+        step, dense_only = c.get("decoder_sparse_step", 1) or 1, set(c.get("mlp_only_layers") or [])
+        sparse = tuple(experts > 0 and i not in dense_only and (i + 1) % step == 0 for i in range(layers))
+        heads = c["num_attention_heads"]
+        return cls(
+            arch=(c.get("architectures") or [mtype])[0], hidden=c["hidden_size"], layers=layers, heads=heads,
+            kv_heads=c.get("num_key_value_heads") or heads,
+            head_dim=c.get("head_dim") or c["hidden_size"] // heads,
+            intermediate=c.get("intermediate_size", 0), vocab=c["vocab_size"],
+            tied=bool(c.get("tie_word_embeddings", False)),
+            qkv_bias=bool(c.get("attention_bias", mtype in ("qwen2", "qwen2_moe"))),
+            qk_norm=mtype.startswith("qwen3"), experts=experts,
+            experts_per_tok=c.get("num_experts_per_tok", 0),
+            moe_intermediate=c.get("moe_intermediate_size") or (c.get("intermediate_size", 0) if experts else 0),
+            shared_intermediate=c.get("shared_expert_intermediate_size", 0), sparse=sparse)
+
+    @classmethod
+    def from_path(cls, model_path: str) -> "ModelShape":
+        with open(os.path.join(model_path, "config.json")) as f:
+            c = json.load(f)
+        return cls.from_hf_config(c.get("text_config", c))  # multimodal configs nest the LM
+
+    # parameter counts (elements) -----------------------------------------------------------
+    @property
+    def q_dim(self) -> int:
+        return self.heads * self.head_dim
+
+    @property
+    def kv_dim(self) -> int:
+        return self.kv_heads * self.head_dim
+
+    def embed(self) -> int:
+        return self.vocab * self.hidden
+
+    def lm_head(self) -> int:
+        return 0 if self.tied else self.vocab * self.hidden
+
+    def attn(self) -> int:
+        """q, k, v, o projections (+ qkv bias, + Qwen3's q_norm/k_norm)."""
+        h, q, kv = self.hidden, self.q_dim, self.kv_dim
+        return h * (q + 2 * kv) + q * h + (q + 2 * kv) * self.qkv_bias + 2 * self.head_dim * self.qk_norm
+
+    def dense_mlp(self) -> int:
+        return 3 * self.hidden * self.intermediate  # gate, up, down
+
+    def expert(self) -> int:
+        return 3 * self.hidden * self.moe_intermediate  # one routed expert
+
+    def moe_shared(self) -> int:
+        """Router, and the Qwen2-MoE shared expert with its gate: not sharded by expert parallelism."""
+        shared = 3 * self.hidden * self.shared_intermediate + self.hidden if self.shared_intermediate else 0
+        return self.hidden * self.experts + shared
+
+    def layer(self, i: int, ep: int = 1) -> tuple[int, int]:
+        """(non-expert, routed-expert) parameters of layer i held by one expert-parallel rank."""
+        if self.sparse and self.sparse[i]:
+            return self.attn() + 2 * self.hidden + self.moe_shared(), self.experts * self.expert() // ep
+        return self.attn() + 2 * self.hidden + self.dense_mlp(), 0
+
+    def root(self) -> int:
+        """The FSDP root's parameters: embedding, final norm, untied lm_head."""
+        return self.embed() + self.hidden + self.lm_head()
+
+    def counts(self) -> tuple[int, int]:
+        """(non-expert, routed-expert) totals; expert parallelism will shard only the second."""
+        per_layer = [self.layer(i) for i in range(self.layers)]
+        return self.root() + sum(d for d, _ in per_layer), sum(e for _, e in per_layer)
+
+    @property
+    def params(self) -> int:
+        return sum(self.counts())
+
+    def largest_sync_unit(self) -> int:
+        """Largest group of parameters the weight sync keeps in one bucket (rlcore.bucket_gather:
+        one grandparent module: embed_tokens + final norm, lm_head, a layer's self_attn or mlp,
+        one routed expert)."""
+        mlp = max((self.moe_shared() if s else self.dense_mlp()) for s in (self.sparse or (False,)))
+        return max(self.embed() + self.hidden, self.lm_head(), self.attn(), mlp, self.expert())
+
+    # activation elements per token --------------------------------------------------------
+    def layer_activations(self, i: int) -> int:
+        """Elements per token a decoder layer saves for backward: both norms' inputs and outputs
+        (4h), q/k/v before and after norm + RoPE (2(q + 2kv)), the attention output (q; flash /
+        SDPA kernels keep no (T, T) scores), SwiGLU gate, up, silu(gate), product (4I); a sparse
+        layer instead k experts' dispatched input and SwiGLU (k(h + 4I_moe)), router logits in fp32."""
+        attn = 4 * self.hidden + 2 * (self.q_dim + 2 * self.kv_dim) + self.q_dim
+        if self.sparse and self.sparse[i]:
+            k, sh = self.experts_per_tok, self.shared_intermediate
+            return attn + k * (self.hidden + 4 * self.moe_intermediate) + 4 * sh + 2 * self.experts
+        return attn + 4 * self.intermediate
+
+
+@dataclass(frozen=True)
+class PlanInputs:
+    """Everything the plan depends on (built from a Config by ``plan_from_config``)."""
+
+    shape: ModelShape
+    world: int
+    device_gb: float
+    device_type: str = "cuda"
+    dtype: str = "bfloat16"
+    nproc_per_node: int | None = None
+    offload_params: bool = True
+    offload_optimizer: bool = True
+    reference: bool = False
+    offload_ref: bool = False
+    ref_offloadable: bool = False  # the Config has offload.ref
+    tp: int = 1
+    ep: int = 1
+    gpu_memory_utilization: float = 0.5
+    sleep_level: int = 2
+    free_kv_cache: bool = True
+    sync_bucket_mb: float = 64.0
+    micro_batch_size: int = 8
+    prompt_len: int = 256
+    response_len: int = 64
+    max_model_len: int = 512
+    gradient_checkpointing: bool = False
+    prompts_per_step: int = 8
+    n: int = 8
+    max_num_batched_tokens: int | None = None  # None: vLLM's default for this device size
+    max_num_seqs: int | None = None
+    graphs: bool = False  # vLLM captures CUDA/ACL graphs (rollout.enforce_eager false)
+
+    @property
+    def c(self) -> int:
+        return DTYPE_BYTES[self.dtype]
+
+    @property
+    def dp(self) -> int:
+        return max(1, self.world // self.tp)
+
+    @property
+    def seq_len(self) -> int:
+        return self.prompt_len + self.response_len
+
+    @property
+    def seqs_per_replica(self) -> float:
+        return self.prompts_per_step / self.dp * self.n
+
+    @property
+    def micro_tokens(self) -> int:
+        """T: one packed micro-batch; a rank never trains on more sequences than it holds."""
+        per_rank = max(1, int(self.seqs_per_replica // self.tp))
+        return min(self.micro_batch_size, per_rank) * self.seq_len
+
+    def vllm_defaults(self) -> tuple[int, int]:
+        """(max_num_batched_tokens, max_num_seqs): vLLM 0.32's offline (LLM class) defaults pick
+        16384 / 1024 on devices of >= 70 GB (8192 / 256 below; A100-80GB also gets the smaller)."""
+        big = self.device_gb >= 70
+        return (self.max_num_batched_tokens or (16384 if big else 8192),
+                self.max_num_seqs or (1024 if big else 256))
+
+
+# ------------------------------------------------------------------------------- components
+
+def activation_bytes(p: PlanInputs) -> int:
+    """Training activations of one micro-batch of T tokens (compute dtype c, bytes).
+
+    With gradient checkpointing: each layer's input hidden state (layers x T x h) plus one layer
+    recomputed with its gradients (2 x T x max layer_activations). Without: every layer's saved
+    activations (T x sum of layer_activations) plus one layer's gradients. Plus the head: the
+    final hidden state the log-prob kernel saves and its gradient (2 x T x h), and the kernel's
+    chunk of LOGITS_CHUNK tokens: LOGITS_BUFFERS fp32 (chunk, V) buffers (logits, softmax, one-hot,
+    dlogits and temporaries); the full (T, V) logits never exist.
+    """
+    s, t, c = p.shape, p.micro_tokens, p.c
+    per_layer = [s.layer_activations(i) for i in range(s.layers)]
+    if p.gradient_checkpointing:
+        layers = s.layers * t * s.hidden * c + 2 * t * max(per_layer) * c
+    else:
+        layers = t * sum(per_layer) * c + t * max(per_layer) * c
+    head = 2 * t * s.hidden * c + LOGITS_BUFFERS * min(LOGITS_CHUNK, t) * s.vocab * 4
+    return layers + head
+
+
+def fsdp_gathered_bytes(p: PlanInputs, activations: int) -> int:
+    """Unsharded weights and gradients FSDP2 holds on top of the shards while training, at the
+    higher of two moments of the backward:
+
+    - in the decoder layers: the root's gathered weights (c x root; FSDP2 keeps the root
+      unsharded between forward and backward), the lm_head gradient the log-prob kernel made
+      first (c x lm_head), two layers gathered (the current one and the prefetched one,
+      2c x layer) and one layer's gradient before its reduce-scatter in c and in fp32 ((c+4) x layer);
+    - at the end: the root's weights, gradients, and the fp32 reduce-scatter input ((2c+4) x root),
+      when the activations are gone: counted as what it needs beyond ``activations``.
+    Routed experts count with 1/ep of a layer (expert parallelism gathers over world/ep ranks).
+    """
+    s, c = p.shape, p.c
+    layer = max(sum(s.layer(i, p.ep)) for i in range(s.layers))
+    in_layers = c * s.root() + c * s.lm_head() + 2 * c * layer + (c + 4) * layer
+    at_end = (2 * c + 4) * s.root()
+    return max(in_layers, at_end - activations)
+
+
+def vllm_weight_bytes(p: PlanInputs) -> int:
+    """c x (P / tp); key/value projections hold ceil(kv_heads / tp) heads per rank (vLLM
+    replicates them when tp > kv heads); norms are replicated (negligible)."""
+    s = p.shape
+    kv = s.layers * 2 * s.hidden * s.head_dim  # one kv head's k and v projections, all layers
+    kv_rank = kv * math.ceil(s.kv_heads / p.tp)
+    return p.c * ((s.params - kv * s.kv_heads) // p.tp + kv_rank)
+
+
+def vllm_activation_bytes(p: PlanInputs) -> int:
+    """vLLM's profiled peak: one layer's temporaries on max_num_batched_tokens tokens (2h residual
+    and hidden, q/k/v and attention output, gate_up and the activation: all / tp) in c, plus
+    SAMPLER_BUFFERS fp32 (max_num_seqs, V) logits of the sampler's dummy run."""
+    s = p.shape
+    tokens, seqs = p.vllm_defaults()
+    mlp = max((s.experts_per_tok * s.moe_intermediate + s.shared_intermediate) if sp else s.intermediate
+              for sp in (s.sparse or (False,)))
+    per_token = 2 * s.hidden + (2 * s.q_dim + 2 * s.kv_dim + 3 * mlp) // p.tp
+    return tokens * per_token * p.c + SAMPLER_BUFFERS * seqs * s.vocab * 4
+
+
+def kv_bytes_per_token(p: PlanInputs) -> int:
+    """2 (k and v) x layers x kv heads per TP rank x head_dim x c."""
+    s = p.shape
+    return 2 * s.layers * math.ceil(s.kv_heads / p.tp) * s.head_dim * p.c
+
+
+def sync_bucket_bytes(p: PlanInputs) -> int:
+    """About two buckets in flight (the gather buffer and the full tensors being loaded); a bucket
+    is at least the largest sync unit (the embedding for most models)."""
+    return 2 * max(int(p.sync_bucket_mb * 2**20), p.shape.largest_sync_unit() * p.c)
+
+
+def component_bytes(p: PlanInputs) -> dict[str, int]:
+    """Bytes per rank of each component while it is resident. The sharded trainer state:
+    trainer_params 4P/W (fp32 master), gradients 4P/W (fp32: FSDP2 reduces in float32; freed by
+    zero_grad after each step), optimizer 8P/W (AdamW exp_avg + exp_avg_sq, made at the first
+    step), reference cP/W (kl_loss_coef > 0). vllm_overhead: VLLM_OVERHEAD_GB, + VLLM_GRAPHS_GB
+    with CUDA/ACL graphs. kv_cache: what vLLM's budget (gpu_memory_utilization x device) leaves
+    after its weights, its profiled activations and that overhead (vLLM 0.32 counts its graph
+    estimate against the budget too); negative means vLLM cannot start."""
+    P = p.shape.params
+    vllm_budget = int(p.gpu_memory_utilization * p.device_gb * GB)
+    sizes = {
+        "trainer_params": 4 * P // p.world, "gradients": 4 * P // p.world, "optimizer": 8 * P // p.world,
+        "reference": p.c * P // p.world if p.reference else 0,
+        "activations": activation_bytes(p), "vllm_weights": vllm_weight_bytes(p),
+        "vllm_activations": vllm_activation_bytes(p),
+        "vllm_overhead": int((VLLM_OVERHEAD_GB + VLLM_GRAPHS_GB * p.graphs) * GB),
+        "sync_buckets": sync_bucket_bytes(p),
+    }
+    sizes["fsdp_gathered"] = fsdp_gathered_bytes(p, sizes["activations"])
+    sizes["kv_cache"] = vllm_budget - sizes["vllm_weights"] - sizes["vllm_activations"] - sizes["vllm_overhead"]
+    return sizes
+
+
+def resident(p: PlanInputs) -> dict[str, tuple[str, ...]]:
+    """Which components each phase holds (see the module docstring for the order)."""
+    ref = ("reference",) if p.reference and not p.offload_ref else ()
+    vllm = ("vllm_weights", "kv_cache", "vllm_activations", "vllm_overhead")
+    weights_kept = not p.free_kv_cache or p.sleep_level == 0 or p.device_type == "cpu"
+    train_vllm = ("vllm_weights",) * weights_kept + ("kv_cache",) * (not p.free_kv_cache)
+    return {
+        "startup": ("trainer_params",) + ("reference",) * p.reference + vllm,
+        "generate": ("trainer_params",) * (not p.offload_params) + ("optimizer",) * (not p.offload_optimizer)
+        + ref + vllm,
+        "sync": ("trainer_params",) + ("optimizer",) * (not p.offload_optimizer) + ref
+        + ("vllm_weights", "vllm_overhead", "sync_buckets") + ("kv_cache",) * (not p.free_kv_cache),
+        "train": ("trainer_params", "gradients", "optimizer", "activations", "fsdp_gathered") + ref
+        + train_vllm + ("vllm_overhead",),
+    }
+
+
+# ------------------------------------------------------------------------------- the plan
+
+@dataclass
+class MemoryPlan:
+    inputs: PlanInputs
+    phases: dict[str, dict[str, int]]  # phase -> component -> bytes (0 where not resident)
+    kv: dict  # KV cache capacity against the replica's batch
+    reserve_gb: float
+    warnings: list[str] = field(default_factory=list)
+    suggestions: list[str] = field(default_factory=list)
+
+    @property
+    def limit(self) -> int:
+        return int((self.inputs.device_gb - self.reserve_gb) * GB)
+
+    def total(self, phase: str) -> int:
+        return sum(self.phases[phase].values())
+
+    @property
+    def kv_ok(self) -> bool:
+        """vLLM refuses to start when its KV cache cannot hold one rollout.max_model_len sequence."""
+        return self.kv["tokens"] >= self.inputs.max_model_len
+
+    @property
+    def fits(self) -> bool:
+        return self.kv_ok and all(self.total(ph) <= self.limit for ph in PHASES)
+
+    def shortfall(self) -> int:
+        """Bytes missing: the worst phase's excess, plus the KV cache missing for one sequence."""
+        over = max(self.total(ph) - self.limit for ph in PHASES)
+        kv_missing = max(0, self.inputs.max_model_len - self.kv["tokens"]) * self.kv["bytes_per_token"]
+        return max(0, over) + kv_missing
+
+    def peak(self) -> tuple[str, int]:
+        phase = max(PHASES, key=self.total)
+        return phase, self.total(phase)
+
+    def to_json(self) -> dict:
+        p, s = self.inputs, self.inputs.shape
+        dense, expert = s.counts()
+        return {
+            "model": {"arch": s.arch, "params": dense + expert, "expert_params": expert},
+            "world_size": p.world, "device_type": p.device_type, "device_gb": p.device_gb, "dtype": p.dtype,
+            "reserve_gb": self.reserve_gb, "limit_gb": _gb(self.limit),
+            "phases": {ph: {"components": {k: _gb(v) for k, v in self.phases[ph].items()},
+                            "total_gb": _gb(self.total(ph)), "headroom_gb": _gb(self.limit - self.total(ph)),
+                            "fits": self.total(ph) <= self.limit} for ph in PHASES},
+            "kv_cache": {**self.kv, "gb": _gb(self.kv["bytes"])},
+            "fits": self.fits, "warnings": self.warnings, "suggestions": self.suggestions,
+        }
+
+
+def _gb(nbytes: int) -> float:
+    return round(nbytes / GB, 3)
+
+
+def build_plan(p: PlanInputs, suggest: bool = True) -> MemoryPlan:
+    sizes = component_bytes(p)
+    sizes["kv_cache"] = max(0, sizes["kv_cache"])
+    phases = {ph: {k: (sizes[k] if k in held else 0) for k in COMPONENTS} for ph, held in resident(p).items()}
+    per_token = kv_bytes_per_token(p)
+    kv = {"bytes": sizes["kv_cache"], "bytes_per_token": per_token, "tokens": sizes["kv_cache"] // per_token,
+          "sequences": sizes["kv_cache"] // per_token // p.seq_len,
+          "batch_sequences": int(p.seqs_per_replica), "batch_tokens": int(p.seqs_per_replica * p.seq_len),
+          # prefix caching shares a prompt's blocks among its n samples
+          "batch_tokens_shared_prompts": int(p.prompts_per_step / p.dp * (p.prompt_len + p.n * p.response_len))}
+    plan = MemoryPlan(p, phases, kv, RESERVE_GB.get(p.device_type, 0.0))
+    plan.warnings = _kv_warnings(plan, suggest)
+    if suggest and not plan.fits:
+        plan.suggestions = suggest_fixes(plan)
+    return plan
+
+
+def _kv_warnings(plan: MemoryPlan, suggest: bool) -> list[str]:
+    p, kv = plan.inputs, plan.kv
+    if not plan.kv_ok:
+        return [f"vLLM will not start: its KV cache ({_gb(kv['bytes'])} GB, {kv['tokens']} tokens) cannot hold one "
+                f"rollout.max_model_len={p.max_model_len} sequence; raise rollout.gpu_memory_utilization or "
+                f"rollout.tensor_parallel_size, or lower rollout.max_model_len"]
+    if kv["tokens"] >= kv["batch_tokens"]:
+        return []
+    waves = math.ceil(kv["batch_tokens"] / max(1, kv["tokens"]))
+    msg = (f"the KV cache holds {kv['sequences']} sequences of {p.seq_len} tokens, a replica generates "
+           f"{kv['batch_sequences']} per step: up to {waves} waves (fewer when samples stop early or "
+           f"share their prompt through prefix caching: {kv['batch_tokens_shared_prompts']:,} tokens)")
+    if suggest:
+        for u in (x / 100 for x in range(5, 96, 5)):
+            q = build_plan(replace(p, gpu_memory_utilization=u), suggest=False)
+            if u > p.gpu_memory_utilization and q.fits and q.kv["tokens"] >= kv["batch_tokens"]:
+                return [f"{msg}; rollout.gpu_memory_utilization={u:.2f} holds the whole batch and still fits"]
+    return [msg]
+
+
+def _first_fit(label: str, variants: list[tuple[object, PlanInputs]]) -> list[tuple[str, PlanInputs]]:
+    """The first variant that fits, else the one missing the fewest bytes (variants: closest first)."""
+    plans = [(v, q, build_plan(q, suggest=False)) for v, q in variants]
+    if not plans:
+        return []
+    fit = [x for x in plans if x[2].fits]
+    v, q, _ = fit[0] if fit else min(plans, key=lambda x: x[2].shortfall())
+    return [(label.format(v), q)]
+
+
+def _candidates(p: PlanInputs) -> list[tuple[str, PlanInputs]]:
+    """Single setting changes that lower some phase's peak, each as the re-planned inputs."""
+    out = [(label, q) for cond, label, q in (
+        (not p.offload_params, "offload.params=true", replace(p, offload_params=True)),
+        (not p.offload_optimizer, "offload.optimizer=true", replace(p, offload_optimizer=True)),
+        (p.reference and not p.offload_ref and p.ref_offloadable, "offload.ref=true", replace(p, offload_ref=True)),
+        (not p.gradient_checkpointing, "model.gradient_checkpointing=true", replace(p, gradient_checkpointing=True)),
+        (p.sleep_level == 0 and p.device_type != "cpu", "rollout.sleep_level=2", replace(p, sleep_level=2)),
+        (not p.free_kv_cache, "rollout.free_kv_cache=true", replace(p, free_kv_cache=True)),
+        (p.sync_bucket_mb > 64, "rollout.sync_bucket_mb=64", replace(p, sync_bucket_mb=64.0)),
+    ) if cond]
+    return out + _searched(p) + ([("algorithm.kl_loss_coef=0 (no reference model)", replace(p, reference=False))]
+                                 if p.reference else [])
+
+
+def _searched(p: PlanInputs) -> list[tuple[str, PlanInputs]]:
+    """Settings with a range: the value closest to the current one that fits (else the best)."""
+    micro = [(m, replace(p, micro_batch_size=m)) for m in range(p.micro_batch_size - 1, 0, -1)]
+    utils = sorted((u / 100 for u in range(10, 96, 5) if abs(u / 100 - p.gpu_memory_utilization) > 1e-6),
+                   key=lambda u: abs(u - p.gpu_memory_utilization))
+    tps = [t for t in (2 ** k for k in range(1, 7))
+           if p.tp < t <= (p.nproc_per_node or p.world) and p.world % t == 0]
+    node = p.nproc_per_node
+    worlds = [(f"--nnodes {p.world * k // node}" if node else f"world size {p.world * k}",
+               replace(p, world=p.world * k)) for k in (2, 4)]
+    return (_first_fit("algorithm.micro_batch_size={}", micro)
+            + _first_fit("rollout.gpu_memory_utilization={:.2f}",
+                         [(u, replace(p, gpu_memory_utilization=u)) for u in utils])
+            + _first_fit("rollout.tensor_parallel_size={}", [(t, replace(p, tp=t)) for t in tps])
+            + _first_fit("{} (more ranks shard the trainer state)", worlds))
+
+
+def _peak(plan: MemoryPlan) -> str:
+    phase, peak = plan.peak()
+    return f"peak {peak / GB:.2f} GB in {phase}"
+
+
+def _key(label: str) -> str:
+    return label.replace(" ", "=").split("=")[0]
+
+
+def suggest_fixes(plan: MemoryPlan) -> list[str]:
+    """Settings that make every phase fit: each single change that does, else a greedy
+    combination (the change missing the fewest bytes first)."""
+    tried = [(label, build_plan(q, suggest=False)) for label, q in _candidates(plan.inputs)]
+    single = [f"{label}: fits ({_peak(q)})" for label, q in tried if q.fits]
+    if single:
+        return single
+    chosen, current = [], plan
+    for _ in range(5):
+        tried = [(label, build_plan(q, suggest=False)) for label, q in _candidates(current.inputs)
+                 if _key(label) not in {_key(c) for c in chosen}]
+        if not tried:
+            break
+        label, best = min(tried, key=lambda lq: lq[1].shortfall())
+        if best.shortfall() >= current.shortfall():
+            break
+        chosen.append(label)
+        current = best
+        if best.fits:
+            return [f"no single change fits; together: {', '.join(chosen)} ({_peak(best)})"]
+    return [f"no combination of the settings found fits ({', '.join(chosen) or 'none helps'} still misses "
+            f"{_gb(current.shortfall())} GB): use devices with more memory or more of them"]
+
+
+# ------------------------------------------------------------------------------- config, output
+
+def resolve_dtype(dtype, device_type: str) -> str:
+    """model.dtype as a name; None / "auto" = bfloat16 on accelerators, float32 on CPU."""
+    if dtype is None or str(dtype) == "auto":
+        return "float32" if device_type == "cpu" else "bfloat16"
+    name = str(dtype).removeprefix("torch.")
+    aliases = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32", "float": "float32"}
+    name = aliases.get(name, name)
+    if name not in DTYPE_BYTES:
+        raise ValueError(f"model.dtype={dtype!r}: the plan knows {', '.join(DTYPE_BYTES)}")
+    return name
+
+
+def plan_from_config(cfg, world_size: int, device_gb: float, device_type: str = "cuda", *,
+                     nproc_per_node: int | None = None, shape: ModelShape | None = None) -> MemoryPlan:
+    """The plan of ``cfg`` (an ``rlcore.config.Config``) on ``world_size`` ranks of ``device_gb``
+    GB each; reads ``config.json`` from ``cfg.model.path`` unless ``shape`` is given."""
+    r, a, o, accel = cfg.rollout, cfg.algorithm, cfg.offload, device_type != "cpu"
+    # resolved or not: null offloads = on for accelerators (offload.ref: null = as offload.params)
+    offload_params = accel if o.params is None else o.params
+    offload_optimizer = accel if o.optimizer is None else o.optimizer
+    ref_offloadable = hasattr(o, "ref")
+    offload_ref = ref_offloadable and (offload_params if o.ref is None else bool(o.ref))
+    sleep = r.sleep_level if r.sleep_level is not None else 2
+    eager = getattr(r, "enforce_eager", True)  # null = graphs on accelerators
+    p = PlanInputs(
+        shape=shape or ModelShape.from_path(cfg.model.path), world=world_size, device_gb=float(device_gb),
+        device_type=device_type, dtype=resolve_dtype(cfg.model.dtype, device_type), nproc_per_node=nproc_per_node,
+        offload_params=offload_params, offload_optimizer=offload_optimizer, reference=a.kl_loss_coef > 0,
+        offload_ref=offload_ref, ref_offloadable=ref_offloadable, tp=r.tensor_parallel_size,
+        ep=getattr(cfg.parallel, "ep_size", 1) or 1, gpu_memory_utilization=r.gpu_memory_utilization,
+        sleep_level=0 if device_type == "cpu" else sleep, free_kv_cache=r.free_kv_cache,
+        sync_bucket_mb=r.sync_bucket_mb, micro_batch_size=a.micro_batch_size, prompt_len=cfg.data.max_prompt_length,
+        response_len=r.max_response_length, max_model_len=r.max_model_len,
+        gradient_checkpointing=cfg.model.gradient_checkpointing, prompts_per_step=cfg.trainer.prompts_per_step,
+        n=r.n, max_num_batched_tokens=getattr(r, "max_num_batched_tokens", None),
+        max_num_seqs=getattr(r, "max_num_seqs", None), graphs=accel and not eager)
+    return build_plan(p)
+
+
+def device_total_gb(device_type: str) -> float | None:
+    """This process's device memory in GB (what the trainer passes as device_gb); None on CPU."""
+    import torch
+
+    accel = getattr(torch, device_type, None) if device_type != "cpu" else None
+    return None if accel is None else accel.get_device_properties(accel.current_device()).total_memory / GB
+
+
+def format_plan(plan: MemoryPlan) -> str:
+    """A compact table: one row per component, one column per phase (GB = 2^30 bytes per rank)."""
+    p, s = plan.inputs, plan.inputs.shape
+    nnodes = p.world // p.nproc_per_node if p.nproc_per_node else 0
+    nodes = f" ({nnodes} node{'s' * (nnodes > 1)} x {p.nproc_per_node})" if nnodes else ""
+    lines = [
+        f"memory plan per rank, GB = 2^30 bytes: {s.arch} {s.params / 1e9:.2f}B params, {p.dtype}, "
+        f"world {p.world}{nodes}, tp {p.tp}, {p.device_type} {p.device_gb:g} GB",
+        f"{'component':<18}" + "".join(f"{ph:>10}" for ph in PHASES),
+    ]
+    for comp in COMPONENTS:
+        lines.append(f"{comp:<18}" + "".join(f"{plan.phases[ph][comp] / GB:>10.2f}" for ph in PHASES))
+    lines.append(f"{'total':<18}" + "".join(f"{plan.total(ph) / GB:>10.2f}" for ph in PHASES))
+    lines.append(f"{'fits':<18}" + "".join(f"{'yes' if plan.total(ph) <= plan.limit else 'NO':>10}" for ph in PHASES))
+    lines.append(f"limit {plan.limit / GB:.2f} GB = {p.device_gb:g} - {plan.reserve_gb:g} reserve (device context, "
+                 f"communicators, fragmentation); startup = the first generation, before any offload")
+    kv = plan.kv
+    lines.append(f"KV cache: {kv['bytes'] / GB:.2f} GB = {kv['tokens']:,} tokens ({kv['bytes_per_token'] // 1024} KiB "
+                 f"per token per rank) = {kv['sequences']} sequences of {p.seq_len}; a replica generates "
+                 f"{kv['batch_sequences']} sequences = {kv['batch_tokens']:,} tokens per step")
+    lines += [f"warning: {w}" for w in plan.warnings]
+    lines += [f"to fit: {x}" for x in plan.suggestions]
+    verdict = "fits" if plan.fits else "does NOT fit"
+    lines.append(f"verdict: {verdict} in {p.device_gb:g} GB ({_peak(plan)}, headroom "
+                 f"{(plan.limit - plan.peak()[1]) / GB:.2f} GB)")
+    return "\n".join(lines)
