@@ -96,7 +96,9 @@ def build_rollout(model: ModelConfig, rollout: RolloutConfig, info: DistInfo, se
     return ColocateRollout(
         model.path, info, tp_size=r.tensor_parallel_size, seed=seed, max_model_len=r.max_model_len,
         dtype=model.dtype, kv_cache_gb=r.kv_cache_gb, gpu_memory_utilization=r.gpu_memory_utilization,
-        sleep_level=r.sleep_level, weight_load=r.weight_load)  # INTEGRATE speed settings
+        sleep_level=r.sleep_level, weight_load=r.weight_load, enforce_eager=r.enforce_eager,
+        max_num_seqs=r.max_num_seqs, max_num_batched_tokens=r.max_num_batched_tokens,
+        enable_prefix_caching=r.enable_prefix_caching)
 
 
 def build_switch(policy: Policy, rollout: Rollout, model: ModelConfig, r: RolloutConfig, offload: OffloadConfig,

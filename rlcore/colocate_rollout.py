@@ -11,13 +11,16 @@ vLLM changes process-global state when it builds an engine; the wrapper undoes w
 depends on (see ``_ProcessState``) and keeps vLLM's sampling RNG apart from the trainer's.
 Known left-over: vLLM's CPU worker replaces ``torch.set_num_threads`` with a no-op (callers that
 must change the thread count use ``torch._C.set_num_threads``), and calls ``gc.freeze()``.
+On NPU ``VLLM_ASCEND_ENABLE_NZ=0`` is set for the rest of the process (wake-up refuses NZ weights).
+The pure decisions and checks (platform choices, seeds, load completeness) are in
+``rlcore/rollout_checks.py``, which takes vLLM objects as arguments and imports no vLLM;
+docs/accelerators.md lists what each accelerator-only path was checked against.
 """
 
 from __future__ import annotations
 
 import ctypes
 import gc
-import hashlib
 import mmap
 import os
 import random
@@ -30,6 +33,21 @@ import numpy as np
 import torch
 
 from rlcore.dist import DistInfo
+from rlcore.rollout_checks import (
+    capture_load_weights,
+    check_sleep_level_supported,
+    check_weight_load,
+    describe_engine,
+    detach_client_finalizer,
+    disable_npu_nz,
+    pick_enforce_eager as _pick_enforce_eager,
+    pick_sleep_level as _pick_sleep_level,
+    pick_weight_load as _pick_weight_load,
+    request_seed as _request_seed,
+    require_all_loaded,
+    speed_kwargs,
+    unseeded_call_seed,
+)
 
 # Env vars vLLM rewrites at engine build: LOCAL_WORLD_SIZE := tp_size (breaks anything that
 # reads torchrun's value later), LD_PRELOAD := tcmalloc (leaks into subprocesses we start).
@@ -95,44 +113,6 @@ class _ProcessState:
                 os.environ[k] = v
 
 
-def _pick_sleep_level(device_type: str, sleep_level: int | None) -> int:
-    """vLLM sleep level used by release_memory on accelerators (0: free the KV cache only,
-    1: also move the weights to host memory, 2: also discard the weights); 0 on CPU.
-
-    None picks 2: the phase switch pushes every weight before each generation anyway, so the
-    host copy that level 1 keeps (and copies back at wake-up) would be wasted work and memory.
-    """
-    if sleep_level is not None and sleep_level not in (0, 1, 2):
-        raise ValueError(f"sleep_level must be 0 (KV cache only), 1 or 2 (or None = auto), got {sleep_level}")
-    if device_type == "cpu":
-        return 0  # sleep mode is rejected on CPU and llm.sleep() there makes generate() hang
-    return 2 if sleep_level is None else sleep_level
-
-
-def _pick_weight_load(device_type: str, weight_load: str) -> str:
-    """How update_weights loads: "reload" (vLLM's reload_weights: layer-wise restore, load,
-    post-process, copy back; works everywhere, needed on CPU where linear weights are repacked)
-    or "direct" (``model.load_weights``: straight into vLLM's parameters, no extra copy; valid
-    where unquantized layers have no post-load processing, i.e. CUDA)."""
-    if weight_load not in ("auto", "reload", "direct"):
-        raise ValueError(f"weight_load must be auto, reload or direct, got {weight_load!r}")
-    if weight_load == "direct" and device_type == "cpu":
-        raise ValueError("weight_load=direct does not work on CPU (vLLM repacks linear weights); use reload")
-    if weight_load == "auto":
-        return "direct" if device_type == "cuda" else "reload"
-    return weight_load
-
-
-def _request_seed(seed: int, dp_rank: int, prompt_idx: int) -> int:
-    """Stable 56-bit seed per (call seed, DP replica, prompt); the same on every TP rank.
-
-    vLLM gives the n children of a request ``seed + i``; 56 bits leave room for that inside
-    int64 and make collisions between prompts/replicas practically impossible.
-    """
-    digest = hashlib.blake2b(f"{seed}/{dp_rank}/{prompt_idx}".encode(), digest_size=7).digest()
-    return int.from_bytes(digest, "little")
-
-
 # ----------------------------------------------------------------------------- the engine
 
 
@@ -151,15 +131,22 @@ class ColocateRollout:
         kv_cache_gb: float = 0.5,
         gpu_memory_utilization: float = 0.5,
         sleep_level: int | None = None,
-        enforce_eager: bool = True,
+        enforce_eager: bool | None = None,
         weight_load: str = "auto",
+        max_num_seqs: int | None = None,
+        max_num_batched_tokens: int | None = None,
+        enable_prefix_caching: bool | None = None,
     ):
+        """``enforce_eager`` None: eager on CPU, CUDA/ACL graphs on accelerators (they survive
+        sleep/wake: see rollout_checks.pick_enforce_eager). ``max_num_seqs``,
+        ``max_num_batched_tokens``, ``enable_prefix_caching`` (the n samples of a prompt share
+        its prefix blocks): None leaves vLLM's default; only set values reach ``LLM(...)``."""
         if tp_size < 1 or info.world_size % tp_size:
             raise ValueError(f"tp_size={tp_size} must divide world_size={info.world_size}")
         self.info = info
         self.tp_size = tp_size
         self.seed = seed
-        self.enforce_eager = enforce_eager
+        self.enforce_eager = _pick_enforce_eager(info.device_type, enforce_eager)
         self.sleep_level = _pick_sleep_level(info.device_type, sleep_level)
         self.weight_load = _pick_weight_load(info.device_type, weight_load)
         # Freed memory kinds ("weights", "kv_cache"): generate() needs none, update_weights()
@@ -170,33 +157,42 @@ class ColocateRollout:
         self.weights_valid = True
         self._full_names: frozenset[str] | None = None  # names of the last full update
         self._kv_storages: list[tuple[torch.UntypedStorage, int]] = []  # CPU release bookkeeping
+        self._unseeded_calls = 0  # generate(seed=None) calls so far (see unseeded_call_seed)
 
-        saved = _ProcessState.capture(info.device_type)
+        saved = _ProcessState.capture(info.device_type)  # before _memory_kwargs edits the env
+        engine_kwargs = dict(
+            max_model_len=max_model_len, dtype=dtype, enforce_eager=self.enforce_eager,
+            **self._memory_kwargs(kv_cache_gb, gpu_memory_utilization),
+            **speed_kwargs(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                           enable_prefix_caching=enable_prefix_caching),
+            # Before the build: vllm-ascend reads its NZ setting while the engine is made.
+            **disable_npu_nz(info.device_type),
+        )
         try:
-            self.llm = self._build_engine(
-                model_path, max_model_len, dtype, kv_cache_gb, gpu_memory_utilization, enforce_eager
-            )
+            self.llm = self._build_engine(model_path, engine_kwargs)
             # The worker seeded the global RNG with seed + dp_rank: keep that as the engine's
-            # own stream (used by unseeded requests) and hand the trainer its stream back.
+            # own stream (vLLM's V1 sampler draws from it) and hand the trainer its stream back.
             self._engine_rng = _get_torch_rng(info.device_type)
         finally:
             saved.restore(info.device_type)
+        worker = self._worker()
+        check_weight_load(self.weight_load, info.device_type, worker, worker.model_runner.get_model())
 
-    def _build_engine(self, model_path, max_model_len, dtype, kv_cache_gb, gpu_mem_util, enforce_eager):
-        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # engine core in this process
-        from vllm import LLM
-
-        kwargs = {}
+    def _memory_kwargs(self, kv_cache_gb: float, gpu_mem_util: float) -> dict:
         if self.info.device_type == "cpu":
             # Explicit size: vLLM's auto sizing takes ~60% of host RAM per rank (OOM with 2 ranks).
             # The legacy env var would silently override it (restored by _ProcessState).
             os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)
-            kwargs["kv_cache_memory_bytes"] = int(kv_cache_gb * 2**30)
-        else:
-            kwargs["gpu_memory_utilization"] = gpu_mem_util
-            # release_memory() -> llm.sleep(level), or at level 0 release_kv_cache_memory():
-            # both need vLLM's sleep-mode allocator.
-            kwargs["enable_sleep_mode"] = True
+            return {"kv_cache_memory_bytes": int(kv_cache_gb * 2**30)}
+        # release_memory() -> llm.sleep(level), or at level 0 release_kv_cache_memory():
+        # both need vLLM's sleep-mode allocator.
+        return {"gpu_memory_utilization": gpu_mem_util, "enable_sleep_mode": True}
+
+    def _build_engine(self, model_path: str, engine_kwargs: dict):
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # engine core in this process
+        from vllm import LLM
+
+        check_sleep_level_supported(LLM, self.info.device_type, self.sleep_level)
         return LLM(
             model=model_path,
             tensor_parallel_size=self.tp_size,
@@ -204,15 +200,18 @@ class ColocateRollout:
             # Same seed inside a TP group (ranks must sample the same token), different per
             # DP replica (else every replica samples identical completions).
             seed=self.seed + self.dp_rank,
-            dtype=dtype,
-            max_model_len=max_model_len,
-            enforce_eager=enforce_eager,
             # Sampled-token logprob = log_softmax(logits / T) after top-k/top-p: what the
             # trainer recomputes. The default ("raw_logprobs") ignores the temperature.
             logprobs_mode="processed_logprobs",
             use_tqdm_on_load=False,
-            **kwargs,
+            **engine_kwargs,
         )
+
+    def describe(self) -> str:
+        """The engine settings in effect, in one line (for the start-up log)."""
+        return describe_engine(self.llm.llm_engine.vllm_config, device_type=self.info.device_type,
+                               tp_size=self.tp_size, dp_size=self.dp_size, weight_load=self.weight_load,
+                               sleep_level=self.sleep_level)
 
     @property
     def dp_rank(self) -> int:
@@ -260,7 +259,9 @@ class ColocateRollout:
 
         ``seed`` (e.g. derived from the step) makes the call reproducible, also across a resume:
         each prompt gets its own request seed, distinct per DP replica, equal on TP ranks.
-        ``seed=None`` samples from the engine's own RNG stream (seed + dp_rank at build).
+        ``seed=None`` still sends seeded requests, from the engine's own stream (engine seed and
+        a count of such calls): vLLM 0.32's CUDA sampler would otherwise seed them from numpy's
+        global RNG, the trainer's per-rank state (see rollout_checks.unseeded_call_seed).
         ``temperature == 0`` is greedy: one decode per prompt, copied n times (vLLM refuses
         n > 1 with greedy); the logprobs are then of the unscaled logits.
         """
@@ -273,6 +274,9 @@ class ColocateRollout:
         from vllm.inputs import TokensPrompt
 
         greedy = temperature < 1e-5  # vLLM's own greedy threshold (_SAMPLING_EPS)
+        if seed is None:
+            seed = unseeded_call_seed(self.seed, self._unseeded_calls)
+            self._unseeded_calls += 1
         sampling = dict(temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=max_tokens)
         params = [
             self._sampling_params(j, 1 if greedy else n, seed, stop_token_ids, **sampling)
@@ -286,13 +290,13 @@ class ColocateRollout:
             results = [[_copy_sample(r[0]) for _ in range(n)] for r in results]
         return results
 
-    def _sampling_params(self, prompt_idx: int, n: int, seed: int | None, stop_token_ids, **sampling):
+    def _sampling_params(self, prompt_idx: int, n: int, seed: int | str, stop_token_ids, **sampling):
         from vllm import SamplingParams
 
         return SamplingParams(
             n=n,
             **sampling,
-            seed=None if seed is None else _request_seed(seed, self.dp_rank, prompt_idx),
+            seed=_request_seed(seed, self.dp_rank, prompt_idx),  # never None: see generate()
             stop_token_ids=list(stop_token_ids or []),
             logprobs=0,  # 0 = only the sampled token's logprob
             detokenize=False,  # the trainer works on ids; skip the text
@@ -312,17 +316,24 @@ class ColocateRollout:
 
         ``full=True`` says the iterator holds every weight: that makes the weights valid again
         after a level-2 sleep, and it must name at least what the previous full update named
-        (a truncated stream raises instead of leaving stale tensors behind).
+        (a truncated stream raises instead of leaving stale tensors behind). The first full
+        update after a level-2 sleep must also write every vLLM parameter (checked on the names
+        ``model.load_weights`` reports, raising with the missing ones).
         """
         self._require_awake("update_weights", {"weights"})
         names: list[str] = []
         stream = _detached(weights, names)
-        if self.weight_load == "direct":
-            self._load_direct(stream)
-        else:
-            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": stream})
+        model = self._worker().model_runner.get_model()  # unwrapped from CUDA graphs
+        refill = full and not self.weights_valid  # level-2 wake-up: every parameter is garbage
+        with capture_load_weights(model) as loaded:
+            if self.weight_load == "direct":
+                self._load_direct(model, stream)
+            else:
+                self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": stream})
         # Cached prefix KV blocks were computed with the old weights.
         self.llm.reset_prefix_cache()
+        if refill:
+            require_all_loaded(model, loaded, "update_weights")
         if full:
             self._check_full(frozenset(names))
         return len(names)
@@ -331,16 +342,19 @@ class ColocateRollout:
         """Reload every weight from an HF safetensors folder on disk (the slow way: a checkpoint
         round trip; kept as the baseline of scripts/bench_weight_sync.py and to reset an engine)."""
         self._require_awake("update_weights_from_path", {"weights"})
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_path": path})
+        model = self._model_runner().get_model()
+        with capture_load_weights(model) as loaded:
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_path": path})
         self.llm.reset_prefix_cache()
+        if not self.weights_valid:
+            require_all_loaded(model, loaded, "update_weights_from_path")
         self.weights_valid = True
 
-    def _load_direct(self, stream: Iterator[tuple[str, torch.Tensor]]) -> None:
+    def _load_direct(self, model, stream: Iterator[tuple[str, torch.Tensor]]) -> None:
         from vllm.config import set_current_vllm_config
 
-        worker = self.llm.llm_engine.model_executor.driver_worker.worker
-        with set_current_vllm_config(worker.vllm_config), torch.no_grad():
-            worker.model_runner.get_model().load_weights(stream)  # unwrapped from CUDA graphs
+        with set_current_vllm_config(self._worker().vllm_config), torch.no_grad():
+            model.load_weights(stream)
 
     def _check_full(self, names: frozenset[str]) -> None:
         if self._full_names is not None and not self._full_names <= names:
@@ -408,8 +422,13 @@ class ColocateRollout:
             missing = sorted(needs & self._asleep)
             raise RuntimeError(f"{what}() while {missing} released; call resume_memory()")
 
+    def _worker(self):
+        # external_launcher runs the uniproc executor: its driver_worker (WorkerWrapperBase)
+        # holds this rank's worker (vllm 0.32.0 v1/executor/uniproc_executor.py).
+        return self.llm.llm_engine.model_executor.driver_worker.worker
+
     def _model_runner(self):
-        return self.llm.llm_engine.model_executor.driver_worker.worker.model_runner
+        return self._worker().model_runner
 
     # ------------------------------------------------------------------------- teardown
 
@@ -425,7 +444,7 @@ class ColocateRollout:
         from vllm.distributed import parallel_state as ps
 
         client = self.llm.llm_engine.engine_core  # InprocClient
-        client._finalizer.detach()  # its finalizer is EngineCore.shutdown (kills the default PG)
+        detach_client_finalizer(client)  # vllm 0.32: EngineCore.shutdown (kills the default PG)
         core = client.engine_core
         core.structured_output_manager.clear_backend()
         core.model_executor.shutdown()

@@ -422,10 +422,7 @@ def resolve(cfg: Config, device_type: str) -> Config:
     """A copy of ``cfg`` with every default that depends on another field or on the device filled
     in (the ``null`` / ``auto`` values documented on the fields), checked where the combination
     is what matters. Call once, after parsing; resolving a resolved config changes nothing."""
-    from rlcore.colocate_rollout import _pick_sleep_level as pick_sleep_level, _pick_weight_load as pick_weight_load  # INTEGRATE
-
-    def pick_enforce_eager(device_type, value):  # INTEGRATE
-        return device_type == "cpu" if value is None else value
+    from rlcore.rollout_checks import pick_enforce_eager, pick_sleep_level, pick_weight_load
 
     def pick_attn_implementation(requested, device_type):  # INTEGRATE
         return ("sdpa" if requested == "auto" else requested, "")

@@ -158,7 +158,7 @@ def test_sleep_level_and_weight_load_choices():
     assert _pick_sleep_level("cuda", None) == 2 and _pick_sleep_level("npu", 1) == 1
     with pytest.raises(ValueError, match="sleep_level"):
         _pick_sleep_level("cuda", 3)
-    assert _pick_weight_load("cpu", "auto") == "reload" and _pick_weight_load("npu", "auto") == "reload"
+    assert _pick_weight_load("cpu", "auto") == "reload" and _pick_weight_load("npu", "auto") == "direct"
     assert _pick_weight_load("cuda", "auto") == "direct"
     with pytest.raises(ValueError, match="CPU"):
         _pick_weight_load("cpu", "direct")

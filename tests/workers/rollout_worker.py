@@ -48,9 +48,8 @@ def build(model_dir: str, info, tp: int) -> tuple[ColocateRollout, dict]:
 def sampling_checks(ro, hf, prompts, m: dict) -> list:
     """Seeded sampling: reproducible, seed-dependent, RNG-neutral, logprobs == transformers."""
     rng_before = torch.get_rng_state()
-    # Unseeded requests sample from the engine's own stream (engine seed = seed + dp_rank).
-    # First call: vLLM's sampler draws from that stream on every step, seeded requests included,
-    # so after other calls it depends on their lengths, not just on the engine seed.
+    # seed=None: the rollout still seeds every request, from (engine seed, call count, dp rank), so
+    # TP ranks agree and numpy's global RNG is never drawn (see rollout_checks.unseeded_call_seed).
     t0 = time.perf_counter()
     m["unseeded_samples"] = as_plain(ro.generate(prompts, n=N, temperature=T, max_tokens=MAX_TOKENS))
     m["first_generate_s"] = time.perf_counter() - t0

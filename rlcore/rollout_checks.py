@@ -1,0 +1,234 @@
+"""Pure decisions and checks behind ``rlcore.colocate_rollout`` (no vLLM import here).
+
+Each helper takes plain values or the vLLM objects as arguments, so the logic is unit-tested
+with small fakes (tests/test_rollout_accel.py) while the code paths that only run on
+accelerators stay checked against the pinned packages' sources, cited by file:line:
+  vllm 0.32.0 (CUDA wheel), vllm 0.26.0 + vllm-ascend 0.26.0rc1 (requirements-npu.txt pin),
+  vllm-ascend 0.23.0.post1 (the previous NPU pin). docs/accelerators.md has the table.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+from collections.abc import Iterable, MutableMapping
+from contextlib import contextmanager
+
+log = logging.getLogger("rlcore.rollout")
+
+# vllm-ascend: 0 = no FRACTAL_NZ weight format (1, the default, = quantized weights only; 2 = all).
+NZ_ENV = "VLLM_ASCEND_ENABLE_NZ"
+
+
+# ----------------------------------------------------------------------------- engine settings
+
+
+def pick_sleep_level(device_type: str, sleep_level: int | None) -> int:
+    """vLLM sleep level used by release_memory on accelerators (0: free the KV cache only,
+    1: also move the weights to host memory, 2: also discard the weights); 0 on CPU.
+
+    None picks 2: the phase switch pushes every weight before each generation anyway, so the
+    host copy that level 1 keeps (and copies back at wake-up) would be wasted work and memory.
+    """
+    if sleep_level is not None and sleep_level not in (0, 1, 2):
+        raise ValueError(f"sleep_level must be 0 (KV cache only), 1 or 2 (or None = auto), got {sleep_level}")
+    if device_type == "cpu":
+        return 0  # sleep mode is rejected on CPU and llm.sleep() there makes generate() hang
+    return 2 if sleep_level is None else sleep_level
+
+
+def pick_weight_load(device_type: str, weight_load: str) -> str:
+    """How update_weights loads: "reload" (vLLM's reload_weights: layer-wise restore, load,
+    post-process, copy back) or "direct" (``model.load_weights`` straight into vLLM's parameters).
+
+    auto: reload on CPU, where fp32 linear weights are repacked into oneDNN handles after loading
+    (vllm 0.32.0 vllm/model_executor/layers/linear.py:206 UnquantizedLinearMethod
+    .process_weights_after_loading -> dispatch_cpu_unquantized_gemm). direct on CUDA and NPU:
+    unquantized dense layers need no post-load processing there once vllm-ascend's FRACTAL_NZ cast
+    is off (vllm-ascend 0.26.0rc1 vllm_ascend/ops/linear.py:86-98, maybe_trans_nz is a no-op with
+    weight_nz_mode=0, utils.py:253-283), and vllm-ascend 0.23.0.post1's NPUWorker has no
+    reload_weights at all (vllm_ascend/worker/worker.py; 0.26.0rc1 adds it at worker.py:1115).
+    """
+    if weight_load not in ("auto", "reload", "direct"):
+        raise ValueError(f"weight_load must be auto, reload or direct, got {weight_load!r}")
+    if weight_load == "direct" and device_type == "cpu":
+        raise ValueError("weight_load=direct does not work on CPU (vLLM repacks linear weights); use reload")
+    if weight_load == "auto":
+        return "reload" if device_type == "cpu" else "direct"
+    return weight_load
+
+
+def pick_enforce_eager(device_type: str, enforce_eager: bool | None) -> bool:
+    """None: eager on CPU (no CUDA graphs there; it also skips the inductor compile of the
+    sampler helpers, 10-15 s per process), graphs on CUDA and NPU.
+
+    Graphs survive sleep/wake because weights and KV cache come back at the same device
+    addresses: the handle kept per allocation holds its virtual address and wake-up maps new
+    physical memory there (vllm 0.32.0 vllm/device_allocator/__init__.py:13-14 HandleType,
+    cumem.py:277-278 unmap in sleep, :346-350 create_and_map in wake_up; vllm-ascend 0.26.0rc1
+    vllm_ascend/device_allocator/camem.py:74-75, :217, :240). The graph pool itself is outside
+    the weights/kv_cache pools and stays resident (vllm 0.32.0 sleep_mode_backend.py:131-136,
+    model.py:380 sleep_mode_offload_cudagraph=False). Weight pushes write into the existing
+    parameter storage (direct: weight_loader copy_; reload: vllm 0.32.0
+    model_loader/reload/layerwise.py:417 _copy_and_restore_kernel_tensors), so captured
+    pointers stay valid.
+    """
+    return device_type == "cpu" if enforce_eager is None else bool(enforce_eager)
+
+
+def speed_kwargs(*, max_num_seqs: int | None = None, max_num_batched_tokens: int | None = None,
+                 enable_prefix_caching: bool | None = None) -> dict:
+    """The scheduler/cache settings that were set (None = leave vLLM's own default in place)."""
+    given = dict(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                 enable_prefix_caching=enable_prefix_caching)
+    return {k: v for k, v in given.items() if v is not None}
+
+
+def disable_npu_nz(device_type: str, environ: MutableMapping[str, str] | None = None) -> dict:
+    """On NPU turn vllm-ascend's FRACTAL_NZ weight format off before the engine builds; returns
+    the extra ``LLM(...)`` kwargs that say the same. Other devices: nothing is touched.
+
+    ``NPUWorker.wake_up`` raises ValueError while ``weight_nz_mode`` is non-zero, and the default
+    is 1 (vllm-ascend 0.26.0rc1 vllm_ascend/worker/worker.py:247-253, envs.py:88,
+    ascend_config.py:262-269; 0.23.0.post1 worker.py:241-247, envs.py:92). NZ also re-lays out
+    weights after loading, which in-place pushes would not repeat.
+    The config key wins over the env var (ascend_config.py:370-381), so both are set. The env
+    var is NOT restored: vllm-ascend reads it lazily on every access (envs.py:112 __getattr__), e.g.
+    worker.py:285-291 _check_nz_disabled, so it must stay 0 while the engine lives.
+    """
+    if device_type != "npu":
+        return {}
+    environ = os.environ if environ is None else environ
+    previous = environ.get(NZ_ENV)
+    if previous not in (None, "0"):
+        log.warning("%s=%s overridden to 0: vllm-ascend's NPUWorker.wake_up refuses NZ weights", NZ_ENV, previous)
+    environ[NZ_ENV] = "0"
+    return {"additional_config": {"weight_nz_mode": 0}}
+
+
+def check_sleep_level_supported(llm_cls, device_type: str, sleep_level: int) -> None:
+    """Level 0 frees only the KV cache through ``LLM.release_kv_cache_memory``, which vllm 0.32.0
+    has (vllm/entrypoints/llm.py:861) and vllm 0.26.0 / 0.23.0 do not."""
+    if device_type != "cpu" and sleep_level == 0 and not hasattr(llm_cls, "release_kv_cache_memory"):
+        raise ValueError("sleep_level=0 (free only the KV cache) needs LLM.release_kv_cache_memory (vllm >= 0.32); "
+                         "this vLLM lacks it: use sleep_level 1 or 2")
+
+
+def has_fused_moe(model) -> bool:
+    return any(c.__name__ == "FusedMoE" for m in model.modules() for c in type(m).__mro__)
+
+
+def check_weight_load(choice: str, device_type: str, worker, model) -> None:
+    """Refuse a load path the built engine cannot do, before the first push."""
+    if choice == "reload" and not hasattr(worker, "reload_weights"):
+        raise RuntimeError(f"weight_load=reload: {type(worker).__name__} has no reload_weights (vllm-ascend "
+                           "0.23 lacks it; 0.26.0rc1 worker.py:1115 has it); use weight_load=direct")
+    if choice == "direct" and device_type == "npu" and has_fused_moe(model):
+        # vllm-ascend transposes the experts' weights after loading (0.26.0rc1
+        # vllm_ascend/ops/fused_moe/fused_moe.py:132-139); load_weights would write checkpoint
+        # layout into them. reload_weights re-runs that processing.
+        raise RuntimeError("weight_load=direct cannot load MoE experts on NPU (vllm-ascend re-lays them out "
+                           "after loading); use weight_load=reload")
+
+
+# ----------------------------------------------------------------------------- seeds
+
+
+def request_seed(seed: int | str, dp_rank: int, prompt_idx: int) -> int:
+    """Stable 56-bit seed per (call seed, DP replica, prompt); the same on every TP rank.
+
+    vLLM gives the n children of a request ``seed + i``; 56 bits leave room for that inside
+    int64 and make collisions between prompts/replicas practically impossible.
+    """
+    digest = hashlib.blake2b(f"{seed}/{dp_rank}/{prompt_idx}".encode(), digest_size=7).digest()
+    return int.from_bytes(digest, "little")
+
+
+def unseeded_call_seed(engine_seed: int, call_index: int) -> str:
+    """Call seed for the ``call_index``-th ``generate(seed=None)`` of an engine.
+
+    Every request is sent seeded: vllm 0.32.0's V2 model runner (the CUDA default when Triton
+    is present, vllm/config/vllm.py:702-738) draws the seed of an unseeded request from numpy's
+    GLOBAL RNG (vllm/v1/worker/gpu/sample/states.py:54-57), which holds the trainer's per-rank
+    state, so the ranks of one TP group would sample different tokens. Derived from the engine
+    seed and a call counter, the seed is equal on TP ranks (they make the same calls) and
+    reproducible from a fresh engine; request_seed() adds the DP rank.
+    """
+    return f"unseeded/{engine_seed}/{call_index}"
+
+
+# ----------------------------------------------------------------------------- weight checks
+
+
+@contextmanager
+def capture_load_weights(model):
+    """Record what ``model.load_weights`` returns while vLLM calls it (reload_weights calls it on
+    this very object: vllm 0.32.0 model_loader/reload/inplace.py:95, vllm 0.26.0
+    v1/worker/gpu_model_runner.py:5529). Yields a list: one entry per call (None if the model
+    does not report). The instance attribute shadows the class method and is removed after."""
+    calls: list = []
+    original = model.load_weights
+    had_own = "load_weights" in vars(model)
+
+    def spy(weights: Iterable):
+        loaded = original(weights)
+        calls.append(None if loaded is None else set(loaded))
+        return loaded
+
+    model.load_weights = spy
+    try:
+        yield calls
+    finally:
+        if had_own:
+            model.load_weights = original
+        else:
+            del model.load_weights
+
+
+def missing_params(model, loaded: Iterable[str]) -> list[str]:
+    """vLLM parameter names the load did not write. Both sides use vLLM's own names (fused
+    qkv_proj / gate_up_proj), as vLLM's loader compares them (vllm 0.32.0
+    model_loader/default_loader.py:526, :562). Tied parameters appear once in named_parameters."""
+    return sorted({name for name, _ in model.named_parameters()} - set(loaded))
+
+
+def require_all_loaded(model, calls: list, what: str) -> None:
+    """Raise naming the parameters a push after a level-2 sleep did not write (their memory was
+    discarded, so they hold garbage). No check when the model does not report its loaded names.
+    Limit: vLLM adds a fused parameter (qkv_proj, gate_up_proj) to the set once ANY shard arrived,
+    so a missing q/k/v or gate/up shard is caught by ColocateRollout._check_full (HF names against
+    the previous full push), not here."""
+    if not calls or any(c is None for c in calls):
+        log.warning("%s: the model's load_weights does not report loaded names; level-2 completeness unchecked", what)
+        return
+    missing = missing_params(model, set().union(*calls))
+    if missing:
+        raise RuntimeError(f"{what} after a level-2 sleep left {len(missing)} vLLM parameters unwritten (garbage "
+                           f"memory): {missing[:8]}{' ...' if len(missing) > 8 else ''}; push every weight")
+
+
+# ----------------------------------------------------------------------------- teardown / log
+
+
+def detach_client_finalizer(client) -> None:
+    """vllm 0.32.0's InprocClient finalizer runs EngineCore.shutdown, which destroys the default
+    process group (v1/engine/core_client.py:383; core.py shutdown -> cleanup_dist_env_and_memory).
+    vllm 0.26.0's InprocClient has no finalizer (v1/engine/core_client.py:280-306)."""
+    finalizer = getattr(client, "_finalizer", None)
+    if finalizer is not None:
+        finalizer.detach()
+
+
+def describe_engine(vllm_config, *, device_type: str, tp_size: int, dp_size: int, weight_load: str,
+                    sleep_level: int) -> str:
+    """One line: the settings the built engine actually uses (read back from its config)."""
+    mc, cc, sc = vllm_config.model_config, vllm_config.cache_config, vllm_config.scheduler_config
+    dtype = str(getattr(mc, "dtype", "?")).replace("torch.", "")
+    release = "KV buffer freed (CPU: no sleep mode)" if device_type == "cpu" else f"sleep level {sleep_level}"
+    graphs = "eager" if mc.enforce_eager else "graphs"
+    return (f"vLLM on {device_type}: tp={tp_size} dp={dp_size} dtype={dtype} enforce_eager={mc.enforce_eager} "
+            f"({graphs}) weight_load={weight_load} release={release} "
+            f"prefix_caching={getattr(cc, 'enable_prefix_caching', None)} "
+            f"max_num_seqs={getattr(sc, 'max_num_seqs', None)} "
+            f"max_num_batched_tokens={getattr(sc, 'max_num_batched_tokens', None)}")

@@ -1,0 +1,359 @@
+"""Accelerator-only paths of the colocated rollout (issue 12, findings 3-6 and speed settings).
+
+The ``unit`` tests drive ``ColocateRollout`` and ``rlcore.rollout_checks`` against small fakes of
+vLLM's LLM / worker / model (no vLLM import, no engine); each fake mirrors the pinned source it
+stands for, cited where it matters (docs/accelerators.md has the table). The last tests read a
+real tp=2 engine on 2 CPU ranks (tests/workers/accel_worker.py, one launch shared with
+tests/test_vllm_api.py).
+"""
+
+from __future__ import annotations
+
+import sys
+import types
+from contextlib import nullcontext
+from types import SimpleNamespace as NS
+
+import numpy as np
+import torch
+import pytest
+
+import rlcore.colocate_rollout as cr
+from rlcore import rollout_checks as rc
+from rlcore.dist import DistInfo
+
+# ----------------------------------------------------------------------------- fakes
+
+# vLLM fuses q/k/v and gate/up into one parameter each; load_weights reports vLLM names.
+FUSED = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj", "gate_proj": "gate_up_proj",
+         "up_proj": "gate_up_proj"}
+HF_NAMES = ["model.embed_tokens.weight"] + [
+    f"model.layers.0.{m}.{p}.weight" for m, ps in (("self_attn", "q_proj k_proj v_proj o_proj"),
+                                                     ("mlp", "gate_proj up_proj down_proj")) for p in ps.split()
+] + ["model.norm.weight"]
+
+
+def vllm_name(hf: str) -> str:
+    parts = hf.split(".")
+    return ".".join(FUSED.get(p, p) for p in parts)
+
+
+class FusedMoE:  # stands for vllm.model_executor.layers.fused_moe.FusedMoE (matched by class name)
+    pass
+
+
+class AscendFusedMoE(FusedMoE):
+    pass
+
+
+class FakeModel:
+    """vLLM model: its own (fused) parameter names; load_weights returns the names it loaded, as
+    vLLM's AutoWeightsLoader does (vllm 0.32.0 model_loader/reload/inplace.py:95 uses it)."""
+
+    def __init__(self, moe: bool = False):
+        self.params = sorted({vllm_name(n) for n in HF_NAMES})
+        self.moe = moe
+        self.loads = 0
+
+    def named_parameters(self):
+        return [(n, None) for n in self.params]
+
+    def modules(self):
+        return [self] + ([AscendFusedMoE()] if self.moe else [])
+
+    def load_weights(self, weights):
+        self.loads += 1
+        return {vllm_name(n) for n, _ in weights}
+
+
+class FakeWorker:
+    def __init__(self, model, has_reload: bool):
+        self.model_runner = NS(get_model=lambda: model, kv_caches=[])
+        self.vllm_config = NS()
+        if has_reload:  # vllm 0.32.0 gpu_worker.py:629 -> model_runner.reload_weights -> model.load_weights
+            self.reload_weights = lambda weights_iterator=None, weights_path=None: model.load_weights(weights_iterator)
+
+
+class FakeLLMWithoutKVRelease:
+    """vllm.LLM as the rollout uses it, as in vllm 0.26.0 / 0.23.0 (no release_kv_cache_memory).
+    ``generate`` seeds an unseeded request from numpy's GLOBAL RNG, exactly like vllm 0.32.0's
+    V2 runner (v1/worker/gpu/sample/states.py:54-57)."""
+
+    built: list[dict] = []
+    model_moe = False
+    worker_has_reload = True
+
+    def __init__(self, **kwargs):
+        FakeLLM.built.append(kwargs)
+        self.model = FakeModel(moe=FakeLLM.model_moe)
+        self.worker = FakeWorker(self.model, FakeLLM.worker_has_reload)
+        vllm_config = NS(model_config=NS(dtype=kwargs.get("dtype"), enforce_eager=kwargs["enforce_eager"]),
+                         cache_config=NS(enable_prefix_caching=kwargs.get("enable_prefix_caching", True)),
+                         scheduler_config=NS(max_num_seqs=kwargs.get("max_num_seqs", 256),
+                                             max_num_batched_tokens=kwargs.get("max_num_batched_tokens", 8192)))
+        self.llm_engine = NS(model_executor=NS(driver_worker=NS(worker=self.worker)), vllm_config=vllm_config)
+        self.engine_seeds: list[int] = []
+        self.calls: list[str] = []
+
+    def generate(self, inputs, params, use_tqdm=False):
+        outs = []
+        for p in params:
+            seed = p.seed if p.seed is not None else int(np.random.randint(0, 2**62))
+            self.engine_seeds.append(seed)
+            outs.append(NS(outputs=[NS(token_ids=[seed % 97 + i], logprobs=[{seed % 97 + i: NS(logprob=-1.0)}],
+                                       finish_reason="length") for i in range(p.n)]))
+        return outs
+
+    def collective_rpc(self, method, kwargs=None):
+        return getattr(self.worker, method)(**(kwargs or {}))
+
+    def reset_prefix_cache(self):
+        self.calls.append("reset_prefix_cache")
+
+    def sleep(self, level=1):
+        self.calls.append(f"sleep({level})")
+
+    def wake_up(self, tags=None):
+        self.calls.append(f"wake_up({tags})")
+
+
+
+class FakeLLM(FakeLLMWithoutKVRelease):  # vllm 0.32.0 (entrypoints/llm.py:861)
+    def release_kv_cache_memory(self):
+        self.calls.append("release_kv_cache_memory")
+
+
+@pytest.fixture
+def fake_vllm(monkeypatch):
+    """A fake ``vllm`` package in sys.modules; the rollout imports it lazily."""
+    FakeLLM.built, FakeLLM.model_moe, FakeLLM.worker_has_reload = [], False, True
+    mod = types.ModuleType("vllm")
+    mod.LLM = FakeLLM
+    mod.SamplingParams = lambda **kw: NS(**kw)
+    inputs = types.ModuleType("vllm.inputs")
+    inputs.TokensPrompt = dict
+    config = types.ModuleType("vllm.config")
+    config.set_current_vllm_config = lambda cfg: nullcontext()
+    for name, m in (("vllm", mod), ("vllm.inputs", inputs), ("vllm.config", config)):
+        monkeypatch.setitem(sys.modules, name, m)
+    monkeypatch.setattr(cr, "_accel_module", lambda device_type: None)  # no torch.cuda/npu RNG here
+    monkeypatch.delenv(rc.NZ_ENV, raising=False)
+    return mod
+
+
+def make(device: str, rank: int = 0, world: int = 1, **kw) -> cr.ColocateRollout:
+    info = DistInfo(rank=rank, world_size=world, local_rank=rank, local_world_size=world, device_type=device,
+                    backend="gloo")
+    return cr.ColocateRollout("/model", info, **kw)
+
+
+# ----------------------------------------------------------------------------- finding 3: NZ
+
+
+@pytest.mark.unit
+def test_nz_turned_off_on_npu_only(fake_vllm, monkeypatch):
+    import os
+
+    make("npu")
+    assert os.environ[rc.NZ_ENV] == "0", "vllm-ascend NPUWorker.wake_up raises while NZ is on"
+    assert FakeLLM.built[-1]["additional_config"] == {"weight_nz_mode": 0}  # the config key wins over env
+    for device in ("cpu", "cuda"):
+        monkeypatch.setenv(rc.NZ_ENV, "2")
+        make(device)
+        assert os.environ[rc.NZ_ENV] == "2" and "additional_config" not in FakeLLM.built[-1]
+    env = {rc.NZ_ENV: "1"}
+    assert rc.disable_npu_nz("npu", env) and env[rc.NZ_ENV] == "0"
+    env = {}
+    assert rc.disable_npu_nz("cuda", env) == {} and env == {}
+
+
+# ----------------------------------------------------------------------------- finding 4: load path
+
+
+@pytest.mark.unit
+def test_weight_load_choice_per_platform():
+    assert rc.pick_weight_load("cuda", "auto") == "direct"
+    assert rc.pick_weight_load("npu", "auto") == "direct"  # vllm-ascend 0.23 NPUWorker: no reload_weights
+    assert rc.pick_weight_load("cpu", "auto") == "reload"  # oneDNN repacking needs vLLM's reload
+    assert rc.pick_weight_load("npu", "reload") == "reload"
+    with pytest.raises(ValueError, match="CPU"):
+        rc.pick_weight_load("cpu", "direct")
+    with pytest.raises(ValueError):
+        rc.pick_weight_load("cuda", "fast")
+
+
+@pytest.mark.unit
+def test_weight_load_checked_against_the_built_worker(fake_vllm):
+    FakeLLM.worker_has_reload = False  # vllm-ascend 0.23.0.post1 NPUWorker
+    assert make("npu").weight_load == "direct"
+    with pytest.raises(RuntimeError, match="no reload_weights"):
+        make("npu", weight_load="reload")
+    FakeLLM.worker_has_reload, FakeLLM.model_moe = True, True
+    with pytest.raises(RuntimeError, match="MoE"):  # vllm-ascend re-lays experts out after loading
+        make("npu")
+    assert make("npu", weight_load="reload").weight_load == "reload"
+    assert make("cuda").weight_load == "direct"  # the NPU-only transpose does not apply
+
+
+# ----------------------------------------------------------------------------- finding 5: level 2
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("weight_load", ["direct", "reload"])
+def test_level2_push_must_write_every_parameter(fake_vllm, weight_load):
+    ro = make("cuda", weight_load=weight_load)
+    ro.release_memory()  # sleep level 2 (auto)
+    ro.resume_memory(["weights"])
+    assert not ro.weights_valid and ro.llm.calls[:2] == ["sleep(2)", "wake_up(['weights'])"]
+    skip = ("model.norm.weight", "model.layers.0.mlp.down_proj.weight")
+    with pytest.raises(RuntimeError) as e:
+        ro.update_weights(((n, torch.zeros(1)) for n in HF_NAMES if n not in skip), full=True)
+    assert all(n in str(e.value) for n in skip), str(e.value)
+    assert not ro.weights_valid
+    assert ro.update_weights(((n, torch.zeros(1)) for n in HF_NAMES), full=True) == len(HF_NAMES)
+    assert ro.weights_valid
+    # Later partial pushes (full=False) are allowed; the spy is gone from the model.
+    ro.update_weights(iter([(HF_NAMES[0], torch.zeros(1))]), full=False)
+    assert "load_weights" not in vars(ro.llm.model)
+
+
+@pytest.mark.unit
+def test_level2_missing_shard_of_fused_param(fake_vllm):
+    """vLLM reports a fused parameter (gate_up_proj) loaded once any shard arrived, so a missing
+    up_proj passes the vLLM-name check; the HF-name check against the previous full push catches it."""
+    ro = make("cuda")
+    ro.update_weights((n, torch.zeros(1)) for n in HF_NAMES)  # a full push: its names are the reference
+    ro.release_memory()
+    ro.resume_memory()
+    with pytest.raises(RuntimeError, match="up_proj"):
+        ro.update_weights((n, torch.zeros(1)) for n in HF_NAMES if "up_proj" not in n)
+    assert not ro.weights_valid
+
+
+@pytest.mark.unit
+def test_completeness_helpers():
+    model = FakeModel()
+    assert rc.missing_params(model, model.params) == []
+    with rc.capture_load_weights(model) as calls:
+        model.load_weights([("model.layers.0.self_attn.q_proj.weight", None)])
+    assert calls == [{"model.layers.0.self_attn.qkv_proj.weight"}] and "load_weights" not in vars(model)
+    with pytest.raises(RuntimeError, match="model.norm.weight"):
+        rc.require_all_loaded(model, calls, "push")
+    rc.require_all_loaded(model, [None], "push")  # a model that does not report: warned, not raised
+
+
+# ----------------------------------------------------------------------------- finding 6: seeds
+
+
+@pytest.mark.unit
+def test_unseeded_generate_sends_seeded_requests(fake_vllm):
+    """TP ranks with different numpy states must still agree; the fake engine would seed an
+    unseeded request from numpy's global RNG like vLLM 0.32's V2 runner."""
+    tp0, tp1 = make("cuda", rank=0, world=4, tp_size=2), make("cuda", rank=1, world=4, tp_size=2)
+    other_dp = make("cuda", rank=2, world=4, tp_size=2)
+    samples = {}
+    for name, ro, np_seed in (("tp0", tp0, 1), ("tp1", tp1, 2), ("dp1", other_dp, 1)):
+        np.random.seed(np_seed)
+        before = np.random.get_state()[1].copy()
+        samples[name] = [ro.generate([[1, 2], [3]], n=2) for _ in range(2)]
+        assert np.array_equal(before, np.random.get_state()[1]), "the trainer's numpy stream was consumed"
+    assert all(s is not None for ro in (tp0, tp1) for s in ro.llm.engine_seeds)
+    assert tp0.llm.engine_seeds == tp1.llm.engine_seeds  # same TP group: identical requests
+    assert samples["tp0"] == samples["tp1"]
+    assert samples["tp0"][0] != samples["tp0"][1]  # a new stream position per call
+    assert set(tp0.llm.engine_seeds).isdisjoint(other_dp.llm.engine_seeds)  # DP replicas differ
+    # A fresh engine (a resumed run) replays the same unseeded seeds.
+    again = make("cuda", rank=0, world=4, tp_size=2)
+    again.generate([[1, 2], [3]], n=2)
+    assert again.llm.engine_seeds == tp0.llm.engine_seeds[:2]
+    assert rc.unseeded_call_seed(0, 0) != rc.unseeded_call_seed(1, 0) != rc.unseeded_call_seed(0, 1)
+
+
+# ----------------------------------------------------------------------------- speed settings
+
+
+@pytest.mark.unit
+def test_enforce_eager_auto_per_device(fake_vllm):
+    assert rc.pick_enforce_eager("cpu", None) is True
+    assert rc.pick_enforce_eager("cuda", None) is False and rc.pick_enforce_eager("npu", None) is False
+    assert rc.pick_enforce_eager("cuda", True) is True and rc.pick_enforce_eager("cpu", False) is False
+    for device, eager in (("cpu", True), ("cuda", False), ("npu", False)):
+        assert make(device).enforce_eager is eager and FakeLLM.built[-1]["enforce_eager"] is eager
+    assert FakeLLM.built[-1]["enable_sleep_mode"] is True  # accelerators: sleep-mode allocator
+
+
+@pytest.mark.unit
+def test_cpu_kv_env_hidden_during_build_only(fake_vllm, monkeypatch):
+    import os
+
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "3")  # would override kv_cache_memory_bytes
+    make("cpu", kv_cache_gb=0.25)
+    assert FakeLLM.built[-1]["kv_cache_memory_bytes"] == 2**28 and os.environ["VLLM_CPU_KVCACHE_SPACE"] == "3"
+
+
+@pytest.mark.unit
+def test_speed_kwargs_reach_llm_only_when_set(fake_vllm):
+    keys = ("max_num_seqs", "max_num_batched_tokens", "enable_prefix_caching")
+    make("cuda")
+    assert not set(keys) & set(FakeLLM.built[-1]), "None must leave vLLM's defaults alone"
+    ro = make("cuda", max_num_seqs=64, max_num_batched_tokens=4096, enable_prefix_caching=False)
+    assert {k: FakeLLM.built[-1][k] for k in keys} == {"max_num_seqs": 64, "max_num_batched_tokens": 4096,
+                                                       "enable_prefix_caching": False}
+    line = ro.describe()
+    for part in ("on cuda", "tp=1", "enforce_eager=False", "weight_load=direct", "sleep level 2",
+                 "prefix_caching=False", "max_num_seqs=64", "max_num_batched_tokens=4096"):
+        assert part in line, (part, line)
+    assert rc.speed_kwargs(enable_prefix_caching=False) == {"enable_prefix_caching": False}
+
+
+# ----------------------------------------------------------------------------- older vLLM (NPU pin)
+
+
+@pytest.mark.unit
+def test_sleep_level0_needs_release_kv_cache_memory(fake_vllm):
+    fake_vllm.LLM = FakeLLMWithoutKVRelease
+    with pytest.raises(ValueError, match="release_kv_cache_memory"):
+        make("npu", sleep_level=0)
+    make("npu", sleep_level=2)
+    make("cpu", sleep_level=0)  # CPU never sleeps: resizes the KV buffer instead
+
+
+@pytest.mark.unit
+def test_finalizer_detached_when_present():
+    detached = []
+    rc.detach_client_finalizer(NS(_finalizer=NS(detach=lambda: detached.append(1))))  # vllm 0.32
+    rc.detach_client_finalizer(NS())  # vllm 0.26 InprocClient: no finalizer
+    assert detached == [1]
+
+
+# ----------------------------------------------------------------------------- real engine, tp=2
+
+
+@pytest.fixture(scope="module")
+def ranks(tiny_model):
+    from workers.accel_launch import accel_results
+
+    return accel_results(tiny_model)
+
+
+def test_tp_ranks_agree_on_unseeded_samples(ranks):
+    """Real engine, tp=2, seed=None, a different numpy/torch/python RNG state on each rank."""
+    r0, r1 = ranks
+    assert r0["unseeded_first"] == r1["unseeded_first"], "TP ranks sampled different tokens with seed=None"
+    assert r0["unseeded_second"] == r1["unseeded_second"]
+    assert r0["unseeded_first"] != r0["unseeded_second"], "two unseeded calls returned the same samples"
+    assert r0["np_rng_untouched"] and r1["np_rng_untouched"]
+
+
+def test_level2_completeness_on_real_reload(ranks):
+    for r in ranks:
+        assert "model.norm.weight" in r["partial_push"] and "down_proj" in r["partial_push"], r["partial_push"]
+        assert r["valid_after_partial"] is False and r["valid_after_full"] is True
+    assert ranks[0]["greedy_after_full"] == ranks[1]["greedy_after_full"]
+
+
+def test_speed_settings_in_effect(ranks):
+    for r in ranks:
+        assert r["in_effect"] == {"enforce_eager": True, "max_num_seqs": 16, "max_num_batched_tokens": 512,
+                                  "enable_prefix_caching": True}
+        assert r["describe"].startswith("vLLM on cpu: tp=2 dp=1 dtype=float32 enforce_eager=True"), r["describe"]
