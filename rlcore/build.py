@@ -114,9 +114,18 @@ def build_engines(cfg: Config, info: DistInfo, timer: Timer) -> Engines:
     """The policy, the reference (when the KL loss is on), the vLLM engine and the phase switch,
     for a resolved config (``rlcore.config.resolve``); third-party start-up noise filtered."""
     torch.manual_seed(cfg.trainer.seed)
+    if info.is_main and info.device_type != "cpu":  # before anything large lands on the device
+        from rlcore.memory_plan import device_total_gb, format_plan, plan_from_config
+
+        print(format_plan(plan_from_config(cfg, info.world_size, device_total_gb(info.device_type), info.device_type,
+                                           nproc_per_node=info.local_world_size)), flush=True)
     with quiet.filtered_output():
         policy = build_policy(cfg.model, cfg.optim, info, cfg.trainer.total_steps * cfg.algorithm.optim_steps_per_step)
         ref = build_reference(cfg.model, cfg.offload, info) if cfg.algorithm.kl_loss_coef > 0 else None
+        if cfg.offload.params or cfg.offload.optimizer:
+            # The run starts in the generation phase: the trainer's state waits on the host, so
+            # vLLM sizes its KV cache from the memory generation really has.
+            policy.offload(params=cfg.offload.params, optimizer=cfg.offload.optimizer)
         rollout = build_rollout(cfg.model, cfg.rollout, info, cfg.trainer.seed)
     switch = build_switch(policy, rollout, cfg.model, cfg.rollout, cfg.offload, info, timer)
     if cfg.logging.switch_trace:

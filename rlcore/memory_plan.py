@@ -8,13 +8,13 @@ h hidden size, V vocab. Each component's formula is in its function's docstring;
 has them all with a worked Qwen3-8B plan.
 
 Phases, in the order a run meets them (the steps are rlcore/switch.py's); each total is a peak:
-    startup   the first generation: vLLM is built while the trainer's fp32 shard (and reference) are
-              on the device, and refuses to start unless gpu_memory_utilization x device is free
     train     params, gradients, optimizer, activations, FSDP's gathered weights, the resident
               reference, and what vLLM keeps at its sleep level
     sync      to_generation step 3: optimizer offloaded (if configured), vLLM weights woken, trainer
               params still resident, two sync buckets; the KV cache is woken only after
-    generate  vLLM's weights + KV cache + activations, plus the trainer state not offloaded
+    generate  vLLM's weights + KV cache + activations, plus the trainer state not offloaded; also
+              the first generation: the trainer offloads its state before vLLM is built
+              (rlcore/build.py), so vLLM sizes its KV cache from what generation really has
 A phase fits when its total <= device - RESERVE_GB (CUDA/CANN context and kernels ~1 GB, the
 trainer's NCCL/HCCL communicators ~1 GB, allocator fragmentation ~1 GB).
 """
@@ -28,7 +28,7 @@ from dataclasses import dataclass, field, replace
 
 GB = 2**30
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-PHASES = ("startup", "train", "sync", "generate")  # the order a run goes through them
+PHASES = ("train", "sync", "generate")  # the order a run goes through them
 COMPONENTS = ("trainer_params", "gradients", "optimizer", "reference", "activations", "fsdp_gathered",
               "vllm_weights", "kv_cache", "vllm_activations", "vllm_overhead", "sync_buckets")
 RESERVE_GB = {"cuda": 3.0, "npu": 3.0}  # other devices (cpu): 0
@@ -323,7 +323,6 @@ def resident(p: PlanInputs) -> dict[str, tuple[str, ...]]:
     weights_kept = not p.free_kv_cache or p.sleep_level == 0 or p.device_type == "cpu"
     train_vllm = ("vllm_weights",) * weights_kept + ("kv_cache",) * (not p.free_kv_cache)
     return {
-        "startup": ("trainer_params",) + ("reference",) * p.reference + vllm,
         "generate": ("trainer_params",) * (not p.offload_params) + ("optimizer",) * (not p.offload_optimizer)
         + ref + vllm,
         "sync": ("trainer_params",) + ("optimizer",) * (not p.offload_optimizer) + ref
@@ -565,7 +564,7 @@ def format_plan(plan: MemoryPlan) -> str:
     lines.append(f"{'total':<18}" + "".join(f"{plan.total(ph) / GB:>10.2f}" for ph in PHASES))
     lines.append(f"{'fits':<18}" + "".join(f"{'yes' if plan.total(ph) <= plan.limit else 'NO':>10}" for ph in PHASES))
     lines.append(f"limit {plan.limit / GB:.2f} GB = {p.device_gb:g} - {plan.reserve_gb:g} reserve (device context, "
-                 f"communicators, fragmentation); startup = the first generation, before any offload")
+                 f"communicators, fragmentation)")
     kv = plan.kv
     lines.append(f"KV cache: {kv['bytes'] / GB:.2f} GB = {kv['tokens']:,} tokens ({kv['bytes_per_token'] // 1024} KiB "
                  f"per token per rank) = {kv['sequences']} sequences of {p.seq_len}; a replica generates "
