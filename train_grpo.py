@@ -55,7 +55,7 @@ def loop(run: Run) -> None:
         at_start = step_snapshot(run)  # the state of step - 1, should this step be abandoned
         with watchdog.phase("generate"):
             batch, scores, reward_metrics = run.sampler.sample(state.step)  # prompts -> generate -> score
-            adv = grpo.advantages_for(batch, scores, cfg.algorithm)  # (N, T)
+            adv = grpo.advantages_for(batch, scores, cfg.algorithm, e.rollout.tp_size)  # (N, T)
         if stop.agreed():  # phase boundary, collective: drop this step's samples, keep step - 1
             stop_preempted(run, at_start)
         batch, adv, scores = shard_for_training(e.rollout, batch, adv, scores)

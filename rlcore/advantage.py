@@ -45,15 +45,21 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return (x * mask).sum() / mask.sum().clamp(min=1)
 
 
-def masked_whiten(x: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
-    """(x - mean) / sqrt(var + eps) over the masked positions, unbiased var; masked again."""
+def masked_whiten(x: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8, sum_fn=None) -> torch.Tensor:
+    """(x - mean) / sqrt(var + eps) over the masked positions, unbiased var; masked again.
+
+    ``sum_fn`` (list of floats -> list of floats) sums the statistics over every part of the batch
+    (the trainer passes an all-rank sum), so the whitening is that of the global batch whatever the
+    number of ranks; None = this tensor is the whole batch.
+    """
+    sum_fn = sum_fn or (lambda values: values)
     mask = mask.to(x.dtype)
-    count = mask.sum()
-    mean = (x * mask).sum() / count.clamp(min=1)
+    count, total = sum_fn([mask.sum().item(), (x * mask).sum().item()])
+    mean = total / max(count, 1.0)
     centered = (x - mean) * mask
     # Bessel's correction; a single valid token has no spread, and clamping keeps it finite (0).
-    var = (centered**2).sum() / (count - 1).clamp(min=1)
-    return centered * torch.rsqrt(var + eps)
+    var = sum_fn([(centered**2).sum().item()])[0] / max(count - 1, 1.0)
+    return centered * torch.rsqrt(torch.tensor(var + eps, dtype=x.dtype))
 
 
 def _grouped(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
@@ -120,15 +126,15 @@ def _adv_rloo(rewards, mask, group_size, **_):
 
 
 @_register(_ADV_REGISTRY, "reinforce_pp_baseline")
-def _adv_reinforce_pp_baseline(rewards, mask, group_size, **_):
+def _adv_reinforce_pp_baseline(rewards, mask, group_size, *, sum_fn=None, **_):
     groups = _grouped(rewards, group_size)  # (G, n)
     centered = (groups - _group_mean(groups)).reshape(-1, 1)  # (N, 1)
     mask = mask.to(centered.dtype)
-    return masked_whiten(centered * mask, mask) * mask  # (N, T)
+    return masked_whiten(centered * mask, mask, sum_fn=sum_fn) * mask  # (N, T)
 
 
 @_register(_ADV_REGISTRY, "reinforce_pp")
-def _adv_reinforce_pp(rewards, mask, group_size, *, gamma: float = 1.0, **_):
+def _adv_reinforce_pp(rewards, mask, group_size, *, gamma: float = 1.0, sum_fn=None, **_):
     scores = _grouped(rewards, group_size).reshape(-1, 1)  # (N, 1)
     mask = mask.to(scores.dtype)
     # The reward sits on the last valid token, so a token's return is gamma^k * r, k = number of
@@ -136,7 +142,7 @@ def _adv_reinforce_pp(rewards, mask, group_size, *, gamma: float = 1.0, **_):
     # response (e.g. tool output) is not an action step. Closed form avoids a Python loop over T.
     after = mask.sum(dim=1, keepdim=True) - mask.cumsum(dim=1)  # (N, T)
     returns = scores * torch.pow(gamma, after) * mask  # (N, T)
-    return masked_whiten(returns, mask) * mask
+    return masked_whiten(returns, mask, sum_fn=sum_fn) * mask
 
 
 @torch.no_grad()

@@ -72,10 +72,15 @@ def shape_rewards(scores: torch.Tensor, batch: RolloutBatch, cfg: AlgorithmConfi
     return scores, metrics
 
 
-def advantages_for(batch: RolloutBatch, scores: torch.Tensor, cfg: AlgorithmConfig) -> torch.Tensor:
-    """(N, T) advantages of the configured estimator, zero off the loss mask."""
+def advantages_for(batch: RolloutBatch, scores: torch.Tensor, cfg: AlgorithmConfig, tp_size: int = 1) -> torch.Tensor:
+    """(N, T) advantages of the configured estimator, zero off the loss mask. Batch-level
+    statistics (REINFORCE++ whitening) are those of the global batch: summed over all ranks, each
+    replica counted once (the ``tp_size`` ranks of a replica hold the same samples here)."""
+    def sum_fn(values: list[float]) -> list[float]:
+        return [v / tp_size for v in all_reduce_sum(values)]
+
     return advantage.compute_advantages(cfg.adv_estimator, scores, batch.response_mask(), batch.group_size,
-                                        norm_by_std=cfg.norm_by_std, gamma=cfg.gamma)
+                                        norm_by_std=cfg.norm_by_std, gamma=cfg.gamma, sum_fn=sum_fn)
 
 
 def informative_groups(scores: torch.Tensor, group_size: int) -> list[int]:
