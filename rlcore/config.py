@@ -199,6 +199,12 @@ class AlgorithmConfig:
     """DAPO dynamic sampling: drop groups whose rewards are all equal and sample more prompts."""
     max_sampling_rounds: int = 3
     """Generation rounds per step at most with dynamic_sampling."""
+    use_rollout_logprobs: bool = False
+    """Take vLLM's sampling log-probs as the PPO ratio's old log-probs and skip the trainer's
+    recompute (only with ppo_epochs 1 and mini_batches 1)."""
+    tis_cap: Optional[float] = None
+    """Truncated importance sampling against the rollout/trainer mismatch: each token's loss is
+    weighted by min(exp(old_logp - rollout_logp), tis_cap), detached; null = off (2.0 is usual)."""
 
     def __post_init__(self):
         for key, value, valid in (
@@ -217,6 +223,11 @@ class AlgorithmConfig:
               "it must be >= 0 (0 disables overlong shaping)")
         check(self.max_sampling_rounds >= 1, "algorithm.max_sampling_rounds", self.max_sampling_rounds,
               "it must be >= 1")
+        check(not self.use_rollout_logprobs or (self.ppo_epochs == 1 and self.mini_batches == 1),
+              "algorithm.use_rollout_logprobs", self.use_rollout_logprobs,
+              "it needs ppo_epochs=1 and mini_batches=1 (later updates need the trainer's old log-probs)")
+        check(self.tis_cap is None or self.tis_cap >= 1, "algorithm.tis_cap", self.tis_cap,
+              "it must be >= 1 (e.g. 2.0), or null to turn truncated importance sampling off")
 
     @property
     def optim_steps_per_step(self) -> int:

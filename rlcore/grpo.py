@@ -164,14 +164,18 @@ def ppo_update(policy, batch: RolloutBatch, adv: torch.Tensor, old_logp: torch.T
     n_mini = cfg.mini_batches
     # The trainer's log-probs before any update, to compare with vLLM's: old_logp, or recorded by
     # the single on-policy mini-batch (its optimizer step comes after all its micro-batches).
-    pre_update = torch.zeros_like(mask_all) if old_logp is None else old_logp
+    # With use_rollout_logprobs, old_logp is vLLM's own: record the trainer's then too.
+    record = old_logp is None or cfg.use_rollout_logprobs
+    pre_update = torch.zeros_like(mask_all) if record else old_logp
+    rollout_logp = batch.rollout_logp_matrix().to(device)  # (N, T) vLLM's sampling log-probs
     for _ in range(cfg.ppo_epochs):
         for mini in micro_batches(len(batch), len(batch) // n_mini):
             accumulate_gradients(policy, batch, mini, adv, old_logp, ref_logp, cfg, temperature, world_size,
-                                 device, norm_len, mask_all, sums, record=pre_update if old_logp is None else None)
+                                 device, norm_len, mask_all, sums, record=pre_update if record else None,
+                                 rollout_logp=rollout_logp)
             step_metrics.append(policy.step())
     metrics = _reduce_update_metrics(sums, step_metrics, world_size)
-    metrics.update(mismatch_metrics(pre_update, batch.rollout_logp_matrix().to(device), mask_all))
+    metrics.update(mismatch_metrics(pre_update, rollout_logp, mask_all))
     return metrics
 
 
@@ -188,7 +192,8 @@ def mismatch_metrics(trainer_logp: torch.Tensor, rollout_logp: torch.Tensor, mas
 
 
 def accumulate_gradients(policy, batch, mini, adv, old_logp, ref_logp, cfg, temperature, world_size, device,
-                         norm_len=None, mask_all=None, sums=None, record: torch.Tensor | None = None) -> None:
+                         norm_len=None, mask_all=None, sums=None, record: torch.Tensor | None = None,
+                         rollout_logp: torch.Tensor | None = None) -> None:
     """Forward/backward one mini-batch (indices ``mini``) in micro-batches, normalised by the
     mini-batch's token and sequence counts over all ranks."""
     mask_all = batch.response_mask().to(device) if mask_all is None else mask_all
@@ -196,11 +201,11 @@ def accumulate_gradients(policy, batch, mini, adv, old_logp, ref_logp, cfg, temp
     agg = {"global_tokens": totals[0], "global_seqs": totals[1], "dp_size": world_size, "norm_len": norm_len}
     for idx in (mini[i: i + cfg.micro_batch_size] for i in range(0, len(mini), cfg.micro_batch_size)):
         _micro_step(policy, batch, idx, adv, old_logp, ref_logp, cfg, temperature, agg, device,
-                    {} if sums is None else sums, record)
+                    {} if sums is None else sums, record, rollout_logp)
 
 
 def _micro_step(policy, batch, idx, adv, old_logp, ref_logp, cfg, temperature, agg, device, sums,
-                record=None) -> None:
+                record=None, rollout_logp=None) -> None:
     sub = batch.select(idx)
     logp, ent = logprob_matrix(policy, sub, temperature, grad=True, with_entropy=True, device=device)
     t = logp.shape[1]
@@ -209,9 +214,13 @@ def _micro_step(policy, batch, idx, adv, old_logp, ref_logp, cfg, temperature, a
     mask = sub.response_mask().to(device)
     a = adv[idx, :t].to(device)
     old = logp.detach() if old_logp is None else old_logp[idx, :t]
+    is_weights = None
+    if cfg.tis_cap is not None:
+        is_weights, clipped = tis_weights(old, rollout_logp[idx, :t], mask, cfg.tis_cap)
+        _add(sums, "rollout/tis_clip_frac", clipped)
     pg_loss, pg_metrics = advantage.policy_loss(
         cfg.policy_loss, logp, old, a, mask, clip_low=cfg.clip_low, clip_high=cfg.clip_high,
-        dual_clip_c=cfg.dual_clip_c, agg_mode=cfg.loss_agg_mode, **agg)
+        dual_clip_c=cfg.dual_clip_c, agg_mode=cfg.loss_agg_mode, is_weights=is_weights, **agg)
     loss = pg_loss
     ntok = mask.sum().item()
     if cfg.entropy_coef != 0:
@@ -226,6 +235,14 @@ def _micro_step(policy, batch, idx, adv, old_logp, ref_logp, cfg, temperature, a
     _add(sums, "tokens", ntok)
     for k, v in pg_metrics.items():  # masked means over this micro-batch -> token-weighted sums
         _add(sums, k, v * ntok)
+
+
+def tis_weights(old_logp: torch.Tensor, rollout_logp: torch.Tensor, mask: torch.Tensor, cap: float
+                ) -> tuple[torch.Tensor, float]:
+    """Truncated importance weights min(exp(old - rollout), cap) (N, T), detached (they correct
+    the sampling distribution, they are not optimised), and the count of masked tokens capped."""
+    ratio = torch.exp(old_logp.detach() - rollout_logp)  # (N, T)
+    return ratio.clamp(max=cap), ((ratio > cap) * mask).sum().item()
 
 
 def _add(sums: dict, key: str, value: float) -> None:
@@ -249,7 +266,11 @@ def train_on_batch(policy, ref, batch: RolloutBatch, adv: torch.Tensor, cfg: Alg
                    world_size: int, device, norm_len: int) -> dict[str, float]:
     """The train phase of one step: old and reference log-probs when needed, then the update."""
     on_policy = cfg.ppo_epochs == 1 and cfg.mini_batches == 1
-    old = None if on_policy else compute_logprobs_in_chunks(policy, batch, temperature, cfg.micro_batch_size, device)
+    if cfg.use_rollout_logprobs:  # vLLM's log-probs as the ratio's denominator: no recompute
+        old = batch.rollout_logp_matrix().to(device)
+    else:
+        old = None if on_policy else compute_logprobs_in_chunks(policy, batch, temperature, cfg.micro_batch_size,
+                                                                device)
     ref_logp = None
     if ref is not None:
         with ref.on_device() if hasattr(ref, "on_device") else nullcontext():  # INTEGRATE an offloaded reference comes to the device once per step

@@ -5,6 +5,7 @@ invariance). The policy here is a small plain-PyTorch LM fake; the FSDP engine i
 from __future__ import annotations
 
 import copy
+import math
 import dataclasses
 
 import pytest
@@ -159,3 +160,44 @@ def test_dynamic_sampling_rounds_draw_fresh_seeds():
         assert len(batch) == 2
     sampler.generate(prompts, 6)
     assert seeds[0] == 7 * 1_000_003 + 5 and len(set(seeds)) == 4, seeds
+
+
+def test_tis_weights_are_capped_and_reach_the_gradient():
+    """min(exp(old - rollout), cap), detached; tokens above the cap counted in rollout/tis_clip_frac."""
+    old = torch.tensor([[0.0, -1.0, -2.0], [-0.5, 0.0, 0.0]])
+    rollout = torch.tensor([[-1.0, -1.0, -0.5], [-0.5, -3.0, 0.0]])
+    mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])
+    w, clipped = grpo.tis_weights(old, rollout, mask, cap=2.0)
+    expected = torch.tensor([[min(math.e, 2.0), 1.0, math.exp(-1.5)], [1.0, 2.0, 1.0]])
+    assert torch.allclose(w, expected) and clipped == 2  # e^1 and e^3 capped; the masked 1.0 not counted
+    # Through the update: with a stale rollout (its log-probs 5 nats lower) the capped weights
+    # change the gradient, against the same update without TIS.
+    base = dataclasses.replace(BASE, kl_loss_coef=0.0)
+
+    def update(cfg):
+        torch.manual_seed(0)
+        policy, batch = FakePolicy(), make_batch()
+        batch.rollout_logp = [[lp - 5.0 for lp in r] for r in batch.rollout_logp]
+        scores, _ = grpo.shape_rewards(SCORES.clone(), batch, cfg, max_response_length=6)
+        adv = grpo.advantages_for(batch, scores, cfg)
+        metrics = grpo.ppo_update(policy, batch, adv, None, None, cfg, 1.0, world_size=1, device="cpu", norm_len=6)
+        return policy.grads, metrics
+
+    off_grads, off = update(base)
+    on_grads, on = update(dataclasses.replace(base, tis_cap=2.0))
+    assert "rollout/tis_clip_frac" not in off and 0 < on["rollout/tis_clip_frac"] <= 1
+    assert not torch.allclose(on_grads[0], off_grads[0])
+    assert on["rollout/mismatch_max"] > 4.0  # the shifted rollout shows as a mismatch
+
+
+def test_use_rollout_logprobs_takes_vllms_logprobs_as_old():
+    cfg = dataclasses.replace(BASE, kl_loss_coef=0.0, use_rollout_logprobs=True)
+    torch.manual_seed(0)
+    policy, batch = FakePolicy(), make_batch()
+    scores, _ = grpo.shape_rewards(SCORES.clone(), batch, cfg, max_response_length=6)
+    adv = grpo.advantages_for(batch, scores, cfg)
+    metrics = grpo.train_on_batch(policy, None, batch, adv, cfg, 1.0, 1, "cpu", norm_len=6)
+    # The rollout log-probs of make_batch are not the policy's: ratios != 1, so clipping can act.
+    assert metrics["actor/ppo_kl"] != 0.0
+    with pytest.raises(ValueError, match="ppo_epochs=1 and mini_batches=1"):
+        AlgorithmConfig(use_rollout_logprobs=True, mini_batches=2)
