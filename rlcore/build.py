@@ -86,7 +86,7 @@ def build_reference(model: ModelConfig, offload: OffloadConfig, info: DistInfo) 
     from rlcore.engine_veomni import VeOmniPolicy
 
     return VeOmniPolicy(model.path, info, dtype=model.dtype, trainable=False,
-                        attn_implementation=model.attn_implementation)  # INTEGRATE offload.ref
+                        attn_implementation=model.attn_implementation, offload_outside_forward=offload.ref)
 
 
 def build_rollout(model: ModelConfig, rollout: RolloutConfig, info: DistInfo, seed: int) -> Rollout:

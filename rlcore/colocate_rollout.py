@@ -11,7 +11,8 @@ vLLM changes process-global state when it builds an engine; the wrapper undoes w
 depends on (see ``_ProcessState``) and keeps vLLM's sampling RNG apart from the trainer's.
 Known left-over: vLLM's CPU worker replaces ``torch.set_num_threads`` with a no-op (callers that
 must change the thread count use ``torch._C.set_num_threads``), and calls ``gc.freeze()``.
-On NPU ``VLLM_ASCEND_ENABLE_NZ=0`` is set for the rest of the process (wake-up refuses NZ weights).
+On NPU ``VLLM_ASCEND_ENABLE_NZ=0`` is set for the rest of the process (wake-up refuses NZ weights),
+and the built sampler is switched to ``processed_logprobs`` (vllm-ascend ignores the LLM kwarg).
 The pure decisions and checks (platform choices, seeds, load completeness) are in
 ``rlcore/rollout_checks.py``, which takes vLLM objects as arguments and imports no vLLM;
 docs/accelerators.md lists what each accelerator-only path was checked against.
@@ -20,6 +21,7 @@ docs/accelerators.md lists what each accelerator-only path was checked against.
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import gc
 import mmap
 import os
@@ -34,7 +36,9 @@ import torch
 
 from rlcore.dist import DistInfo
 from rlcore.rollout_checks import (
+    align_sampler_logprobs_mode,
     capture_load_weights,
+    check_engine_kwargs,
     check_sleep_level_supported,
     check_weight_load,
     describe_engine,
@@ -43,6 +47,7 @@ from rlcore.rollout_checks import (
     pick_enforce_eager as _pick_enforce_eager,
     pick_sleep_level as _pick_sleep_level,
     pick_weight_load as _pick_weight_load,
+    reload_weights_method,
     request_seed as _request_seed,
     require_all_loaded,
     speed_kwargs,
@@ -53,6 +58,9 @@ from rlcore.rollout_checks import (
 # reads torchrun's value later), LD_PRELOAD := tcmalloc (leaks into subprocesses we start).
 # VLLM_CPU_KVCACHE_SPACE is hidden during the build (it overrides kv_cache_memory_bytes).
 _ENV_KEYS_TO_RESTORE = ("LOCAL_WORLD_SIZE", "LD_PRELOAD", "VLLM_CPU_KVCACHE_SPACE")
+# Sampled-token logprob = log_softmax(logits / T) after top-k/top-p: what the trainer recomputes.
+# vLLM's default ("raw_logprobs") ignores the temperature.
+LOGPROBS_MODE = "processed_logprobs"
 
 
 @dataclass
@@ -177,6 +185,7 @@ class ColocateRollout:
             saved.restore(info.device_type)
         worker = self._worker()
         check_weight_load(self.weight_load, info.device_type, worker, worker.model_runner.get_model())
+        align_sampler_logprobs_mode(worker.model_runner, LOGPROBS_MODE)  # vllm-ascend ignores the kwarg
 
     def _memory_kwargs(self, kv_cache_gb: float, gpu_mem_util: float) -> dict:
         if self.info.device_type == "cpu":
@@ -191,21 +200,22 @@ class ColocateRollout:
     def _build_engine(self, model_path: str, engine_kwargs: dict):
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # engine core in this process
         from vllm import LLM
+        from vllm.engine.arg_utils import EngineArgs
 
         check_sleep_level_supported(LLM, self.info.device_type, self.sleep_level)
-        return LLM(
+        kwargs = dict(
             model=model_path,
             tensor_parallel_size=self.tp_size,
             distributed_executor_backend="external_launcher",
             # Same seed inside a TP group (ranks must sample the same token), different per
             # DP replica (else every replica samples identical completions).
             seed=self.seed + self.dp_rank,
-            # Sampled-token logprob = log_softmax(logits / T) after top-k/top-p: what the
-            # trainer recomputes. The default ("raw_logprobs") ignores the temperature.
-            logprobs_mode="processed_logprobs",
+            logprobs_mode=LOGPROBS_MODE,
             use_tqdm_on_load=False,
             **engine_kwargs,
         )
+        check_engine_kwargs((f.name for f in dataclasses.fields(EngineArgs)), kwargs)
+        return LLM(**kwargs)
 
     def describe(self) -> str:
         """The engine settings in effect, in one line (for the start-up log)."""
@@ -312,7 +322,8 @@ class ColocateRollout:
         one call lets the producer gather the next bucket while vLLM loads this one. Under TP
         every rank passes full tensors; vLLM's weight loaders slice them. ``weight_load``
         picks the call (see ``_pick_weight_load``): ``reload_weights`` on CPU, where fp32 linear
-        weights are repacked into oneDNN handles and ``model.load_weights`` fails.
+        weights are repacked into oneDNN handles and ``model.load_weights`` fails (on a worker
+        without it, vllm-ascend 0.23, the model runner's: rollout_checks.reload_weights_method).
 
         ``full=True`` says the iterator holds every weight: that makes the weights valid again
         after a level-2 sleep, and it must name at least what the previous full update named
@@ -329,7 +340,7 @@ class ColocateRollout:
             if self.weight_load == "direct":
                 self._load_direct(model, stream)
             else:
-                self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": stream})
+                self._reload(weights_iterator=stream)
         # Cached prefix KV blocks were computed with the old weights.
         self.llm.reset_prefix_cache()
         if refill:
@@ -344,11 +355,17 @@ class ColocateRollout:
         self._require_awake("update_weights_from_path", {"weights"})
         model = self._model_runner().get_model()
         with capture_load_weights(model) as loaded:
-            self.llm.collective_rpc("reload_weights", kwargs={"weights_path": path})
+            self._reload(weights_path=path)
         self.llm.reset_prefix_cache()
         if not self.weights_valid:
             require_all_loaded(model, loaded, "update_weights_from_path")
         self.weights_valid = True
+
+    def _reload(self, **kwargs) -> None:
+        method = reload_weights_method(self._worker())
+        if method is None:
+            raise RuntimeError(f"{type(self._worker()).__name__} and its model runner have no reload_weights")
+        self.llm.collective_rpc(method, kwargs=kwargs)
 
     def _load_direct(self, model, stream: Iterator[tuple[str, torch.Tensor]]) -> None:
         from vllm.config import set_current_vllm_config
@@ -424,7 +441,8 @@ class ColocateRollout:
 
     def _worker(self):
         # external_launcher runs the uniproc executor: its driver_worker (WorkerWrapperBase)
-        # holds this rank's worker (vllm 0.32.0 v1/executor/uniproc_executor.py).
+        # holds this rank's worker (vllm 0.32.0 v1/executor/uniproc_executor.py; 0.23.0
+        # v1/engine/llm_engine.py:124, v1/executor/uniproc_executor.py:48, v1/worker/worker_base.py:313).
         return self.llm.llm_engine.model_executor.driver_worker.worker
 
     def _model_runner(self):

@@ -186,6 +186,9 @@ class AlgorithmConfig:
     """Optimizer steps per epoch."""
     micro_batch_size: int = 8
     """Sequences per forward/backward on each rank (the gradient does not depend on it)."""
+    micro_batch_tokens: Optional[int] = None
+    """Pack micro-batches up to this many tokens instead of micro_batch_size sequences, balanced
+    so every rank runs the same number of micro-batches with similar token counts; null = off."""
     gamma: float = 1.0
     """reinforce_pp discount."""
     overlong_buffer_len: int = 0
@@ -214,7 +217,7 @@ class AlgorithmConfig:
             ("kl_loss_type", self.kl_loss_type, advantage.KL_KINDS),
         ):
             check(value in valid, f"algorithm.{key}", value, f"choose one of {', '.join(valid)}")
-        _check_positive("algorithm", self, "ppo_epochs", "mini_batches", "micro_batch_size")
+        _check_positive("algorithm", self, "ppo_epochs", "mini_batches", "micro_batch_size", "micro_batch_tokens")
         check(0 <= self.clip_low < 1, "algorithm.clip_low", self.clip_low, "it must be in [0, 1)")
         check(self.clip_high >= 0, "algorithm.clip_high", self.clip_high, "it must be >= 0")
         check(self.dual_clip_c > 1, "algorithm.dual_clip_c", self.dual_clip_c, "it must be > 1 (3.0 is usual)")
@@ -433,10 +436,9 @@ def resolve(cfg: Config, device_type: str) -> Config:
     """A copy of ``cfg`` with every default that depends on another field or on the device filled
     in (the ``null`` / ``auto`` values documented on the fields), checked where the combination
     is what matters. Call once, after parsing; resolving a resolved config changes nothing."""
+    from rlcore.attention import pick_attn_implementation
     from rlcore.rollout_checks import pick_enforce_eager, pick_sleep_level, pick_weight_load
 
-    def pick_attn_implementation(requested, device_type):  # INTEGRATE
-        return ("sdpa" if requested == "auto" else requested, "")
 
     accel = device_type != "cpu"
     m, r, o = cfg.model, cfg.rollout, cfg.offload
@@ -445,13 +447,14 @@ def resolve(cfg: Config, device_type: str) -> Config:
         weight_load = pick_weight_load(device_type, r.weight_load)
     except ValueError as e:
         raise ConfigError(f"rollout.weight_load={r.weight_load!r} is invalid: {e}") from e
+    dtype = m.dtype or ("bfloat16" if accel else "float32")
     try:
-        attn = pick_attn_implementation(m.attn_implementation, device_type)[0]
+        attn = pick_attn_implementation(m.attn_implementation, device_type, dtype=dtype)[0]
     except ValueError as e:
         raise ConfigError(f"model.attn_implementation={m.attn_implementation!r} is invalid: {e}") from e
     return dataclasses.replace(
         cfg,
-        model=dataclasses.replace(m, dtype=m.dtype or ("bfloat16" if accel else "float32"), attn_implementation=attn),
+        model=dataclasses.replace(m, dtype=dtype, attn_implementation=attn),
         rollout=dataclasses.replace(
             r, sleep_level=pick_sleep_level(device_type, r.sleep_level), weight_load=weight_load,
             enforce_eager=pick_enforce_eager(device_type, r.enforce_eager)),

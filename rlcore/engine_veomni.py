@@ -1,9 +1,10 @@
 """The policy engine: a VeOmni-built HF causal LM sharded with FSDP2 over every rank.
 
-This module is the only one in the project that touches VeOmni, FSDP2 or DTensor (its helper
-``rlcore.bucket_gather`` gathers the plain local shards it is handed). Everything else
-sees plain tensors: packed ``(1, L)`` token batches in, per-token log-probs out, and full
-HF-named weight tensors streamed out for vLLM and for export.
+This module is the only one in the project that touches VeOmni, FSDP2 or DTensor. Its helpers
+get plain tensors and files only: ``rlcore.bucket_gather`` gathers the local shards it is handed,
+``rlcore.hf_export`` writes the HF folder, ``rlcore.attention`` picks the attention kernel.
+Everything else sees plain tensors: packed ``(1, L)`` token batches in, per-token log-probs out,
+and full HF-named weight tensors streamed out for vLLM and for export.
 
 Layout: one FSDP2 mesh over all ranks (``dp_shard = world_size``), each decoder layer its own
 FSDP unit, weights loaded from an HF safetensors folder straight into the shards (meta init).
@@ -15,14 +16,18 @@ Gradient averaging: FSDP2 averages gradients over ranks, so a caller that wants 
 token-mean gradient makes each rank's loss ``local_token_sum / global_token_count * world_size``.
 Every method that runs a forward, gathers weights or touches the checkpoint is collective:
 all ranks must call it the same number of times, in the same order.
+
+Offload: ``offloaded`` says where parameters and optimizer state are. Checkpoint save/load and
+weight export load what they need and offload it again afterwards, so the caller's phase does not
+matter; forward with grad, backward and step refuse offloaded state, a no-grad forward loads the
+parameters for itself (or once around a block: ``with ref.on_device():``). On CPU offloading moves
+nothing, except under ``RLCORE_TEST_REAL_OFFLOAD=1`` (``rlcore.engine_offload``, for tests).
 """
 
 from __future__ import annotations
 
-import json
+import contextlib
 import math
-import os
-import shutil
 import warnings
 from typing import Iterator
 
@@ -30,13 +35,13 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from rlcore.dist import DistInfo, empty_cache
+from rlcore import hf_export
+from rlcore.attention import pick_attn_implementation
 from rlcore.bucket_gather import ShardSpec, SyncBuffers, SyncPlan
+from rlcore.dist import DistInfo, empty_cache
+from rlcore.engine_offload import HostCopies
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-# Files of the source folder that save_hf must not copy: weights it rewrites, and config.json,
-# which it rewrites with the export dtype.
-_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".safetensors.index.json", ".bin.index.json")
 
 
 def _to_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
@@ -173,7 +178,10 @@ class VeOmniPolicy:
             its weights in ``dtype``.
         trainable: False builds a reference policy: no optimizer, no gradients, forward only.
         gradient_checkpointing: recompute each decoder layer in backward.
-        attn_implementation: "sdpa" (any device) or a kernel VeOmni knows (flash_attention_2...).
+        attn_implementation: "auto" or a name ``rlcore.attention.pick_attn_implementation`` accepts
+            for this device and dtype (sdpa, eager, flash_attention_2, flash_attention_3).
+        offload_outside_forward: frozen policies only: keep the parameters on the host except
+            around forwards (each forward, or a ``with on_device():`` block of them).
         lr, weight_decay, betas, adam_eps: AdamW (one group, decay on every parameter).
         lr_schedule, warmup_steps, min_lr_ratio, total_steps: see ``_LrLambda``.
         grad_clip: max global grad norm; ``None`` or <= 0 only measures the norm.
@@ -182,22 +190,33 @@ class VeOmniPolicy:
     """
 
     def __init__(self, model_path: str, info: DistInfo, *, dtype: str | torch.dtype = "float32", trainable: bool = True,
-                 gradient_checkpointing: bool = False, attn_implementation: str = "sdpa",
+                 gradient_checkpointing: bool = False, attn_implementation: str = "auto",
+                 offload_outside_forward: bool = False,
                  lr: float = 1e-6, weight_decay: float = 0.0, betas: tuple[float, float] = (0.9, 0.999),
                  adam_eps: float = 1e-8, lr_schedule: str = "constant", warmup_steps: int = 0,
                  min_lr_ratio: float = 0.0, total_steps: int = 1, grad_clip: float | None = 1.0,
                  ops_overrides: dict | None = None):
         dtype = str(_to_dtype(dtype)).removeprefix("torch.")  # validate; VeOmni wants the name
+        if offload_outside_forward and trainable:
+            raise ValueError("offload_outside_forward is for frozen (trainable=False) policies; the phase switch "
+                             "offloads a trainable one")
+        attn_implementation, self.attn_reason = pick_attn_implementation(attn_implementation, info.device_type,
+                                                                         dtype=dtype)
         _install_cpu_shims()
         self.model_path, self.info, self.trainable = model_path, info, trainable
         self.device = info.device
         self.grad_clip = grad_clip
+        self.dtype, self.attn_implementation = dtype, attn_implementation
+        self.gradient_checkpointing = gradient_checkpointing and trainable
+        self.offload_outside_forward = offload_outside_forward
+        self.offloaded = {"params": False, "optimizer": False}  # where the state is now (see offload)
+        self._host_copies = HostCopies.from_env(info.device_type)
         _ensure_parallel_state(info)
         self.model = _build_sharded_model(
             model_path, info,
             master_dtype="float32" if trainable else dtype,
             compute_dtype=dtype,
-            gradient_checkpointing=gradient_checkpointing and trainable,
+            gradient_checkpointing=self.gradient_checkpointing,
             attn_implementation=attn_implementation,
             ops_overrides=ops_overrides,
         )
@@ -210,6 +229,18 @@ class VeOmniPolicy:
         else:
             self.model.requires_grad_(False)
             self.model.eval()
+        if offload_outside_forward:
+            self.offload(params=True, optimizer=False)
+
+    def describe(self) -> str:
+        """One line for the start-up log: where and how this engine runs."""
+        offload = ("as the phase switch is configured" if self.trainable else
+                   "params on host outside forwards" if self.offload_outside_forward else "never")
+        offload += " [RLCORE_TEST_REAL_OFFLOAD]" if self._host_copies is not None else ""
+        return (f"{'policy' if self.trainable else 'reference'}: VeOmni FSDP2 over {self.info.world_size} x "
+                f"{self.info.device_type}, master {'float32' if self.trainable else self.dtype} / compute "
+                f"{self.dtype}, attention {self.attn_implementation} ({self.attn_reason}), gradient checkpointing "
+                f"{'on' if self.gradient_checkpointing else 'off'}, offload: {offload}")
 
     def _build_optimizer(self, lr, weight_decay, betas, eps, schedule, warmup_steps, min_lr_ratio, total_steps):
         from veomni.optim import build_optimizer
@@ -246,6 +277,9 @@ class VeOmniPolicy:
             temperature: logits are divided by it before the softmax.
             grad: False runs under ``no_grad`` (always so for a frozen policy).
 
+        Offloaded parameters are loaded for a no-grad forward and offloaded again after it (wrap
+        several in ``on_device()`` to move them once); a forward with grad raises instead.
+
         Returns:
             ``(logp, entropy)``, both float32 ``(1, L)`` on the engine device, 0 where
             labels == -100; entropy is None unless ``with_entropy``.
@@ -253,7 +287,9 @@ class VeOmniPolicy:
         if input_ids.dim() != 2 or input_ids.shape[0] != 1:
             raise ValueError(f"expected packed (1, L) inputs, got {tuple(input_ids.shape)}")
         grad = grad and self.trainable
-        with torch.set_grad_enabled(grad), warnings.catch_warnings():
+        if grad:  # its backward would gather the parameters again, after an automatic re-offload
+            self._require_resident("forward_logprobs(grad=True)", params=True)
+        with self._resident(params=True), torch.set_grad_enabled(grad), warnings.catch_warnings():
             # FSDP2 warns that the (reshaped) log-prob output is a view; only an in-place op on it
             # would matter, and callers get it for arithmetic.
             warnings.filterwarnings("ignore", message=".*returned a view tensor.*")
@@ -280,26 +316,14 @@ class VeOmniPolicy:
         """Accumulate gradients (FSDP2 reduce-scatters and averages them over ranks)."""
         if not self.trainable:
             raise RuntimeError("backward() on a frozen (trainable=False) policy")
+        self._require_resident("backward()", params=True)
         loss.backward()
-
-    @torch.no_grad()
-    def grad_vector(self) -> torch.Tensor:
-        """All accumulated gradients, unsharded and flattened in parameter order (collective; for
-        tests that compare gradients across world sizes and micro-batch layouts)."""
-        parts = []
-        for p in self.model.parameters():
-            g = p.grad if p.grad is not None else torch.zeros_like(p)
-            parts.append((g.full_tensor() if isinstance(g, DTensor) else g).flatten().float().cpu())
-        return torch.cat(parts)
-
-    def zero_grad(self) -> None:
-        if self.optimizer is not None:
-            self.optimizer.zero_grad(set_to_none=True)
 
     def step(self) -> dict:
         """Clip, step AdamW (unless the grad norm is not finite), zero grads, advance the lr."""
         if not self.trainable:
             raise RuntimeError("step() on a frozen (trainable=False) policy")
+        self._require_resident("step()", params=True, optimizer=True)
         lr = self.optimizer.param_groups[0]["lr"]
         max_norm = self.grad_clip if self.grad_clip and self.grad_clip > 0 else float("inf")
         # VeOmni's FSDP2 clip: local shard norms all-reduced to the global norm, the same on every
@@ -330,12 +354,14 @@ class VeOmniPolicy:
         Names are the HF checkpoint's (FSDP2 shards in place, VeOmni keeps HF module names);
         tied weights come once, under the name that owns them. Tensors stay on the engine
         device; casting happens on the local shard before the all-gather, so a bf16 export
-        moves half the bytes. Peak extra memory: one full tensor.
+        moves half the bytes. Peak extra memory: one full tensor (plus the parameter shards, for
+        the duration, when they were offloaded).
         """
         dtype = _to_dtype(dtype)
-        self._reshard()
-        for name, param in self.model.named_parameters():
-            yield _hf_name(name), _full_tensor(param, dtype, self.device)
+        with self._resident(params=True):
+            self._reshard()
+            for name, param in self.model.named_parameters():
+                yield _hf_name(name), _full_tensor(param, dtype, self.device)
 
     @torch.no_grad()
     def named_hf_weights_bucketed(self, dtype: str | torch.dtype | None = None, bucket_mb: float = 64.0
@@ -357,16 +383,17 @@ class VeOmniPolicy:
         a unit bigger than ``bucket_mb`` gets a bucket of its own.
         """
         dtype = _to_dtype(dtype)
-        self._reshard()
-        plan = self._sync_plan(dtype, bucket_mb)
-        params = dict(self.model.named_parameters())
-        # Scratch buffers: kept between syncs on CPU, where fresh pages cost more than the copies
-        # (three buckets, see SyncBuffers); freed after each sync on accelerators (about two
-        # buckets), where the memory belongs to training in between and the caching allocator
-        # makes the next allocation cheap.
-        buffers = plan.kept_buffers if self.info.device_type == "cpu" else SyncBuffers(keep=False)
-        yield from plan.run(lambda n: params[n].to_local(), lambda n: _full_tensor(params[n], dtype, self.device),
-                            self.device, buffers)
+        with self._resident(params=True):
+            self._reshard()
+            plan = self._sync_plan(dtype, bucket_mb)
+            params = dict(self.model.named_parameters())
+            # Scratch buffers: kept between syncs on CPU, where fresh pages cost more than the
+            # copies (three buckets, see SyncBuffers); freed after each sync on accelerators (about
+            # two buckets), where the memory belongs to training in between and the caching
+            # allocator makes the next allocation cheap.
+            buffers = plan.kept_buffers if self.info.device_type == "cpu" else SyncBuffers(keep=False)
+            yield from plan.run(lambda n: params[n].to_local(), lambda n: _full_tensor(params[n], dtype, self.device),
+                                self.device, buffers)
 
     def _sync_plan(self, dtype: torch.dtype | None, bucket_mb: float) -> SyncPlan:
         """The bucket layout depends only on names, shapes, meshes and the two arguments: build
@@ -379,35 +406,80 @@ class VeOmniPolicy:
             cache[key] = SyncPlan.build(specs, dtype, int(bucket_mb * 2**20))
         return cache[key]
 
-    def sync_scratch_bytes(self, dtype: str | torch.dtype | None = None, bucket_mb: float = 64.0) -> int:
-        """Bytes of the bucketed export's scratch buffers kept between syncs (CPU only)."""
-        return self._sync_plan(_to_dtype(dtype), bucket_mb).kept_buffers.nbytes()
-
     def sync_plan_summary(self, dtype: str | torch.dtype | None = None, bucket_mb: float = 64.0) -> dict:
         """Buckets and collectives one bucketed export costs (for logs, tests, benchmarks)."""
         plan = self._sync_plan(_to_dtype(dtype), bucket_mb)
         return plan.summary()
 
-    def offload(self, params: bool = True, optimizer: bool = True) -> None:
-        """Move parameter shards and/or optimizer state to CPU (frees accelerator memory for
-        rollout). On CPU the same helpers run and move nothing."""
-        from veomni.distributed.offloading import offload_model_to_cpu, offload_optimizer
+    # -----------------------------------------------------------------------------------------
+    # offload state
+    # -----------------------------------------------------------------------------------------
 
+    def offload(self, params: bool = True, optimizer: bool = True) -> None:
+        """Move parameter shards and/or optimizer state to the host (frees accelerator memory for
+        rollout). Idempotent: state already offloaded stays where it is. On CPU VeOmni's helpers
+        run and move nothing, unless RLCORE_TEST_REAL_OFFLOAD=1; the bookkeeping is the same."""
+        params = params and not self.offloaded["params"]
+        optimizer = optimizer and self.optimizer is not None and not self.offloaded["optimizer"]
         if params:
-            self._reshard()
-            offload_model_to_cpu(self.model, empty_device_cache=False)
-        if optimizer and self.optimizer is not None:
-            offload_optimizer(self.optimizer)
-        empty_cache(self.info.device_type)
+            self._reshard()  # only sharded parameters go to the host: no gathered copies left behind
+            self._move("params", to_host=True)
+        if optimizer:
+            self._move("optimizer", to_host=True)
+        if params or optimizer:
+            empty_cache(self.info.device_type)
 
     def onload(self, params: bool = True, optimizer: bool = True) -> None:
-        """Inverse of ``offload``."""
-        from veomni.distributed.offloading import load_model_to_gpu, load_optimizer
+        """Inverse of ``offload``; idempotent too."""
+        for what, wanted in (("params", params), ("optimizer", optimizer)):
+            if wanted and self.offloaded[what]:
+                self._move(what, to_host=False)
 
-        if params:
-            load_model_to_gpu(self.model, self.device)
-        if optimizer and self.optimizer is not None:
-            load_optimizer(self.optimizer, self.device)
+    def on_device(self):
+        """``with ref.on_device(): ...``: parameters on the device for the whole block (one move
+        in, one out, however many forwards run inside), back where they were afterwards."""
+        return self._resident(params=True)
+
+    @contextlib.contextmanager
+    def _resident(self, params: bool = False, optimizer: bool = False):
+        """Load what the block needs and is offloaded now; offload it again afterwards (also when
+        the block raises), so that the caller's phase is unchanged."""
+        moved = {"params": params and self.offloaded["params"], "optimizer": optimizer and self.offloaded["optimizer"]}
+        self.onload(**moved)
+        try:
+            yield
+        finally:
+            self.offload(**moved)
+
+    def _require_resident(self, what: str, params: bool = False, optimizer: bool = False) -> None:
+        away = [k for k, need in (("params", params), ("optimizer", optimizer)) if need and self.offloaded[k]]
+        if away:
+            raise RuntimeError(f"{what} while the policy's {' and '.join(away)} are offloaded to the host; call "
+                               f"onload() first (the phase switch's to_training does)")
+
+    @torch.no_grad()
+    def _move(self, what: str, to_host: bool) -> None:
+        """One kind of state, one direction: veomni 0.1.12 veomni/distributed/offloading.py:124-199
+        (``model.cpu()`` / ``model.to(device)``, which FSDP2 follows by re-pointing its shards,
+        torch 2.13 torch/distributed/fsdp/_fully_shard/_fully_shard.py:886-899; each optimizer
+        state tensor moved in place)."""
+        from veomni.distributed import offloading as off
+
+        if self._host_copies is not None:
+            self._host_copies.move(what, self._state_tensors(what), to_host)
+        elif what == "params":
+            off.offload_model_to_cpu(self.model, False) if to_host else off.load_model_to_gpu(self.model, self.device)
+        else:
+            off.offload_optimizer(self.optimizer) if to_host else off.load_optimizer(self.optimizer, self.device)
+        self.offloaded[what] = to_host
+
+    def _state_tensors(self, what: str) -> list[torch.Tensor]:
+        """The plain local tensors holding parameters and buffers, or optimizer state."""
+        if what == "params":
+            tensors = [*self.model.parameters(), *self.model.buffers()]
+        else:
+            tensors = [v for state in self.optimizer.state.values() for v in state.values() if torch.is_tensor(v)]
+        return [t.to_local() if isinstance(t, DTensor) else t for t in tensors]
 
     # -----------------------------------------------------------------------------------------
     # checkpoints
@@ -421,21 +493,30 @@ class VeOmniPolicy:
 
     def save_checkpoint(self, path: str, extra_state: dict | None = None) -> None:
         """Collective DCP save of sharded model + optimizer, plus lr scheduler and ``extra_state``
-        (any picklable dict, e.g. the trainer's step) in VeOmni's per-rank extra-state files."""
+        (any picklable dict, e.g. the trainer's step) in VeOmni's per-rank extra-state files.
+        Offloaded state is loaded for the save and offloaded again: the save then runs exactly
+        the path of a resident engine, at the cost of the trainer's sharded state on the device
+        for its duration."""
         from veomni.checkpoint import build_checkpointer
 
-        self._reshard()
-        engine = {"lr_scheduler": self.lr_scheduler.state_dict() if self.lr_scheduler else None}
-        extra = {"engine": engine, "user": dict(extra_state or {})}
-        build_checkpointer("dcp", "fsdp2").save(path, self._dcp_state(extra))
+        with self._resident(params=True, optimizer=True):
+            self._reshard()
+            engine = {"lr_scheduler": self.lr_scheduler.state_dict() if self.lr_scheduler else None}
+            extra = {"engine": engine, "user": dict(extra_state or {})}
+            build_checkpointer("dcp", "fsdp2").save(path, self._dcp_state(extra))
 
     def load_checkpoint(self, path: str) -> dict:
-        """Collective DCP load into this (already built) engine; returns the saved extra_state."""
+        """Collective DCP load into this (already built) engine; returns the saved extra_state.
+        Loads into resident state, then restores the offload state: ``Optimizer.load_state_dict``
+        moves optimizer state to its parameter's device (torch 2.13 torch/optim/optimizer.py:774-800),
+        and a fresh optimizer's state comes from a step over the parameters (torch/distributed/
+        checkpoint/state_dict.py:629-660), so neither may run on offloaded state."""
         from veomni.checkpoint import build_checkpointer
 
-        self._reshard()
-        state = self._dcp_state({})
-        build_checkpointer("dcp", "fsdp2").load(path, state)
+        with self._resident(params=True, optimizer=True):
+            self._reshard()
+            state = self._dcp_state({})
+            build_checkpointer("dcp", "fsdp2").load(path, state)
         extra = state["extra_state"]
         if self.lr_scheduler is not None and extra["engine"]["lr_scheduler"] is not None:
             self.lr_schedule_changes = _resume_lr_schedule(self.lr_scheduler, extra["engine"]["lr_scheduler"])
@@ -446,14 +527,14 @@ class VeOmniPolicy:
         load: weights streamed from ``named_hf_weights`` into shards of at most
         ``max_shard_bytes``, config.json with the export dtype, and every other non-weight file
         of ``model_path`` (tokenizer, generation config, chat template) copied."""
-        writer = _ShardWriter(path, max_shard_bytes) if self.info.is_main else None
-        for name, tensor in self.named_hf_weights(dtype):
+        writer = hf_export.ShardWriter(path, max_shard_bytes) if self.info.is_main else None
+        for name, tensor in self.named_hf_weights(dtype):  # loads offloaded parameters for the export
             if writer is not None:
                 writer.add(name, tensor.cpu())
             del tensor
         if writer is not None:
             writer.close()
-            _copy_aux_files(self.model_path, path, dtype)
+            hf_export.copy_aux_files(self.model_path, path, dtype)
         dist.barrier()
 
 
@@ -510,64 +591,3 @@ def _dim0_shard_group(param):
     if len(shard_dims) != 1 or param.placements[shard_dims[0]].dim != 0 or not others_replicated:
         return None
     return param.device_mesh.get_group(shard_dims[0])
-
-
-class _ShardWriter:
-    """Accumulate tensors into safetensors shards of bounded size (rank 0 only)."""
-
-    def __init__(self, path: str, max_shard_bytes: int):
-        os.makedirs(path, exist_ok=True)
-        self.path, self.max_bytes = path, max_shard_bytes
-        self.shard: dict[str, torch.Tensor] = {}
-        self.shard_bytes = 0
-        self.files: list[tuple[str, list[str]]] = []  # (temp file name, tensor names)
-
-    def add(self, name: str, tensor: torch.Tensor) -> None:
-        nbytes = tensor.numel() * tensor.element_size()
-        if self.shard and self.shard_bytes + nbytes > self.max_bytes:
-            self._flush()
-        self.shard[name] = tensor.contiguous()
-        self.shard_bytes += nbytes
-
-    def _flush(self) -> None:
-        from safetensors.torch import save_file
-
-        fname = f"tmp-{len(self.files):05d}.safetensors"
-        save_file(self.shard, os.path.join(self.path, fname), metadata={"format": "pt"})
-        self.files.append((fname, list(self.shard)))
-        self.shard, self.shard_bytes = {}, 0
-
-    def close(self) -> None:
-        """Flush, then give the shards their final names (model.safetensors, or numbered
-        shards plus model.safetensors.index.json)."""
-        if self.shard or not self.files:
-            self._flush()
-        n = len(self.files)
-        weight_map, total = {}, 0
-        for i, (tmp, names) in enumerate(self.files):
-            final = "model.safetensors" if n == 1 else f"model-{i + 1:05d}-of-{n:05d}.safetensors"
-            os.replace(os.path.join(self.path, tmp), os.path.join(self.path, final))
-            os.chmod(os.path.join(self.path, final), 0o644)  # safetensors writes 0600
-            total += os.path.getsize(os.path.join(self.path, final))
-            weight_map.update({name: final for name in names})
-        if n > 1:
-            index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-            with open(os.path.join(self.path, "model.safetensors.index.json"), "w") as f:
-                json.dump(index, f, indent=2)
-
-
-def _copy_aux_files(src: str, dst: str, dtype: str) -> None:
-    """Copy the non-weight files of the source folder; rewrite config.json with ``dtype``."""
-    for fname in os.listdir(src):
-        full = os.path.join(src, fname)
-        if not os.path.isfile(full) or fname == "config.json" or fname.endswith(_WEIGHT_SUFFIXES):
-            continue
-        shutil.copy2(full, os.path.join(dst, fname))
-    with open(os.path.join(src, "config.json")) as f:
-        config = json.load(f)
-    # transformers 5 writes "dtype"; older configs carry "torch_dtype". Keep whichever exists.
-    config["dtype"] = dtype
-    if "torch_dtype" in config:
-        config["torch_dtype"] = dtype
-    with open(os.path.join(dst, "config.json"), "w") as f:
-        json.dump(config, f, indent=2)

@@ -6,7 +6,6 @@ Works with any policy exposing ``forward_logprobs``/``backward``/``step`` (rlcor
 
 from __future__ import annotations
 
-from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -134,12 +133,44 @@ def micro_batches(n: int, size: int) -> list[list[int]]:
     return [list(range(i, min(i + size, n))) for i in range(0, n, size)]
 
 
+def token_budget_batches(lengths: list[int], budget: int) -> list[list[int]]:
+    """Positions 0..len(lengths)-1 split into micro-batches of about ``budget`` tokens (collective).
+
+    Every rank must run the same number of forwards (FSDP2 gathers each layer in every forward),
+    so the count is the largest any rank needs, ceil(tokens / budget), at most the number of
+    sequences (every rank holds as many). Sequences go longest first to the lightest micro-batch,
+    which keeps the token counts within one sequence of each other; within a micro-batch they keep
+    their order.
+    """
+    need = max(1, -(-sum(lengths) // budget))
+    count = int(min(all_reduce_max([float(need)])[0], len(lengths)))
+    bins: list[list[int]] = [[] for _ in range(count)]
+    loads = [0] * count
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        j = loads.index(min(loads))
+        bins[j].append(i)
+        loads[j] += lengths[i]
+    return [sorted(b) for b in bins]
+
+
+def split_micro(batch: RolloutBatch, idx: list[int], cfg: AlgorithmConfig) -> list[list[int]]:
+    """``idx`` (a mini-batch's sequences) as micro-batches: by token budget or by count."""
+    if cfg.micro_batch_tokens:
+        lengths = [len(batch.prompt_ids[i]) + len(batch.response_ids[i]) for i in idx]
+        return [[idx[k] for k in part] for part in token_budget_batches(lengths, cfg.micro_batch_tokens)]
+    return [idx[i: i + cfg.micro_batch_size] for i in range(0, len(idx), cfg.micro_batch_size)]
+
+
 @torch.no_grad()
-def compute_logprobs_in_chunks(policy, batch: RolloutBatch, temperature: float, micro: int, device) -> torch.Tensor:
-    """(N, T) log-probs without grad, micro-batch by micro-batch (old or reference policy)."""
+def compute_logprobs_in_chunks(policy, batch: RolloutBatch, temperature: float, micro: int | AlgorithmConfig,
+                               device) -> torch.Tensor:
+    """(N, T) log-probs without grad, micro-batch by micro-batch (old or reference policy);
+    ``micro``: sequences per micro-batch, or the algorithm config (its token budget when set)."""
     t = batch.response_mask().shape[1]
     out = torch.zeros(len(batch), t, device=device)
-    for idx in micro_batches(len(batch), micro):
+    every = list(range(len(batch)))
+    parts = split_micro(batch, every, micro) if isinstance(micro, AlgorithmConfig) else micro_batches(len(batch), micro)
+    for idx in parts:
         part, _ = logprob_matrix(policy, batch.select(idx), temperature, grad=False, with_entropy=False,
                                  device=device)
         out[idx, : part.shape[1]] = part
@@ -199,7 +230,7 @@ def accumulate_gradients(policy, batch, mini, adv, old_logp, ref_logp, cfg, temp
     mask_all = batch.response_mask().to(device) if mask_all is None else mask_all
     totals = all_reduce_sum([mask_all[mini].sum().item(), float((mask_all[mini].sum(1) > 0).sum())])
     agg = {"global_tokens": totals[0], "global_seqs": totals[1], "dp_size": world_size, "norm_len": norm_len}
-    for idx in (mini[i: i + cfg.micro_batch_size] for i in range(0, len(mini), cfg.micro_batch_size)):
+    for idx in split_micro(batch, mini, cfg):
         _micro_step(policy, batch, idx, adv, old_logp, ref_logp, cfg, temperature, agg, device,
                     {} if sums is None else sums, record, rollout_logp)
 
@@ -269,12 +300,11 @@ def train_on_batch(policy, ref, batch: RolloutBatch, adv: torch.Tensor, cfg: Alg
     if cfg.use_rollout_logprobs:  # vLLM's log-probs as the ratio's denominator: no recompute
         old = batch.rollout_logp_matrix().to(device)
     else:
-        old = None if on_policy else compute_logprobs_in_chunks(policy, batch, temperature, cfg.micro_batch_size,
-                                                                device)
+        old = None if on_policy else compute_logprobs_in_chunks(policy, batch, temperature, cfg, device)
     ref_logp = None
     if ref is not None:
-        with ref.on_device() if hasattr(ref, "on_device") else nullcontext():  # INTEGRATE an offloaded reference comes to the device once per step
-            ref_logp = compute_logprobs_in_chunks(ref, batch, temperature, cfg.micro_batch_size, device)
+        with ref.on_device():  # an offloaded reference comes to the device once per step, not per micro-batch
+            ref_logp = compute_logprobs_in_chunks(ref, batch, temperature, cfg, device)
     return ppo_update(policy, batch, adv.to(device), old, ref_logp, cfg, temperature, world_size, device,
                       norm_len=norm_len)
 

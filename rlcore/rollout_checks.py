@@ -3,8 +3,8 @@
 Each helper takes plain values or the vLLM objects as arguments, so the logic is unit-tested
 with small fakes (tests/test_rollout_accel.py) while the code paths that only run on
 accelerators stay checked against the pinned packages' sources, cited by file:line:
-  vllm 0.32.0 (CUDA wheel), vllm 0.26.0 + vllm-ascend 0.26.0rc1 (requirements-npu.txt pin),
-  vllm-ascend 0.23.0.post1 (the previous NPU pin). docs/accelerators.md has the table.
+  vllm 0.32.0 (CUDA wheel), vllm 0.23.0 + vllm-ascend 0.23.0 (requirements-npu.txt pin),
+  vllm 0.26.0 + vllm-ascend 0.26.0rc1 (an earlier candidate). docs/accelerators.md has the table.
 """
 
 from __future__ import annotations
@@ -46,9 +46,10 @@ def pick_weight_load(device_type: str, weight_load: str) -> str:
     (vllm 0.32.0 vllm/model_executor/layers/linear.py:206 UnquantizedLinearMethod
     .process_weights_after_loading -> dispatch_cpu_unquantized_gemm). direct on CUDA and NPU:
     unquantized dense layers need no post-load processing there once vllm-ascend's FRACTAL_NZ cast
-    is off (vllm-ascend 0.26.0rc1 vllm_ascend/ops/linear.py:86-98, maybe_trans_nz is a no-op with
-    weight_nz_mode=0, utils.py:253-283), and vllm-ascend 0.23.0.post1's NPUWorker has no
-    reload_weights at all (vllm_ascend/worker/worker.py; 0.26.0rc1 adds it at worker.py:1115).
+    is off (vllm-ascend 0.23.0 vllm_ascend/ops/linear.py:86-98, maybe_trans_nz is a no-op with
+    weight_nz_mode=0, utils.py:261-298), and vllm-ascend 0.23.0's NPUWorker has no reload_weights
+    (vllm_ascend/worker/worker.py:89-1037; 0.26.0rc1 adds it at worker.py:1115): reload goes through
+    its model runner there (see reload_weights_method).
     """
     if weight_load not in ("auto", "reload", "direct"):
         raise ValueError(f"weight_load must be auto, reload or direct, got {weight_load!r}")
@@ -90,12 +91,12 @@ def disable_npu_nz(device_type: str, environ: MutableMapping[str, str] | None = 
     the extra ``LLM(...)`` kwargs that say the same. Other devices: nothing is touched.
 
     ``NPUWorker.wake_up`` raises ValueError while ``weight_nz_mode`` is non-zero, and the default
-    is 1 (vllm-ascend 0.26.0rc1 vllm_ascend/worker/worker.py:247-253, envs.py:88,
-    ascend_config.py:262-269; 0.23.0.post1 worker.py:241-247, envs.py:92). NZ also re-lays out
+    is 1 (vllm-ascend 0.23.0 vllm_ascend/worker/worker.py:241-247, envs.py:92,
+    ascend_config.py:247-254; 0.26.0rc1 worker.py:247-253, envs.py:88). NZ also re-lays out
     weights after loading, which in-place pushes would not repeat.
-    The config key wins over the env var (ascend_config.py:370-381), so both are set. The env
-    var is NOT restored: vllm-ascend reads it lazily on every access (envs.py:112 __getattr__), e.g.
-    worker.py:285-291 _check_nz_disabled, so it must stay 0 while the engine lives.
+    The config key wins over the env var (0.23.0 ascend_config.py:354-365), so both are set. The env
+    var is NOT restored: vllm-ascend reads it lazily on every access (0.23.0 envs.py:118 __getattr__),
+    e.g. worker.py:295-301 _check_nz_disabled, so it must stay 0 while the engine lives.
     """
     if device_type != "npu":
         return {}
@@ -107,9 +108,69 @@ def disable_npu_nz(device_type: str, environ: MutableMapping[str, str] | None = 
     return {"additional_config": {"weight_nz_mode": 0}}
 
 
+def check_engine_kwargs(field_names: Iterable[str], kwargs: dict) -> None:
+    """Refuse, before the build, ``LLM(...)`` keywords this vLLM's ``EngineArgs`` lacks (``LLM``
+    passes them on: vllm 0.23.0 entrypoints/llm.py:176, engine/arg_utils.py). All of them exist in
+    0.23.0 and 0.32.0; a vLLM without ``logprobs_mode`` would return logprobs of the unscaled
+    logits, which the trainer must not get silently."""
+    missing = sorted(set(kwargs) - set(field_names))
+    if missing:
+        hint = (" (without logprobs_mode vLLM returns log_softmax of the raw logits, not of logits / T)"
+                if "logprobs_mode" in missing else "")
+        raise ValueError(f"this vLLM's EngineArgs lacks {missing}{hint}; install the vLLM of "
+                         "requirements-*.txt (>= 0.23.0)")
+
+
+def align_sampler_logprobs_mode(model_runner, mode: str) -> bool:
+    """Make the runner's sampler use ``mode``; True when it had another one.
+
+    vllm-ascend 0.23.0 (and 0.26.0rc1) builds ``AscendSampler()`` without the engine's
+    ``logprobs_mode`` (vllm_ascend/worker/model_runner_v1.py:333; default "raw_logprobs",
+    sample/sampler.py:15,73), so ``logprobs_mode="processed_logprobs"`` is silently ignored on NPU
+    and the logprobs would be of the unscaled logits. The mode is only read at sampling time, from
+    the sampler (vllm 0.23.0 v1/sample/sampler.py:79,255) and its top-k/top-p sampler (vllm-ascend
+    0.23.0 sample/sampler.py:164-179; on NPU ``forward`` is ``forward_native`` whatever the mode,
+    vllm 0.23.0 v1/sample/ops/topk_topp_sampler.py:86-129), so setting both after the build is
+    enough. A runner without such a sampler (vLLM's V2 runner) is left alone."""
+    sampler = getattr(model_runner, "sampler", None)
+    current = getattr(sampler, "logprobs_mode", None)
+    if current is None or current == mode:
+        return False
+    topk = getattr(sampler, "topk_topp_sampler", None)
+    if topk is not None and not hasattr(topk, "logprobs_mode"):
+        raise RuntimeError(f"{type(sampler).__name__} uses logprobs_mode={current!r}, and its top-k/top-p "
+                           f"sampler cannot be switched to {mode!r}")
+    log.warning("%s was built with logprobs_mode=%r (vllm-ascend ignores the engine setting); set to %r",
+                type(sampler).__name__, current, mode)
+    sampler.logprobs_mode = mode
+    if topk is not None:
+        topk.logprobs_mode = mode
+    return True
+
+
+def runner_reload_weights(worker, **kwargs):
+    """``collective_rpc`` callable (called with the worker: vllm 0.23.0 v1/serial_utils.py:486-510)
+    for workers without ``reload_weights``: what vllm-ascend 0.26.0rc1's NPUWorker.reload_weights
+    does (worker/worker.py:1115-1116). vllm-ascend 0.23.0's NPUModelRunner inherits vLLM's
+    GPUModelRunner.reload_weights (vllm 0.23.0 v1/worker/gpu_model_runner.py:5320)."""
+    return worker.model_runner.reload_weights(**kwargs)
+
+
+def reload_weights_method(worker):
+    """What ``collective_rpc`` calls to reload: "reload_weights" where the worker has it (vLLM's
+    Worker, CPUWorker, vllm-ascend >= 0.26.0rc1), else ``runner_reload_weights`` when the model
+    runner has it (vllm-ascend 0.23.0), else None."""
+    if hasattr(worker, "reload_weights"):
+        return "reload_weights"
+    if hasattr(getattr(worker, "model_runner", None), "reload_weights"):
+        return runner_reload_weights
+    return None
+
+
 def check_sleep_level_supported(llm_cls, device_type: str, sleep_level: int) -> None:
     """Level 0 frees only the KV cache through ``LLM.release_kv_cache_memory``, which vllm 0.32.0
-    has (vllm/entrypoints/llm.py:861) and vllm 0.26.0 / 0.23.0 do not."""
+    has (vllm/entrypoints/llm.py:861) and vllm 0.26.0 / 0.23.0 do not (0.23.0 LLM has sleep and
+    wake_up only, entrypoints/llm.py:807,832)."""
     if device_type != "cpu" and sleep_level == 0 and not hasattr(llm_cls, "release_kv_cache_memory"):
         raise ValueError("sleep_level=0 (free only the KV cache) needs LLM.release_kv_cache_memory (vllm >= 0.32); "
                          "this vLLM lacks it: use sleep_level 1 or 2")
@@ -121,13 +182,13 @@ def has_fused_moe(model) -> bool:
 
 def check_weight_load(choice: str, device_type: str, worker, model) -> None:
     """Refuse a load path the built engine cannot do, before the first push."""
-    if choice == "reload" and not hasattr(worker, "reload_weights"):
-        raise RuntimeError(f"weight_load=reload: {type(worker).__name__} has no reload_weights (vllm-ascend "
-                           "0.23 lacks it; 0.26.0rc1 worker.py:1115 has it); use weight_load=direct")
+    if choice == "reload" and reload_weights_method(worker) is None:
+        raise RuntimeError(f"weight_load=reload: {type(worker).__name__} and its model runner have no "
+                           "reload_weights; use weight_load=direct")
     if choice == "direct" and device_type == "npu" and has_fused_moe(model):
-        # vllm-ascend transposes the experts' weights after loading (0.26.0rc1
-        # vllm_ascend/ops/fused_moe/fused_moe.py:132-139); load_weights would write checkpoint
-        # layout into them. reload_weights re-runs that processing.
+        # vllm-ascend transposes the experts' weights after loading (0.23.0
+        # vllm_ascend/ops/fused_moe/fused_moe.py:112-119; 0.26.0rc1 :132-139); load_weights would
+        # write checkpoint layout into them. reload_weights re-runs that processing.
         raise RuntimeError("weight_load=direct cannot load MoE experts on NPU (vllm-ascend re-lays them out "
                            "after loading); use weight_load=reload")
 
@@ -164,8 +225,8 @@ def unseeded_call_seed(engine_seed: int, call_index: int) -> str:
 @contextmanager
 def capture_load_weights(model):
     """Record what ``model.load_weights`` returns while vLLM calls it (reload_weights calls it on
-    this very object: vllm 0.32.0 model_loader/reload/inplace.py:95, vllm 0.26.0
-    v1/worker/gpu_model_runner.py:5529). Yields a list: one entry per call (None if the model
+    this very object: vllm 0.32.0 model_loader/reload/inplace.py:95, vllm 0.23.0
+    v1/worker/gpu_model_runner.py:5345,5369). Yields a list: one entry per call (None if the model
     does not report). The instance attribute shadows the class method and is removed after."""
     calls: list = []
     original = model.load_weights
@@ -214,7 +275,8 @@ def require_all_loaded(model, calls: list, what: str) -> None:
 def detach_client_finalizer(client) -> None:
     """vllm 0.32.0's InprocClient finalizer runs EngineCore.shutdown, which destroys the default
     process group (v1/engine/core_client.py:383; core.py shutdown -> cleanup_dist_env_and_memory).
-    vllm 0.26.0's InprocClient has no finalizer (v1/engine/core_client.py:280-306)."""
+    The InprocClient of vllm 0.23.0 (v1/engine/core_client.py:285-306) and 0.26.0 (:280-306) has
+    no finalizer."""
     finalizer = getattr(client, "_finalizer", None)
     if finalizer is not None:
         finalizer.detach()

@@ -85,10 +85,10 @@ def instrument(rec: Recorder) -> None:
             finally:
                 self.cpu[name] = self.cpu.get(name, 0.0) + time.process_time() - start
 
-    def build(cfg, info):
-        run = base_build(cfg, info)
+    def build(*args):
+        run = base_build(*args)
         run.timer.__class__, run.timer.cpu = CpuTimer, {}  # the switch shares this object
-        wrap_generate(run.rollout, rec)
+        wrap_generate(run.engines.rollout, rec)
         rec.run = run
         return run
 

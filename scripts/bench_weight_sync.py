@@ -112,6 +112,13 @@ def max_over_ranks_dict(d: dict[str, float]) -> dict[str, float]:
     return dict(zip(keys, max_over_ranks([d[k] for k in keys])))
 
 
+def sync_scratch_bytes(policy, bucket_mb: float) -> int:
+    """Bytes of the bucketed export's scratch buffers the engine keeps between syncs (CPU only)."""
+    import torch
+
+    return policy._sync_plan(torch.float32, bucket_mb).kept_buffers.nbytes()
+
+
 def with_peak(fn, kept_mb: float) -> tuple[float, float]:
     """(seconds, peak extra RSS MiB on this rank) of ``fn``. ``kept_mb``: the sync's scratch
     buffers, kept between syncs on CPU; they count as extra though resident before the call."""
@@ -229,7 +236,7 @@ def run_methods(args, policy, rollout, root: str, info) -> dict:
         runs = runs[rep % len(runs):] + runs[: rep % len(runs)]  # rotate the order per repetition
         for name, fn in runs:
             mb = float(name.removeprefix("sync_")) if name.startswith("sync_") else None
-            dt, peak = with_peak(fn, policy.sync_scratch_bytes("float32", mb) / 2**20 if mb else 0.0)
+            dt, peak = with_peak(fn, sync_scratch_bytes(policy, mb) / 2**20 if mb else 0.0)
             peaks[name] = max(peaks.get(name, 0.0), peak)  # the warm-up too: first allocations
             if rep > 0:
                 times.setdefault(name, []).append(dt)

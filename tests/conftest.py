@@ -27,6 +27,32 @@ QUIET_ENV = {
 os.environ.update(QUIET_ENV)
 
 
+def _remove_stale_vllm_shm() -> None:
+    """vLLM's CPU tensor-parallel communicator maps /dev/shm files with fixed names
+    ("-tp:0-[0-1]-cpushm_N"); a run killed mid-way leaves them, and the next tp=2 engine on this
+    host then fails with "create shm in SHMManager failed. errno: 17". Remove those no live process
+    has mapped."""
+    import glob
+
+    stale = set(glob.glob("/dev/shm/*cpushm*"))
+    if not stale:
+        return
+    for maps in glob.glob("/proc/[0-9]*/maps"):
+        try:
+            with open(maps) as f:
+                stale -= {path for path in stale if path in f.read()}
+        except OSError:
+            continue
+    for path in stale:
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+
+
+_remove_stale_vllm_shm()
+
+
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory) -> str:
     from rlcore.toy_task import make_tiny_model

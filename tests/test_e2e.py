@@ -61,6 +61,24 @@ def assert_no_third_party_noise(console: str) -> None:
         assert not any(p in line for p in NOISE_PHRASES), line
 
 
+def test_stale_engine_shows_as_rollout_mismatch(tiny_model, toy_data, tmp_path):
+    """rollout/mismatch_* compare vLLM's sampling log-probs with the trainer's: a skipped weight
+    sync (step 2's, injected by tests/workers/faulty_train.py) makes step 3 sample from stale
+    weights, and its mismatch stands out from the synced steps' (fp32: about 1e-7)."""
+    out = str(tmp_path / "stale")
+    run_torchrun(os.path.join(REPO, "tests", "workers", "faulty_train.py"), 1, "--config",
+                 os.path.join(REPO, "configs", "demo_cpu.yaml"), "--model.path", tiny_model,
+                 "--data.train_files", json.dumps([toy_data[0]]), "--data.val_files", "[]",
+                 "--trainer.output_dir", out, "--trainer.total_steps", "4", "--trainer.prompts_per_step", "4",
+                 "--rollout.n", "4", "--checkpoint.save_hf_final", "false",
+                 env={"RLCORE_TEST_SKIP_SYNC_STEPS": "2"})
+    rows = read_metrics(out)
+    synced = [r["rollout/mismatch_max"] for r in rows if r["step"] != 3]
+    stale = rows[2]
+    assert max(synced) < 1e-3, synced
+    assert stale["rollout/mismatch_max"] > 0.05 and stale["rollout/mismatch_kl"] > 1e-4, stale
+
+
 def check_hf_export(hf_dir, base_dir):
     """transformers loads the export; its weights moved from the base model but stay close."""
     from transformers import AutoModelForCausalLM

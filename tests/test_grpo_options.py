@@ -201,3 +201,16 @@ def test_use_rollout_logprobs_takes_vllms_logprobs_as_old():
     assert metrics["actor/ppo_kl"] != 0.0
     with pytest.raises(ValueError, match="ppo_epochs=1 and mini_batches=1"):
         AlgorithmConfig(use_rollout_logprobs=True, mini_batches=2)
+
+
+def test_token_budget_micro_batches_balance_tokens_and_keep_the_gradient():
+    lengths = [9, 2, 7, 3, 8, 1, 6, 4]
+    parts = grpo.token_budget_batches(lengths, budget=12)  # 40 tokens -> ceil(40 / 12) = 4 micro-batches
+    assert len(parts) == 4 and sorted(i for p in parts for i in p) == list(range(8))
+    loads = [sum(lengths[i] for i in p) for p in parts]
+    assert max(loads) - min(loads) <= max(lengths), loads
+    assert len(grpo.token_budget_batches([50, 50], budget=10)) == 2  # never more than the sequences
+    base = run(BASE)
+    for budget in (9, 20, 1000):  # one long sequence per micro-batch .. all in one
+        grads = run(dataclasses.replace(BASE, micro_batch_tokens=budget))
+        assert (grads - base).norm() / base.norm() <= 1e-5

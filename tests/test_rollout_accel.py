@@ -9,6 +9,7 @@ tests/test_vllm_api.py).
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import types
 from contextlib import nullcontext
@@ -66,12 +67,22 @@ class FakeModel:
         return {vllm_name(n) for n, _ in weights}
 
 
+def fake_sampler(mode: str = "processed_logprobs"):
+    """vLLM's Sampler: logprobs_mode on itself and on its top-k/top-p sampler (vllm 0.23.0
+    v1/sample/sampler.py:67-69). vllm-ascend 0.23.0 builds it with "raw_logprobs" whatever the
+    engine says (vllm_ascend/worker/model_runner_v1.py:333)."""
+    return NS(logprobs_mode=mode, topk_topp_sampler=NS(logprobs_mode=mode))
+
+
 class FakeWorker:
-    def __init__(self, model, has_reload: bool):
-        self.model_runner = NS(get_model=lambda: model, kv_caches=[])
+    def __init__(self, model, has_reload: bool, runner_has_reload: bool = False, sampler_mode: str = "processed_logprobs"):
+        self.model_runner = NS(get_model=lambda: model, kv_caches=[], sampler=fake_sampler(sampler_mode))
         self.vllm_config = NS()
+        reload = lambda weights_iterator=None, weights_path=None: model.load_weights(weights_iterator or [])  # noqa: E731
         if has_reload:  # vllm 0.32.0 gpu_worker.py:629 -> model_runner.reload_weights -> model.load_weights
-            self.reload_weights = lambda weights_iterator=None, weights_path=None: model.load_weights(weights_iterator)
+            self.reload_weights = reload
+        if runner_has_reload:  # vllm 0.23.0 gpu_model_runner.py:5320 (inherited by vllm-ascend's NPUModelRunner)
+            self.model_runner.reload_weights = reload
 
 
 class FakeLLMWithoutKVRelease:
@@ -82,11 +93,15 @@ class FakeLLMWithoutKVRelease:
     built: list[dict] = []
     model_moe = False
     worker_has_reload = True
+    runner_has_reload = False
+    sampler_mode = "processed_logprobs"  # what the engine's kwarg gives on CUDA/CPU
 
     def __init__(self, **kwargs):
         FakeLLM.built.append(kwargs)
         self.model = FakeModel(moe=FakeLLM.model_moe)
-        self.worker = FakeWorker(self.model, FakeLLM.worker_has_reload)
+        self.worker = FakeWorker(self.model, FakeLLM.worker_has_reload, FakeLLM.runner_has_reload,
+                                 FakeLLM.sampler_mode)
+        self.rpcs: list = []
         vllm_config = NS(model_config=NS(dtype=kwargs.get("dtype"), enforce_eager=kwargs["enforce_eager"]),
                          cache_config=NS(enable_prefix_caching=kwargs.get("enable_prefix_caching", True)),
                          scheduler_config=NS(max_num_seqs=kwargs.get("max_num_seqs", 256),
@@ -105,7 +120,11 @@ class FakeLLMWithoutKVRelease:
         return outs
 
     def collective_rpc(self, method, kwargs=None):
-        return getattr(self.worker, method)(**(kwargs or {}))
+        # A name is looked up on the worker, a callable gets the worker first (vllm 0.23.0
+        # v1/serial_utils.py:486-510).
+        self.rpcs.append(method)
+        func = getattr(self.worker, method) if isinstance(method, str) else (lambda **kw: method(self.worker, **kw))
+        return func(**(kwargs or {}))
 
     def reset_prefix_cache(self):
         self.calls.append("reset_prefix_cache")
@@ -123,10 +142,20 @@ class FakeLLM(FakeLLMWithoutKVRelease):  # vllm 0.32.0 (entrypoints/llm.py:861)
         self.calls.append("release_kv_cache_memory")
 
 
+# vllm 0.23.0 engine/arg_utils.py: model 415, dtype 435, seed 437, max_model_len 438,
+# distributed_executor_backend 449, tensor_parallel_size 465, enable_prefix_caching 505,
+# gpu_memory_utilization 518, kv_cache_memory_bytes 519, max_num_batched_tokens 520, max_num_seqs 524,
+# logprobs_mode 526, enforce_eager 543, enable_sleep_mode 661, additional_config 685, use_tqdm_on_load 687.
+ENGINE_ARGS = ("model dtype seed max_model_len distributed_executor_backend tensor_parallel_size enable_prefix_caching "
+               "gpu_memory_utilization kv_cache_memory_bytes max_num_batched_tokens max_num_seqs logprobs_mode "
+               "enforce_eager enable_sleep_mode additional_config use_tqdm_on_load").split()
+
+
 @pytest.fixture
 def fake_vllm(monkeypatch):
     """A fake ``vllm`` package in sys.modules; the rollout imports it lazily."""
     FakeLLM.built, FakeLLM.model_moe, FakeLLM.worker_has_reload = [], False, True
+    FakeLLM.runner_has_reload, FakeLLM.sampler_mode = False, "processed_logprobs"
     mod = types.ModuleType("vllm")
     mod.LLM = FakeLLM
     mod.SamplingParams = lambda **kw: NS(**kw)
@@ -134,7 +163,10 @@ def fake_vllm(monkeypatch):
     inputs.TokensPrompt = dict
     config = types.ModuleType("vllm.config")
     config.set_current_vllm_config = lambda cfg: nullcontext()
-    for name, m in (("vllm", mod), ("vllm.inputs", inputs), ("vllm.config", config)):
+    arg_utils = types.ModuleType("vllm.engine.arg_utils")  # the LLM kwargs vllm 0.23.0 and 0.32.0 accept
+    arg_utils.EngineArgs = dataclasses.make_dataclass("EngineArgs", [(k, object, None) for k in ENGINE_ARGS])
+    for name, m in (("vllm", mod), ("vllm.inputs", inputs), ("vllm.config", config),
+                    ("vllm.engine.arg_utils", arg_utils)):
         monkeypatch.setitem(sys.modules, name, m)
     monkeypatch.setattr(cr, "_accel_module", lambda device_type: None)  # no torch.cuda/npu RNG here
     monkeypatch.delenv(rc.NZ_ENV, raising=False)
@@ -184,7 +216,7 @@ def test_weight_load_choice_per_platform():
 
 @pytest.mark.unit
 def test_weight_load_checked_against_the_built_worker(fake_vllm):
-    FakeLLM.worker_has_reload = False  # vllm-ascend 0.23.0.post1 NPUWorker
+    FakeLLM.worker_has_reload = False  # a worker and runner without reload_weights
     assert make("npu").weight_load == "direct"
     with pytest.raises(RuntimeError, match="no reload_weights"):
         make("npu", weight_load="reload")
@@ -357,3 +389,56 @@ def test_speed_settings_in_effect(ranks):
         assert r["in_effect"] == {"enforce_eager": True, "max_num_seqs": 16, "max_num_batched_tokens": 512,
                                   "enable_prefix_caching": True}
         assert r["describe"].startswith("vLLM on cpu: tp=2 dp=1 dtype=float32 enforce_eager=True"), r["describe"]
+
+
+# ----------------------------------------------------------------------------- NPU pin: vllm 0.23.0 + vllm-ascend 0.23.0
+
+
+@pytest.mark.unit
+def test_npu_sampler_gets_processed_logprobs(fake_vllm):
+    """vllm-ascend 0.23.0 builds AscendSampler() with raw_logprobs (model_runner_v1.py:333,
+    sample/sampler.py:15,73): the LLM kwarg alone would give logprobs of the unscaled logits."""
+    FakeLLM.sampler_mode = "raw_logprobs"
+    ro = make("npu")
+    assert FakeLLM.built[-1]["logprobs_mode"] == "processed_logprobs"
+    sampler = ro._model_runner().sampler
+    assert sampler.logprobs_mode == sampler.topk_topp_sampler.logprobs_mode == "processed_logprobs"
+    # Helper: no change where the mode already matches or the runner has no such sampler (V2 runner).
+    assert rc.align_sampler_logprobs_mode(NS(sampler=fake_sampler()), "processed_logprobs") is False
+    assert rc.align_sampler_logprobs_mode(NS(), "processed_logprobs") is False
+    assert rc.align_sampler_logprobs_mode(NS(sampler=NS(logprobs_mode="raw_logprobs")), "processed_logprobs")
+    with pytest.raises(RuntimeError, match="top-k/top-p"):
+        rc.align_sampler_logprobs_mode(NS(sampler=NS(logprobs_mode="raw_logprobs", topk_topp_sampler=NS())),
+                                       "processed_logprobs")
+
+
+@pytest.mark.unit
+def test_reload_through_the_model_runner_without_worker_reload(fake_vllm):
+    """vllm-ascend 0.23.0's NPUWorker has no reload_weights; its NPUModelRunner inherits vLLM's
+    GPUModelRunner.reload_weights (vllm 0.23.0 gpu_model_runner.py:5320), which 0.26.0rc1's
+    NPUWorker.reload_weights calls (worker.py:1115-1116)."""
+    FakeLLM.worker_has_reload, FakeLLM.runner_has_reload, FakeLLM.model_moe = False, True, True
+    with pytest.raises(RuntimeError, match="MoE"):
+        make("npu")  # direct cannot load experts on NPU ...
+    ro = make("npu", weight_load="reload")  # ... reload can, through the runner
+    assert ro.update_weights((n, torch.zeros(1)) for n in HF_NAMES) == len(HF_NAMES)
+    ro.update_weights_from_path("/ckpt")
+    assert ro.llm.rpcs == [rc.runner_reload_weights] * 2 and ro.llm.model.loads == 2
+    assert rc.reload_weights_method(NS(reload_weights=1, model_runner=NS(reload_weights=1))) == "reload_weights"
+    assert rc.reload_weights_method(NS(model_runner=NS())) is None
+    FakeLLM.worker_has_reload = True  # the worker's own method wins (vLLM's Worker, CPUWorker)
+    ro = make("cuda", weight_load="reload")
+    ro.update_weights((n, torch.zeros(1)) for n in HF_NAMES)
+    assert ro.llm.rpcs == ["reload_weights"]
+
+
+@pytest.mark.unit
+def test_engine_kwargs_refused_before_the_build(fake_vllm):
+    rc.check_engine_kwargs(ENGINE_ARGS, {k: None for k in ENGINE_ARGS})
+    with pytest.raises(ValueError, match="logprobs_mode.*logits / T"):
+        rc.check_engine_kwargs([k for k in ENGINE_ARGS if k != "logprobs_mode"], {"logprobs_mode": "x"})
+    fake_vllm_args = sys.modules["vllm.engine.arg_utils"]
+    fake_vllm_args.EngineArgs = dataclasses.make_dataclass("EngineArgs", [("model", object, None)])
+    with pytest.raises(ValueError, match="lacks"):
+        make("cuda")
+    assert FakeLLM.built == []

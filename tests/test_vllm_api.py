@@ -3,7 +3,7 @@ must fail here, naming the attribute and its user in rlcore/colocate_rollout.py,
 
 The ``unit`` tests inspect classes and modules without building an engine; the last test reads
 the attribute chain off a real tp=2 engine (tests/workers/accel_worker.py CHAIN, one launch
-shared with tests/test_rollout_accel.py). The NPU pin (vllm 0.26.0) lacks some of these:
+shared with tests/test_rollout_accel.py). The NPU pin (vllm 0.23.0) lacks some of these:
 docs/accelerators.md lists them and the branches that handle them.
 """
 

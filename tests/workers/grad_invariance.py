@@ -28,6 +28,18 @@ def global_batch() -> tuple[grpo.RolloutBatch, torch.Tensor]:
     return batch, rewards
 
 
+@torch.no_grad()
+def grad_vector(policy) -> torch.Tensor:
+    """All accumulated gradients of the engine, unsharded and flattened in parameter order (collective)."""
+    from torch.distributed.tensor import DTensor
+
+    parts = []
+    for p in policy.model.parameters():
+        g = p.grad if p.grad is not None else torch.zeros_like(p)
+        parts.append((g.full_tensor() if isinstance(g, DTensor) else g).flatten().float().cpu())
+    return torch.cat(parts)
+
+
 def main():
     model_dir, out = sys.argv[1], sys.argv[2]
     info = init_distributed("cpu")
@@ -49,11 +61,11 @@ def main():
             for micro in (1, 2, 4):
                 cfg = AlgorithmConfig(loss_agg_mode=mode, policy_loss=loss, micro_batch_size=micro,
                                       kl_loss_coef=0.1, entropy_coef=0.01, clip_high=0.28)
-                policy.zero_grad()
+                policy.optimizer.zero_grad(set_to_none=True)
                 grpo.accumulate_gradients(policy, local, list(range(per)), adv[mine], old[mine], ref[mine],
                                           dataclasses.replace(cfg), 0.9, info.world_size, info.device,
                                           norm_len=10)
-                results[f"{mode}/{loss}/{micro}"] = policy.grad_vector()
+                results[f"{mode}/{loss}/{micro}"] = grad_vector(policy)
     if info.rank == 0:
         torch.save(results, out)
     torch.distributed.destroy_process_group()

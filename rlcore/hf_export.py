@@ -1,0 +1,78 @@
+"""Writing an HF safetensors folder from a stream of ``(name, full tensor)`` pairs: plain file IO.
+
+The policy engine (``rlcore.engine_veomni.VeOmniPolicy.save_hf``) gathers the tensors and hands
+them to ``ShardWriter`` on rank 0; nothing here knows about FSDP2, DTensor or VeOmni.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import torch
+
+# Files of the source folder that the export must not copy: weights it rewrites, and config.json,
+# which it rewrites with the export dtype.
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".safetensors.index.json", ".bin.index.json")
+
+
+class ShardWriter:
+    """Accumulate tensors into safetensors shards of bounded size (rank 0 only)."""
+
+    def __init__(self, path: str, max_shard_bytes: int):
+        os.makedirs(path, exist_ok=True)
+        self.path, self.max_bytes = path, max_shard_bytes
+        self.shard: dict[str, torch.Tensor] = {}
+        self.shard_bytes = 0
+        self.files: list[tuple[str, list[str]]] = []  # (temp file name, tensor names)
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        nbytes = tensor.numel() * tensor.element_size()
+        if self.shard and self.shard_bytes + nbytes > self.max_bytes:
+            self._flush()
+        self.shard[name] = tensor.contiguous()
+        self.shard_bytes += nbytes
+
+    def _flush(self) -> None:
+        from safetensors.torch import save_file
+
+        fname = f"tmp-{len(self.files):05d}.safetensors"
+        save_file(self.shard, os.path.join(self.path, fname), metadata={"format": "pt"})
+        self.files.append((fname, list(self.shard)))
+        self.shard, self.shard_bytes = {}, 0
+
+    def close(self) -> None:
+        """Flush, then give the shards their final names (model.safetensors, or numbered
+        shards plus model.safetensors.index.json)."""
+        if self.shard or not self.files:
+            self._flush()
+        n = len(self.files)
+        weight_map, total = {}, 0
+        for i, (tmp, names) in enumerate(self.files):
+            final = "model.safetensors" if n == 1 else f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+            os.replace(os.path.join(self.path, tmp), os.path.join(self.path, final))
+            os.chmod(os.path.join(self.path, final), 0o644)  # safetensors writes 0600
+            total += os.path.getsize(os.path.join(self.path, final))
+            weight_map.update({name: final for name in names})
+        if n > 1:
+            index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+            with open(os.path.join(self.path, "model.safetensors.index.json"), "w") as f:
+                json.dump(index, f, indent=2)
+
+
+def copy_aux_files(src: str, dst: str, dtype: str) -> None:
+    """Copy the non-weight files of the source folder; rewrite config.json with ``dtype``."""
+    for fname in os.listdir(src):
+        full = os.path.join(src, fname)
+        if not os.path.isfile(full) or fname == "config.json" or fname.endswith(WEIGHT_SUFFIXES):
+            continue
+        shutil.copy2(full, os.path.join(dst, fname))
+    with open(os.path.join(src, "config.json")) as f:
+        config = json.load(f)
+    # transformers 5 writes "dtype"; older configs carry "torch_dtype". Keep whichever exists.
+    config["dtype"] = dtype
+    if "torch_dtype" in config:
+        config["torch_dtype"] = dtype
+    with open(os.path.join(dst, "config.json"), "w") as f:
+        json.dump(config, f, indent=2)
