@@ -5,7 +5,6 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup_env.sh
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
-export PYTHONWARNINGS=${PYTHONWARNINGS:-ignore::FutureWarning}  # third-party deprecation noise
 .venv/bin/python scripts/prepare_demo.py --out demo_assets
 # Held-out greedy accuracy before training and every 25 steps (the YAML leaves validation off so
 # tests can reuse it without validation data).

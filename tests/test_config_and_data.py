@@ -179,3 +179,20 @@ def test_long_prompts_are_filtered_or_rejected(tiny_model, toy_data):
     cfg = DataConfig(train_files=[toy_data[0]], max_prompt_length=5, truncation="error")
     with pytest.raises(ConfigError, match="max_prompt_length=5"):
         load_prompts(cfg.train_files, cfg, tok)
+
+
+@pytest.mark.unit
+def test_engines_satisfy_the_protocols_the_loop_uses():
+    """rlcore.build's Policy and Rollout list what the loop needs; the real engines provide it."""
+    import inspect
+
+    from rlcore.build import Policy, Rollout
+    from rlcore.colocate_rollout import ColocateRollout
+    from rlcore.engine_veomni import VeOmniPolicy
+
+    for proto, cls in ((Policy, VeOmniPolicy), (Rollout, ColocateRollout)):
+        methods = [n for n, v in vars(proto).items() if inspect.isfunction(v) and not n.startswith("_")]
+        assert methods and all(callable(getattr(cls, n, None)) for n in methods), (cls, methods)
+        init = inspect.getsource(cls)
+        for attr in getattr(proto, "__annotations__", {}):  # data members: set in __init__ or properties
+            assert hasattr(cls, attr) or f"self.{attr}" in init, (cls, attr)
