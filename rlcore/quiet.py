@@ -39,6 +39,7 @@ NOISE = tuple(re.compile(p) for p in (
     r"Triton is installed, but doesn't include CPU backend",
     r"Warning: NUMA binding: Using MEMBIND policy",
     r"^Loading checkpoint shards:",
+    r"^Writing model shards:",
 ))
 
 

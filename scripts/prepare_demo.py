@@ -9,6 +9,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from rlcore import quiet  # noqa: E402
 from rlcore.toy_task import make_tiny_model, make_toy_data  # noqa: E402
 
 
@@ -19,7 +20,8 @@ def main() -> None:
     args = ap.parse_args()
     model_dir = os.path.join(args.out, "tiny_qwen3")
     if not os.path.isfile(os.path.join(model_dir, "config.json")):
-        make_tiny_model(model_dir, seed=args.seed)
+        with quiet.filtered_output():  # transformers' "Writing model shards" progress bar
+            make_tiny_model(model_dir, seed=args.seed)
     make_toy_data(os.path.join(args.out, "data"), seed=args.seed)
     print(f"demo assets in {args.out}/ (model: {model_dir}, data: {args.out}/data)")
 
