@@ -119,5 +119,6 @@ def filtered_output():
             os.dup2(saved[fd], fd)  # closes the pipe's last write end we hold: the reader sees EOF
             os.close(saved[fd])
         for forwarder in threads:
-            # A child process that inherited the pipe may keep it open; do not wait for it.
-            forwarder.join(timeout=5)
+            # A child process that inherited the pipe (e.g. a compile worker) may keep it open:
+            # do not wait for it; the daemon thread goes on forwarding what it writes later.
+            forwarder.join(timeout=1)
