@@ -171,7 +171,6 @@ class PlanInputs:
     offload_optimizer: bool = True
     reference: bool = False
     offload_ref: bool = False
-    ref_offloadable: bool = False  # the Config has offload.ref
     tp: int = 1
     ep: int = 1
     gpu_memory_utilization: float = 0.5
@@ -440,7 +439,7 @@ def _candidates(p: PlanInputs) -> list[tuple[str, PlanInputs]]:
     out = [(label, q) for cond, label, q in (
         (not p.offload_params, "offload.params=true", replace(p, offload_params=True)),
         (not p.offload_optimizer, "offload.optimizer=true", replace(p, offload_optimizer=True)),
-        (p.reference and not p.offload_ref and p.ref_offloadable, "offload.ref=true", replace(p, offload_ref=True)),
+        (p.reference and not p.offload_ref, "offload.ref=true", replace(p, offload_ref=True)),
         (not p.gradient_checkpointing, "model.gradient_checkpointing=true", replace(p, gradient_checkpointing=True)),
         (p.sleep_level == 0 and p.device_type != "cpu", "rollout.sleep_level=2", replace(p, sleep_level=2)),
         (not p.free_kv_cache, "rollout.free_kv_cache=true", replace(p, free_kv_cache=True)),
@@ -502,42 +501,25 @@ def suggest_fixes(plan: MemoryPlan) -> list[str]:
 
 # ------------------------------------------------------------------------------- config, output
 
-def resolve_dtype(dtype, device_type: str) -> str:
-    """model.dtype as a name; None / "auto" = bfloat16 on accelerators, float32 on CPU."""
-    if dtype is None or str(dtype) == "auto":
-        return "float32" if device_type == "cpu" else "bfloat16"
-    name = str(dtype).removeprefix("torch.")
-    aliases = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32", "float": "float32"}
-    name = aliases.get(name, name)
-    if name not in DTYPE_BYTES:
-        raise ValueError(f"model.dtype={dtype!r}: the plan knows {', '.join(DTYPE_BYTES)}")
-    return name
-
-
 def plan_from_config(cfg, world_size: int, device_gb: float, device_type: str = "cuda", *,
                      nproc_per_node: int | None = None, shape: ModelShape | None = None) -> MemoryPlan:
-    """The plan of ``cfg`` (an ``rlcore.config.Config``) on ``world_size`` ranks of ``device_gb``
-    GB each; reads ``config.json`` from ``cfg.model.path`` unless ``shape`` is given."""
-    r, a, o, accel = cfg.rollout, cfg.algorithm, cfg.offload, device_type != "cpu"
-    # resolved or not: null offloads = on for accelerators (offload.ref: null = as offload.params)
-    offload_params = accel if o.params is None else o.params
-    offload_optimizer = accel if o.optimizer is None else o.optimizer
-    ref_offloadable = hasattr(o, "ref")
-    offload_ref = ref_offloadable and (offload_params if o.ref is None else bool(o.ref))
-    sleep = r.sleep_level if r.sleep_level is not None else 2
-    eager = getattr(r, "enforce_eager", True)  # null = graphs on accelerators
+    """The plan of ``cfg`` (an ``rlcore.config.Config``, resolved or not: its null/auto defaults are
+    filled in for ``device_type`` by ``rlcore.config.resolve``) on ``world_size`` ranks of
+    ``device_gb`` GB each; reads ``config.json`` from ``cfg.model.path`` unless ``shape`` is given."""
+    from rlcore.config import resolve
+
+    cfg = resolve(cfg, device_type)
+    r, a, o = cfg.rollout, cfg.algorithm, cfg.offload
     p = PlanInputs(
         shape=shape or ModelShape.from_path(cfg.model.path), world=world_size, device_gb=float(device_gb),
-        device_type=device_type, dtype=resolve_dtype(cfg.model.dtype, device_type), nproc_per_node=nproc_per_node,
-        offload_params=offload_params, offload_optimizer=offload_optimizer, reference=a.kl_loss_coef > 0,
-        offload_ref=offload_ref, ref_offloadable=ref_offloadable, tp=r.tensor_parallel_size,
-        ep=getattr(cfg.parallel, "ep_size", 1) or 1, gpu_memory_utilization=r.gpu_memory_utilization,
-        sleep_level=0 if device_type == "cpu" else sleep, free_kv_cache=r.free_kv_cache,
-        sync_bucket_mb=r.sync_bucket_mb, micro_batch_size=a.micro_batch_size, prompt_len=cfg.data.max_prompt_length,
-        response_len=r.max_response_length, max_model_len=r.max_model_len,
+        device_type=device_type, dtype=cfg.model.dtype, nproc_per_node=nproc_per_node,
+        offload_params=o.params, offload_optimizer=o.optimizer, reference=a.kl_loss_coef > 0, offload_ref=o.ref,
+        tp=r.tensor_parallel_size, gpu_memory_utilization=r.gpu_memory_utilization, sleep_level=r.sleep_level,
+        free_kv_cache=r.free_kv_cache, sync_bucket_mb=r.sync_bucket_mb, micro_batch_size=a.micro_batch_size,
+        prompt_len=cfg.data.max_prompt_length, response_len=r.max_response_length, max_model_len=r.max_model_len,
         gradient_checkpointing=cfg.model.gradient_checkpointing, prompts_per_step=cfg.trainer.prompts_per_step,
-        n=r.n, max_num_batched_tokens=getattr(r, "max_num_batched_tokens", None),
-        max_num_seqs=getattr(r, "max_num_seqs", None), graphs=accel and not eager)
+        n=r.n, max_num_batched_tokens=r.max_num_batched_tokens, max_num_seqs=r.max_num_seqs,
+        graphs=not r.enforce_eager)
     return build_plan(p)
 
 
