@@ -336,7 +336,8 @@ class ColocateRollout:
         stream = _detached(weights, names)
         model = self._worker().model_runner.get_model()  # unwrapped from CUDA graphs
         refill = full and not self.weights_valid  # level-2 wake-up: every parameter is garbage
-        with capture_load_weights(model) as loaded:
+        # Only the refill is checked, so only then are the loaded names recorded (not every sync).
+        with capture_load_weights(model) if refill else nullcontext([]) as loaded:
             if self.weight_load == "direct":
                 self._load_direct(model, stream)
             else:
