@@ -64,7 +64,8 @@ def loop(run: Run) -> None:
             with run.timer("train"):
                 train_metrics = grpo.train_on_batch(
                     e.policy, e.ref, batch, adv, cfg.algorithm, cfg.rollout.temperature, run.info.world_size,
-                    run.info.device, norm_len=cfg.rollout.max_response_length)
+                    run.info.device, norm_len=cfg.rollout.max_response_length,
+                    tis_cap=cfg.rollout_correction.tis_cap)
         with watchdog.phase("weight_sync"):
             e.switch.to_generation()
         train_metrics.update(count_skips(run, train_metrics))

@@ -202,12 +202,17 @@ class AlgorithmConfig:
     """DAPO dynamic sampling: drop groups whose rewards are all equal and sample more prompts."""
     max_sampling_rounds: int = 3
     """Generation rounds per step at most with dynamic_sampling."""
+    share_prompt: Optional[bool] = None
+    """Compute each group's prompt once per micro-batch: the group is packed as [prompt, r1, ...,
+    rn] with an attention mask that lets each response see the prompt and itself only. The
+    gradient is unchanged. Needs sdpa or eager attention (a dense (L x L) mask); null = on where
+    model.attn_implementation resolves to one of them (CPU), off with flash kernels."""
+    response_only_logits: bool = True
+    """Project only the hidden states that predict response tokens to the vocabulary (the LM
+    head's cost then scales with response tokens, not prompt tokens). False only for benchmarks."""
     use_rollout_logprobs: bool = False
     """Take vLLM's sampling log-probs as the PPO ratio's old log-probs and skip the trainer's
     recompute (only with ppo_epochs 1 and mini_batches 1)."""
-    tis_cap: Optional[float] = None
-    """Truncated importance sampling against the rollout/trainer mismatch: each token's loss is
-    weighted by min(exp(old_logp - rollout_logp), tis_cap), detached; null = off (2.0 is usual)."""
 
     def __post_init__(self):
         for key, value, valid in (
@@ -229,8 +234,6 @@ class AlgorithmConfig:
         check(not self.use_rollout_logprobs or (self.ppo_epochs == 1 and self.mini_batches == 1),
               "algorithm.use_rollout_logprobs", self.use_rollout_logprobs,
               "it needs ppo_epochs=1 and mini_batches=1 (later updates need the trainer's old log-probs)")
-        check(self.tis_cap is None or self.tis_cap >= 1, "algorithm.tis_cap", self.tis_cap,
-              "it must be >= 1 (e.g. 2.0), or null to turn truncated importance sampling off")
 
     @property
     def optim_steps_per_step(self) -> int:
@@ -412,12 +415,24 @@ class ValConfig:
 
 
 @dataclass
+class RolloutCorrectionConfig:
+    tis_cap: Optional[float] = None
+    """Truncated importance sampling against the rollout/trainer mismatch: each token's loss is
+    weighted by min(exp(old_logp - rollout_logp), tis_cap), detached; null = off (2.0 is usual)."""
+
+    def __post_init__(self):
+        check(self.tis_cap is None or self.tis_cap >= 1, "rollout_correction.tis_cap", self.tis_cap,
+              "it must be >= 1 (e.g. 2.0), or null to turn truncated importance sampling off")
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     offload: OffloadConfig = field(default_factory=OffloadConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
     val: ValConfig = field(default_factory=ValConfig)
@@ -452,9 +467,15 @@ def resolve(cfg: Config, device_type: str) -> Config:
         attn = pick_attn_implementation(m.attn_implementation, device_type, dtype=dtype)[0]
     except ValueError as e:
         raise ConfigError(f"model.attn_implementation={m.attn_implementation!r} is invalid: {e}") from e
+    share = cfg.algorithm.share_prompt
+    if share and attn not in ("sdpa", "eager"):
+        raise ConfigError(f"algorithm.share_prompt=true needs a dense attention mask, but model.attn_implementation "
+                          f"resolves to {attn!r} on {device_type}: set model.attn_implementation: sdpa, or "
+                          f"algorithm.share_prompt: false (or null to decide per device)")
     return dataclasses.replace(
         cfg,
         model=dataclasses.replace(m, dtype=dtype, attn_implementation=attn),
+        algorithm=dataclasses.replace(cfg.algorithm, share_prompt=attn in ("sdpa", "eager") if share is None else share),
         rollout=dataclasses.replace(
             r, sleep_level=pick_sleep_level(device_type, r.sleep_level), weight_load=weight_load,
             enforce_eager=pick_enforce_eager(device_type, r.enforce_eager)),

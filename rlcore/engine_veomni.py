@@ -265,15 +265,21 @@ class VeOmniPolicy:
     # -----------------------------------------------------------------------------------------
 
     def forward_logprobs(self, input_ids: torch.Tensor, position_ids: torch.Tensor, labels: torch.Tensor,
-                         temperature: float = 1.0, with_entropy: bool = False, grad: bool = True
+                         temperature: float = 1.0, with_entropy: bool = False, grad: bool = True,
+                         select: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None
                          ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Per-token log-probs (and entropy) of a packed batch.
 
         Args:
-            input_ids, position_ids, labels: ``(1, L)`` LongTensors. Several sequences packed
-                without padding, ``position_ids`` restarting at 0 per sequence;
-                ``labels[t]`` is the token scored at ``t`` (``input_ids[t + 1]`` inside a
-                sequence) or -100.
+            input_ids, position_ids: ``(1, L)`` LongTensors. Several sequences packed without
+                padding, ``position_ids`` restarting at 0 per sequence.
+            labels: without ``select``, ``(1, L)``: ``labels[t]`` is the token scored at ``t``
+                (``input_ids[t + 1]`` inside a sequence) or -100. With ``select``, ``(1, K)``:
+                the token scored at position ``select[k]``.
+            select: ``(K,)`` positions whose hidden states go through the LM head (positions may
+                repeat); the others never meet the vocabulary. None = all ``L``.
+            attention_mask: None for block-causal attention derived from ``position_ids``, or a
+                ``(1, 1, L, L)`` bool mask used as is (sdpa/eager only; see ``rlcore.grpo.pack``).
             temperature: logits are divided by it before the softmax.
             grad: False runs under ``no_grad`` (always so for a frozen policy).
 
@@ -281,7 +287,7 @@ class VeOmniPolicy:
         several in ``on_device()`` to move them once); a forward with grad raises instead.
 
         Returns:
-            ``(logp, entropy)``, both float32 ``(1, L)`` on the engine device, 0 where
+            ``(logp, entropy)``, both float32 shaped like ``labels``, on the engine device, 0 where
             labels == -100; entropy is None unless ``with_entropy``.
         """
         if input_ids.dim() != 2 or input_ids.shape[0] != 1:
@@ -289,14 +295,19 @@ class VeOmniPolicy:
         grad = grad and self.trainable
         if grad:  # its backward would gather the parameters again, after an automatic re-offload
             self._require_resident("forward_logprobs(grad=True)", params=True)
-        with self._resident(params=True), torch.set_grad_enabled(grad), warnings.catch_warnings():
+        if attention_mask is not None and self.attn_implementation not in ("sdpa", "eager"):
+            raise ValueError(f"a custom attention mask needs sdpa or eager attention, not {self.attn_implementation}")
+        with self._resident(params=True), torch.set_grad_enabled(grad), warnings.catch_warnings(), \
+                _hidden_rows(self.model, select):
             # FSDP2 warns that the (reshaped) log-prob output is a view; only an in-place op on it
             # would matter, and callers get it for arithmetic.
             warnings.filterwarnings("ignore", message=".*returned a view tensor.*")
             out = self.model(
                 input_ids=input_ids.to(self.device),
                 position_ids=position_ids.to(self.device),
-                attention_mask=None,  # block-causal mask derived from position_ids
+                # None: transformers derives the block-causal mask from position_ids; a 4D mask
+                # is used as is (transformers/masking_utils.py:813-815)
+                attention_mask=None if attention_mask is None else attention_mask.to(self.device),
                 labels=labels.to(self.device),
                 # labels are already aligned with the positions that predict them, so hand them
                 # over as shift_labels: VeOmni's log-prob kernel then skips its causal shift.
@@ -536,6 +547,32 @@ class VeOmniPolicy:
             writer.close()
             hf_export.copy_aux_files(self.model_path, path, dtype)
         dist.barrier()
+
+
+@contextlib.contextmanager
+def _hidden_rows(model, select: torch.Tensor | None):
+    """Within the block, the decoder's last hidden states are cut to the rows ``select`` before
+    the causal-LM head sees them: VeOmni's log-prob kernel projects every row it gets to the
+    vocabulary (veomni/ops/kernels/cross_entropy/chunk_logprobs.py:162-176, and again in its
+    backward :215-225) and only masks the -100 rows afterwards, and the causal-LM forward hands
+    it ``outputs.last_hidden_state`` whole (veomni/models/transformers/llama/
+    llama_gpu_patch_gen_config.py:156-195). A forward hook on the decoder is the one place between
+    the two; the backward of ``index_select`` scatters (and sums, for repeated rows) the
+    gradient back, so the parameter gradient is unchanged."""
+    if select is None:
+        yield
+        return
+    decoder = model.get_decoder()
+
+    def cut(_module, _args, output):
+        output.last_hidden_state = output.last_hidden_state.index_select(1, select.to(output.last_hidden_state.device))
+        return output
+
+    handle = decoder.register_forward_hook(cut)
+    try:
+        yield
+    finally:
+        handle.remove()
 
 
 def _hf_name(name: str) -> str:

@@ -95,38 +95,101 @@ def concat(batches: list[RolloutBatch]) -> RolloutBatch:
                         cat("finish_reasons"), first.group_size, cat("keep"))
 
 
-def pack(prompt_ids: list[list[int]], response_ids: list[list[int]], device) -> dict[str, torch.Tensor]:
-    """Concatenate sequences without padding; positions restart at 0 for each sequence.
+def prompt_runs(prompt_ids: list[list[int]]) -> list[tuple[int, int]]:
+    """``(start, end)`` of each run of consecutive sequences with the same prompt: a group, or
+    the part of one this rank or micro-batch holds (TP sharding and micro-batch splits may cut a
+    group; dynamic sampling keeps groups together)."""
+    runs: list[tuple[int, int]] = []
+    for i, p in enumerate(prompt_ids):
+        if runs and prompt_ids[runs[-1][0]] == p:
+            runs[-1] = (runs[-1][0], i + 1)
+        else:
+            runs.append((i, i + 1))
+    return runs
 
-    ``labels[p]`` is the token at p+1 when that token is a response token (so the log-prob at p is
-    the policy's log-prob of that response token), else -100. ``gather`` (N, T) indexes the packed
-    positions of each response token's log-prob, for turning the packed result into (N, T).
+
+def pack(prompt_ids: list[list[int]], response_ids: list[list[int]], device, *, share_prompt: bool = False,
+         response_only: bool = True) -> dict[str, torch.Tensor | None]:
+    """Concatenate sequences without padding into one ``(1, L)`` row for ``forward_logprobs``.
+
+    Unshared, each sequence is ``prompt + response`` with positions restarting at 0. With
+    ``share_prompt``, each prompt run (``prompt_runs``) is ``[prompt, r1, ..., rn]``: every
+    response's positions continue from the prompt's length and ``attention_mask`` (1, 1, L, L)
+    lets a token see its run's prompt and its own response only, so the prompt is computed once
+    and its gradient is the sum over the run's samples, as if each sample had its own copy.
+
+    ``select`` (K,) lists the packed positions whose hidden state predicts a response token, one
+    per response token in order (the prompt's last position once per sample of a shared run);
+    ``labels`` (1, K) are those tokens, and ``gather`` (N, T) indexes each response token's
+    log-prob in the (1, K) result. ``response_only=False`` (benchmarks only) projects every
+    position instead: ``select`` None, ``labels`` (1, L) with -100 off the responses.
     """
-    ids, pos, labels = [], [], []
+    ids, pos, seg, run_of, select, labels = [], [], [], [], [], []
     t_max = max(1, max(len(r) for r in response_ids))
     gather = torch.zeros(len(response_ids), t_max, dtype=torch.long)  # (N, T)
-    for i, (p, r) in enumerate(zip(prompt_ids, response_ids)):
-        start = len(ids)
-        seq = p + r
-        ids += seq
-        pos += list(range(len(seq)))
-        labels += [-100] * (len(p) - 1) + r + [-100]
-        gather[i, : len(r)] = torch.arange(start + len(p) - 1, start + len(p) - 1 + len(r))
+    runs = prompt_runs(prompt_ids) if share_prompt else [(i, i + 1) for i in range(len(prompt_ids))]
+    for k, (a, b) in enumerate(runs):
+        p = prompt_ids[a]
+        base = len(ids)
+        ids += p
+        pos += range(len(p))
+        seg += [0] * len(p)
+        for i in range(a, b):
+            r = response_ids[i]
+            start = len(ids)
+            ids += r
+            pos += range(len(p), len(p) + len(r))
+            seg += [i + 1] * len(r)
+            # r[0] is predicted at the prompt's last position, r[j] at r[j-1]'s
+            here = [base + len(p) - 1] + list(range(start, start + len(r) - 1))
+            gather[i, : len(r)] = torch.arange(len(select), len(select) + len(r))
+            select += here[: len(r)]
+            labels += r
+        run_of += [k] * (len(ids) - base)
     as_row = lambda xs: torch.tensor(xs, dtype=torch.long, device=device).unsqueeze(0)  # noqa: E731
-    return {"input_ids": as_row(ids), "position_ids": as_row(pos), "labels": as_row(labels),
-            "gather": gather.to(device)}
+    out = {"input_ids": as_row(ids), "position_ids": as_row(pos), "attention_mask": None,
+           "select": torch.tensor(select, dtype=torch.long, device=device), "labels": as_row(labels),
+           "gather": gather.to(device)}
+    if share_prompt:
+        out["attention_mask"] = shared_prompt_mask(torch.tensor(run_of), torch.tensor(seg)).to(device)
+    if not response_only:  # the full-row form: labels at the selected positions, -100 elsewhere
+        if share_prompt:
+            raise ValueError("share_prompt needs response_only: the prompt's last position predicts n tokens")
+        full = torch.full((len(ids),), -100, dtype=torch.long)
+        full[out["select"].cpu()] = out["labels"][0].cpu()
+        out["gather"] = out["select"][out["gather"]]
+        out.update(select=None, labels=full.to(device).unsqueeze(0))
+    return out
+
+
+def shared_prompt_mask(run: torch.Tensor, seg: torch.Tensor) -> torch.Tensor:
+    """(1, 1, L, L) bool, True where query q may attend to key k: same run, k not after q, and k
+    in the prompt (segment 0) or in q's own response. Dense, as sdpa and eager take it."""
+    q, k = torch.arange(len(run)).unsqueeze(1), torch.arange(len(run)).unsqueeze(0)  # (L, 1), (1, L)
+    same_run = run.unsqueeze(1) == run.unsqueeze(0)
+    visible = (seg.unsqueeze(0) == 0) | (seg.unsqueeze(1) == seg.unsqueeze(0))
+    return (same_run & visible & (k <= q))[None, None]
 
 
 def logprob_matrix(policy, batch: RolloutBatch, temperature: float, *, grad: bool, with_entropy: bool,
-                   device) -> tuple[torch.Tensor, torch.Tensor | None]:
+                   device, share_prompt: bool = False, response_only: bool = True
+                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per-token log-probs (and entropy) of the response tokens as (N, T) matrices, 0 where masked."""
-    packed = pack(batch.prompt_ids, batch.response_ids, device)
+    packed = pack(batch.prompt_ids, batch.response_ids, device, share_prompt=share_prompt,
+                  response_only=response_only)
     logp, ent = policy.forward_logprobs(packed["input_ids"], packed["position_ids"], packed["labels"],
-                                        temperature=temperature, with_entropy=with_entropy, grad=grad)
+                                        temperature=temperature, with_entropy=with_entropy, grad=grad,
+                                        select=packed["select"], attention_mask=packed["attention_mask"])
     mask = batch.response_mask().to(device)
     logp_mat = logp[0][packed["gather"]] * mask  # (N, T)
     ent_mat = ent[0][packed["gather"]] * mask if ent is not None else None
     return logp_mat, ent_mat
+
+
+def _pack_options(cfg: AlgorithmConfig | int) -> dict[str, bool]:
+    if not isinstance(cfg, AlgorithmConfig):  # a plain micro-batch size: the defaults
+        return {}
+    return {"share_prompt": bool(cfg.share_prompt), "response_only": cfg.response_only_logits}
 
 
 def micro_batches(n: int, size: int) -> list[list[int]]:
@@ -138,12 +201,14 @@ def token_budget_batches(lengths: list[int], budget: int) -> list[list[int]]:
 
     Every rank must run the same number of forwards (FSDP2 gathers each layer in every forward),
     so the count is the largest any rank needs, ceil(tokens / budget), at most the number of
-    sequences (every rank holds as many). Sequences go longest first to the lightest micro-batch,
+    items the emptiest rank holds. Items (sequences, or prompt runs) go longest first to the lightest micro-batch,
     which keeps the token counts within one sequence of each other; within a micro-batch they keep
     their order.
     """
     need = max(1, -(-sum(lengths) // budget))
-    count = int(min(all_reduce_max([float(need)])[0], len(lengths)))
+    # at most the fewest items a rank holds (ranks hold as many sequences, not as many prompt runs)
+    most, fewest = all_reduce_max([float(need), -float(len(lengths))])
+    count = int(min(most, -fewest))
     bins: list[list[int]] = [[] for _ in range(count)]
     loads = [0] * count
     for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
@@ -154,11 +219,17 @@ def token_budget_batches(lengths: list[int], budget: int) -> list[list[int]]:
 
 
 def split_micro(batch: RolloutBatch, idx: list[int], cfg: AlgorithmConfig) -> list[list[int]]:
-    """``idx`` (a mini-batch's sequences) as micro-batches: by token budget or by count."""
-    if cfg.micro_batch_tokens:
-        lengths = [len(batch.prompt_ids[i]) + len(batch.response_ids[i]) for i in idx]
-        return [[idx[k] for k in part] for part in token_budget_batches(lengths, cfg.micro_batch_tokens)]
-    return [idx[i: i + cfg.micro_batch_size] for i in range(0, len(idx), cfg.micro_batch_size)]
+    """``idx`` (a mini-batch's sequences) as micro-batches: by token budget or by count. With a
+    token budget and a shared prompt, a prompt run is packed whole (its tokens: the prompt once
+    plus its responses), so a split never costs a second copy of the prompt."""
+    if not cfg.micro_batch_tokens:
+        return [idx[i: i + cfg.micro_batch_size] for i in range(0, len(idx), cfg.micro_batch_size)]
+    prompts = [batch.prompt_ids[i] for i in idx]
+    units = prompt_runs(prompts) if cfg.share_prompt else [(k, k + 1) for k in range(len(idx))]
+    lengths = [len(prompts[a]) * (1 if cfg.share_prompt else b - a)
+               + sum(len(batch.response_ids[idx[k]]) for k in range(a, b)) for a, b in units]
+    parts = token_budget_batches(lengths, cfg.micro_batch_tokens)
+    return [[idx[k] for u in part for k in range(*units[u])] for part in parts]
 
 
 @torch.no_grad()
@@ -172,14 +243,31 @@ def compute_logprobs_in_chunks(policy, batch: RolloutBatch, temperature: float, 
     parts = split_micro(batch, every, micro) if isinstance(micro, AlgorithmConfig) else micro_batches(len(batch), micro)
     for idx in parts:
         part, _ = logprob_matrix(policy, batch.select(idx), temperature, grad=False, with_entropy=False,
-                                 device=device)
+                                 device=device, **_pack_options(micro))
         out[idx, : part.shape[1]] = part
     return out
 
 
+@dataclass
+class UpdateInputs:
+    """What every micro-batch of one update reads: (N, T) matrices of this rank's samples on the
+    device (None where unused) and the normalisation constants."""
+
+    adv: torch.Tensor
+    old_logp: torch.Tensor | None  # None: on-policy, the current log-probs detached
+    ref_logp: torch.Tensor | None  # None: no KL loss
+    rollout_logp: torch.Tensor  # vLLM's sampling log-probs
+    mask: torch.Tensor  # the loss mask
+    temperature: float
+    world_size: int
+    norm_len: int | None = None  # seq-mean-token-sum-norm's fixed divisor
+    tis_cap: float | None = None  # truncated importance sampling (rollout_correction.tis_cap)
+
+
 def ppo_update(policy, batch: RolloutBatch, adv: torch.Tensor, old_logp: torch.Tensor | None,
                ref_logp: torch.Tensor | None, cfg: AlgorithmConfig, temperature: float,
-               world_size: int, device, norm_len: int | None = None) -> dict[str, float]:
+               world_size: int, device, norm_len: int | None = None, tis_cap: float | None = None
+               ) -> dict[str, float]:
     """ppo_epochs x mini_batches optimizer steps on this rank's samples.
 
     Each micro-batch loss is normalised by the global mini-batch's token (or sequence) count and
@@ -189,24 +277,21 @@ def ppo_update(policy, batch: RolloutBatch, adv: torch.Tensor, old_logp: torch.T
     ``norm_len`` (the max response length) fixes seq-mean-token-sum-norm's divisor, which would
     otherwise be each micro-batch's own padded length.
     """
-    mask_all = batch.response_mask().to(device)  # (N, T)
+    inp = UpdateInputs(adv.to(device), old_logp, ref_logp, batch.rollout_logp_matrix().to(device),
+                       batch.response_mask().to(device), temperature, world_size, norm_len, tis_cap)
     sums: dict[str, float] = {}
     step_metrics: list[dict] = []
-    n_mini = cfg.mini_batches
     # The trainer's log-probs before any update, to compare with vLLM's: old_logp, or recorded by
     # the single on-policy mini-batch (its optimizer step comes after all its micro-batches).
     # With use_rollout_logprobs, old_logp is vLLM's own: record the trainer's then too.
     record = old_logp is None or cfg.use_rollout_logprobs
-    pre_update = torch.zeros_like(mask_all) if record else old_logp
-    rollout_logp = batch.rollout_logp_matrix().to(device)  # (N, T) vLLM's sampling log-probs
+    pre_update = torch.zeros_like(inp.mask) if record else old_logp
     for _ in range(cfg.ppo_epochs):
-        for mini in micro_batches(len(batch), len(batch) // n_mini):
-            accumulate_gradients(policy, batch, mini, adv, old_logp, ref_logp, cfg, temperature, world_size,
-                                 device, norm_len, mask_all, sums, record=pre_update if record else None,
-                                 rollout_logp=rollout_logp)
+        for mini in micro_batches(len(batch), len(batch) // cfg.mini_batches):
+            accumulate_gradients(policy, batch, mini, inp, cfg, sums, record=pre_update if record else None)
             step_metrics.append(policy.step())
     metrics = _reduce_update_metrics(sums, step_metrics, world_size)
-    metrics.update(mismatch_metrics(pre_update, rollout_logp, mask_all))
+    metrics.update(mismatch_metrics(pre_update, inp.rollout_logp, inp.mask))
     return metrics
 
 
@@ -222,32 +307,30 @@ def mismatch_metrics(trainer_logp: torch.Tensor, rollout_logp: torch.Tensor, mas
             "rollout/mismatch_max": all_reduce_max([diff.max().item() if diff.numel() else 0.0])[0]}
 
 
-def accumulate_gradients(policy, batch, mini, adv, old_logp, ref_logp, cfg, temperature, world_size, device,
-                         norm_len=None, mask_all=None, sums=None, record: torch.Tensor | None = None,
-                         rollout_logp: torch.Tensor | None = None) -> None:
+def accumulate_gradients(policy, batch: RolloutBatch, mini: list[int], inp: UpdateInputs, cfg: AlgorithmConfig,
+                         sums: dict | None = None, record: torch.Tensor | None = None) -> None:
     """Forward/backward one mini-batch (indices ``mini``) in micro-batches, normalised by the
-    mini-batch's token and sequence counts over all ranks."""
-    mask_all = batch.response_mask().to(device) if mask_all is None else mask_all
-    totals = all_reduce_sum([mask_all[mini].sum().item(), float((mask_all[mini].sum(1) > 0).sum())])
-    agg = {"global_tokens": totals[0], "global_seqs": totals[1], "dp_size": world_size, "norm_len": norm_len}
+    mini-batch's token and sequence counts over all ranks; ``record`` (N, T) receives the log-probs."""
+    totals = all_reduce_sum([inp.mask[mini].sum().item(), float((inp.mask[mini].sum(1) > 0).sum())])
+    agg = {"global_tokens": totals[0], "global_seqs": totals[1], "dp_size": inp.world_size,
+           "norm_len": inp.norm_len}
     for idx in split_micro(batch, mini, cfg):
-        _micro_step(policy, batch, idx, adv, old_logp, ref_logp, cfg, temperature, agg, device,
-                    {} if sums is None else sums, record, rollout_logp)
+        _micro_step(policy, batch, idx, inp, cfg, agg, {} if sums is None else sums, record)
 
 
-def _micro_step(policy, batch, idx, adv, old_logp, ref_logp, cfg, temperature, agg, device, sums,
-                record=None, rollout_logp=None) -> None:
+def _micro_step(policy, batch: RolloutBatch, idx: list[int], inp: UpdateInputs, cfg: AlgorithmConfig,
+                agg: dict, sums: dict, record: torch.Tensor | None) -> None:
     sub = batch.select(idx)
-    logp, ent = logprob_matrix(policy, sub, temperature, grad=True, with_entropy=True, device=device)
+    logp, ent = logprob_matrix(policy, sub, inp.temperature, grad=True, with_entropy=True,
+                               device=inp.mask.device, **_pack_options(cfg))  # (n, t) each
     t = logp.shape[1]
     if record is not None:
         record[idx, :t] = logp.detach()
-    mask = sub.response_mask().to(device)
-    a = adv[idx, :t].to(device)
-    old = logp.detach() if old_logp is None else old_logp[idx, :t]
+    mask, a = inp.mask[idx, :t], inp.adv[idx, :t]
+    old = logp.detach() if inp.old_logp is None else inp.old_logp[idx, :t]
     is_weights = None
-    if cfg.tis_cap is not None:
-        is_weights, clipped = tis_weights(old, rollout_logp[idx, :t], mask, cfg.tis_cap)
+    if inp.tis_cap is not None:
+        is_weights, clipped = tis_weights(old, inp.rollout_logp[idx, :t], mask, inp.tis_cap)
         _add(sums, "rollout/tis_clip_frac", clipped)
     pg_loss, pg_metrics = advantage.policy_loss(
         cfg.policy_loss, logp, old, a, mask, clip_low=cfg.clip_low, clip_high=cfg.clip_high,
@@ -256,8 +339,8 @@ def _micro_step(policy, batch, idx, adv, old_logp, ref_logp, cfg, temperature, a
     ntok = mask.sum().item()
     if cfg.entropy_coef != 0:
         loss = loss - cfg.entropy_coef * advantage.aggregate_loss(ent, mask, cfg.loss_agg_mode, **agg)
-    if ref_logp is not None:
-        kl = advantage.kl_penalty(logp, ref_logp[idx, :t], cfg.kl_loss_type)
+    if inp.ref_logp is not None:
+        kl = advantage.kl_penalty(logp, inp.ref_logp[idx, :t], cfg.kl_loss_type)
         loss = loss + cfg.kl_loss_coef * advantage.aggregate_loss(kl, mask, cfg.loss_agg_mode, **agg)
         _add(sums, "actor/kl", (kl.detach() * mask).sum().item())
     policy.backward(loss)
@@ -294,8 +377,9 @@ def _reduce_update_metrics(sums: dict, step_metrics: list[dict], world_size: int
 
 
 def train_on_batch(policy, ref, batch: RolloutBatch, adv: torch.Tensor, cfg: AlgorithmConfig, temperature: float,
-                   world_size: int, device, norm_len: int) -> dict[str, float]:
-    """The train phase of one step: old and reference log-probs when needed, then the update."""
+                   world_size: int, device, norm_len: int, tis_cap: float | None = None) -> dict[str, float]:
+    """The train phase of one step: old and reference log-probs when needed, then the update
+    (``tis_cap``: rollout_correction.tis_cap)."""
     on_policy = cfg.ppo_epochs == 1 and cfg.mini_batches == 1
     if cfg.use_rollout_logprobs:  # vLLM's log-probs as the ratio's denominator: no recompute
         old = batch.rollout_logp_matrix().to(device)
@@ -306,7 +390,7 @@ def train_on_batch(policy, ref, batch: RolloutBatch, adv: torch.Tensor, cfg: Alg
         with ref.on_device():  # an offloaded reference comes to the device once per step, not per micro-batch
             ref_logp = compute_logprobs_in_chunks(ref, batch, temperature, cfg, device)
     return ppo_update(policy, batch, adv.to(device), old, ref_logp, cfg, temperature, world_size, device,
-                      norm_len=norm_len)
+                      norm_len=norm_len, tis_cap=tis_cap)
 
 
 def rollout_metrics(batch: RolloutBatch, scores: torch.Tensor, adv: torch.Tensor, metrics: dict,

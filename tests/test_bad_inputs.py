@@ -118,7 +118,7 @@ CASES = [
     ("max_num_seqs", ["--rollout.max_num_seqs", "0"], "rollout.max_num_seqs=0", 2),
     ("max_num_batched_tokens", ["--rollout.max_num_batched_tokens", "16"], "rollout.max_num_batched_tokens=16", 2),
     ("micro_batch_tokens", ["--algorithm.micro_batch_tokens", "0"], "algorithm.micro_batch_tokens=0", 2),
-    ("tis_cap", ["--algorithm.tis_cap", "0.5"], "algorithm.tis_cap=0.5", 2),
+    ("tis_cap", ["--rollout_correction.tis_cap", "0.5"], "rollout_correction.tis_cap=0.5", 2),
     ("unknown_section", ["--trainerr.total_steps", "3"], "trainerr", 2),
     ("missing_config_file", ["--config", "/nonexistent/run.yaml"], "/nonexistent/run.yaml", 2),
     ("malformed_yaml", ["--config", "{bad_yaml}"], "bad_yaml.yaml) is not valid YAML", 2),

@@ -31,9 +31,11 @@ class FakePolicy(torch.nn.Module):
         self.opt = torch.optim.SGD(self.parameters(), lr=0.5)
         self.grads: list[torch.Tensor] = []
 
-    def forward_logprobs(self, input_ids, position_ids, labels, temperature=1.0, with_entropy=False, grad=True):
+    def forward_logprobs(self, input_ids, position_ids, labels, temperature=1.0, with_entropy=False, grad=True,
+                         select=None, attention_mask=None):  # no attention here: the mask changes nothing
         with torch.set_grad_enabled(grad):
             h = torch.tanh(self.emb[input_ids] + self.pos[position_ids])  # (1, L, 8)
+            h = h if select is None else h[:, select]  # (1, K, 8)
             logits = (h @ self.head) / temperature  # (1, L, V)
             logp_all = torch.log_softmax(logits, -1)
             logp = logp_all.gather(-1, labels.clamp(min=0).unsqueeze(-1)).squeeze(-1) * (labels != -100)
@@ -174,17 +176,18 @@ def test_tis_weights_are_capped_and_reach_the_gradient():
     # change the gradient, against the same update without TIS.
     base = dataclasses.replace(BASE, kl_loss_coef=0.0)
 
-    def update(cfg):
+    def update(cfg, tis_cap=None):
         torch.manual_seed(0)
         policy, batch = FakePolicy(), make_batch()
         batch.rollout_logp = [[lp - 5.0 for lp in r] for r in batch.rollout_logp]
         scores, _ = grpo.shape_rewards(SCORES.clone(), batch, cfg, max_response_length=6)
         adv = grpo.advantages_for(batch, scores, cfg)
-        metrics = grpo.ppo_update(policy, batch, adv, None, None, cfg, 1.0, world_size=1, device="cpu", norm_len=6)
+        metrics = grpo.ppo_update(policy, batch, adv, None, None, cfg, 1.0, world_size=1, device="cpu", norm_len=6,
+                                  tis_cap=tis_cap)
         return policy.grads, metrics
 
     off_grads, off = update(base)
-    on_grads, on = update(dataclasses.replace(base, tis_cap=2.0))
+    on_grads, on = update(dataclasses.replace(base), tis_cap=2.0)
     assert "rollout/tis_clip_frac" not in off and 0 < on["rollout/tis_clip_frac"] <= 1
     assert not torch.allclose(on_grads[0], off_grads[0])
     assert on["rollout/mismatch_max"] > 4.0  # the shifted rollout shows as a mismatch

@@ -1,11 +1,15 @@
 """Worker (torchrun, 1 or 2 ranks): the gradient of one optimizer step's loss for every aggregation
-mode and micro-batch sizes 1, 2 and 4, through the real FSDP2 engine. Rank r of W trains on its
-contiguous share of one fixed global batch; rank 0 saves the unsharded gradients.
+mode and each packing variant (``VARIANTS``: micro-batch sizes 1, 2 and 4, every position through
+the LM head or only the response-predicting ones, shared-prompt packing, token-budget
+micro-batches), through the real FSDP2 engine. Rank r of W trains on its contiguous share of one
+fixed global batch; rank 0 saves the unsharded gradients.
+
+The batch is two prompt groups of 3 and 5 samples with unequal response lengths, one of them a
+lone EOS (a response of one token): on 2 ranks the second group is split, a partial group on each.
 
     torchrun --nproc_per_node=W tests/workers/grad_invariance.py MODEL_DIR OUT.pt
 """
 
-import dataclasses
 import sys
 
 import torch
@@ -15,12 +19,21 @@ from rlcore.config import AlgorithmConfig
 from rlcore.dist import init_distributed
 
 N, GROUP = 8, 4
+# name -> AlgorithmConfig fields; "full" is the reference: every position through the LM head
+VARIANTS = {
+    "full": dict(response_only_logits=False, micro_batch_size=4),
+    **{str(m): dict(micro_batch_size=m) for m in (1, 2, 4)},
+    "share/2": dict(share_prompt=True, micro_batch_size=2),
+    "share/4": dict(share_prompt=True, micro_batch_size=4),
+    "budget": dict(micro_batch_tokens=24),
+    "share+budget": dict(share_prompt=True, micro_batch_tokens=24),
+}
 
 
 def global_batch() -> tuple[grpo.RolloutBatch, torch.Tensor]:
     g = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(3, 26, (int(torch.randint(4, 9, (1,), generator=g)),), generator=g).tolist()
-               for _ in range(N)]
+    group_a, group_b = (torch.randint(3, 26, (n,), generator=g).tolist() for n in (5, 8))
+    prompts = [group_a] * 3 + [group_b] * 5
     lengths = [7, 1, 4, 9, 3, 5, 2, 8]
     responses = [torch.randint(3, 26, (n,), generator=g).tolist() for n in lengths]
     batch = grpo.RolloutBatch(prompts, responses, [[0.0] * n for n in lengths], ["x"] * N, ["stop"] * N, GROUP)
@@ -58,14 +71,14 @@ def main():
     results = {}
     for mode in advantage.AGG_MODES:
         for loss in ("vanilla", "gspo"):
-            for micro in (1, 2, 4):
-                cfg = AlgorithmConfig(loss_agg_mode=mode, policy_loss=loss, micro_batch_size=micro,
-                                      kl_loss_coef=0.1, entropy_coef=0.01, clip_high=0.28)
+            for name, fields in VARIANTS.items():
+                cfg = AlgorithmConfig(loss_agg_mode=mode, policy_loss=loss, kl_loss_coef=0.1, entropy_coef=0.01,
+                                      clip_high=0.28, **fields)
                 policy.optimizer.zero_grad(set_to_none=True)
-                grpo.accumulate_gradients(policy, local, list(range(per)), adv[mine], old[mine], ref[mine],
-                                          dataclasses.replace(cfg), 0.9, info.world_size, info.device,
-                                          norm_len=10)
-                results[f"{mode}/{loss}/{micro}"] = grad_vector(policy)
+                inp = grpo.UpdateInputs(adv[mine], old[mine], ref[mine], torch.zeros_like(old[mine]),
+                                        local.response_mask(), 0.9, info.world_size, norm_len=10)
+                grpo.accumulate_gradients(policy, local, list(range(per)), inp, cfg)
+                results[f"{mode}/{loss}/{name}"] = grad_vector(policy)
     if info.rank == 0:
         torch.save(results, out)
     torch.distributed.destroy_process_group()
