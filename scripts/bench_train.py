@@ -188,11 +188,23 @@ def packing(local, cfg) -> tuple[int, int]:
 # ----------------------------------------------------------------------------- measurement
 
 
+def trim_heap() -> None:
+    """Hand the allocator's free pages back to the OS (glibc), so that a run's RSS increase is
+    its own and not hidden by memory an earlier run freed but the heap kept."""
+    import ctypes
+
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
 class PeakRss:
-    """Peak RSS increase (MiB) over a block: VmHWM reset at the start where Linux allows it,
-    else the RSS sampled every 10 ms in a thread."""
+    """Peak RSS increase (MiB) over a block, from a trimmed heap: VmHWM reset at the start where
+    Linux allows it, else the RSS sampled every 10 ms in a thread."""
 
     def __enter__(self):
+        trim_heap()
         self.before = bc.rss_mb()
         self.exact = bc.reset_peak_rss()
         self.samples, self.done = [self.before], threading.Event()
