@@ -404,8 +404,8 @@ def rollout_metrics(batch: RolloutBatch, scores: torch.Tensor, adv: torch.Tensor
         "trunc": float(sum(f == "length" for f in batch.finish_reasons)), "ntok_loss": mask.sum().item(),
         "a1": (adv * mask).sum().item(), "a2": (adv ** 2 * mask).sum().item()})
     out = dict(metrics)
-    out.update(all_rank_means({k: v for k, v in metrics.items() if k.startswith(("reward/", "rollout/filtered"))},
-                              world_size))
+    per_replica = ("reward/", "rollout/filtered", "rollout/zero_variance")
+    out.update(all_rank_means({k: v for k, v in metrics.items() if k.startswith(per_replica)}, world_size))
     if "reward/errors" in out:  # a count: the sum over replicas (TP ranks score the same samples)
         out["reward/errors"] *= world_size / tp_size
     mean, a_mean, ntok_loss = g["s"] / g["cnt"], g["a1"] / max(g["ntok_loss"], 1), max(g["ntok_loss"], 1)

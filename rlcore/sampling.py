@@ -45,6 +45,10 @@ class StepSampler:
         still short then pads with dropped groups masked out of the loss."""
         batch = self.generate(self.next_prompts(), step)
         scores, metrics = self.score(batch)
+        # groups whose rewards are all equal have zero advantage: no gradient unless filtered out
+        groups = max(len(scores) // batch.group_size, 1)
+        informative = len(grpo.informative_groups(scores, batch.group_size))
+        metrics["rollout/zero_variance_groups_frac"] = 1.0 - informative / groups
         if not self.algo.dynamic_sampling:
             return batch, scores, metrics
         n, target = batch.group_size, len(batch) // batch.group_size
