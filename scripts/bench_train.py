@@ -31,8 +31,9 @@ on the slowest rank. The last line is a JSON object:
   speedup                  baseline_s / optimized_s; ``target_speedup`` 2.5, ``meets_target``
   max_grad_rel_diff        max over variants of ||g - g_baseline|| / ||g_baseline||, g the
                            unsharded gradient vector (the warm-up run's)
-  variants                 name -> median_s, peak_rss_mib (max over ranks and timed runs of the
-                           peak RSS during a run minus the RSS before it), grad_rel_diff, cpu_s
+  variants                 name -> median_s, peak_rss_mib (max over ranks and runs of the peak RSS
+                           during a run minus the RSS before it; the warm-up run starts from a
+                           trimmed heap, so it shows the run's whole footprint), grad_rel_diff, cpu_s
                            (median process CPU seconds summed over ranks), micro_batches and
                            packed_tokens (per rank, the most of any rank)
   plus the workload (prompts, n, prompt_len, response_len, micro_batch_tokens, layers, vocab,
@@ -200,11 +201,15 @@ def trim_heap() -> None:
 
 
 class PeakRss:
-    """Peak RSS increase (MiB) over a block, from a trimmed heap: VmHWM reset at the start where
-    Linux allows it, else the RSS sampled every 10 ms in a thread."""
+    """Peak RSS increase (MiB) over a block (from a trimmed heap with ``trim``): VmHWM reset at
+    the start where Linux allows it, else the RSS sampled every 10 ms in a thread."""
+
+    def __init__(self, trim: bool):
+        self.trim = trim
 
     def __enter__(self):
-        trim_heap()
+        if self.trim:
+            trim_heap()
         self.before = bc.rss_mb()
         self.exact = bc.reset_peak_rss()
         self.samples, self.done = [self.before], threading.Event()
@@ -225,15 +230,17 @@ class PeakRss:
         self.peak_mib = max(0.0, peak - self.before)
 
 
-def run_once(policy, local, inp, cfg) -> tuple[float, float, float]:
+def run_once(policy, local, inp, cfg, trim: bool = False) -> tuple[float, float, float]:
     """(wall seconds on this rank, process CPU seconds, peak RSS increase MiB) of one
-    ``accumulate_gradients`` call from zeroed gradients, barriers on both sides."""
+    ``accumulate_gradients`` call from zeroed gradients, barriers on both sides. ``trim``: the
+    heap is trimmed first (the warm-up runs: their RSS increase is the run's whole footprint; a
+    timed run reuses the heap's free pages, as the trainer's steps do, and is timed so)."""
     import torch.distributed as dist
 
     from rlcore import grpo
 
     policy.optimizer.zero_grad(set_to_none=True)
-    with PeakRss() as mem:
+    with PeakRss(trim) as mem:
         dist.barrier()
         start, cpu = time.perf_counter(), time.process_time()
         grpo.accumulate_gradients(policy, local, list(range(len(local))), inp, cfg)
@@ -255,18 +262,19 @@ def grad_vector(policy):
         return torch.cat(parts)
 
 
-def warm_up(policy, local, inp, cfgs: dict, info) -> dict[str, float]:
-    """One run per variant; each one's gradient against the baseline's: ||g - g0|| / ||g0||."""
-    reference, diffs = None, {}
+def warm_up(policy, local, inp, cfgs: dict, info) -> tuple[dict[str, float], dict[str, float]]:
+    """One run per variant from a trimmed heap: its peak RSS increase, and its gradient against
+    the baseline's, ||g - g0|| / ||g0||."""
+    reference, diffs, peaks = None, {}, {}
     for name, cfg in cfgs.items():
-        run_once(policy, local, inp, cfg)
+        peaks[name] = run_once(policy, local, inp, cfg, trim=True)[2]
         g = grad_vector(policy)
         if reference is None:
             reference = g
         diffs[name] = float((g - reference).norm() / reference.norm().clamp_min(1e-30))
         bc.say(info.rank, f"warm-up {name}: grad rel diff {diffs[name]:.2e}")
         del g
-    return diffs
+    return diffs, peaks
 
 
 def timed_rounds(args, policy, local, inp, cfgs: dict, info) -> dict[str, dict[str, list]]:
@@ -296,7 +304,7 @@ def reduce_over_ranks(values: list[float], op: str) -> list[float]:
 
 def summarize(args, policy, measured: dict, diffs: dict, packs: dict, info) -> dict:
     """Per variant: the slowest rank's wall time per run, CPU time summed over ranks, the peak
-    RSS increase over ranks and runs; then the medians and the headline figures."""
+    RSS increase over ranks and runs (the warm-up's included); then the medians and the headline figures."""
     variants = {}
     for name, m in measured.items():
         wall = reduce_over_ranks(m["wall"], "max")
@@ -329,8 +337,10 @@ def worker(args) -> None:
     bc.say(info.rank, f"model {policy.num_params / 1e6:.1f}M params ({args.layers} layers, vocab {args.vocab}), "
                       f"{info.world_size} ranks, {args.prompts} prompts x {args.n} samples, "
                       f"{len(local)} sequences per rank, attention {policy.attn_implementation}")
-    diffs = warm_up(policy, local, inp, cfgs, info)
+    diffs, peaks = warm_up(policy, local, inp, cfgs, info)
     measured = timed_rounds(args, policy, local, inp, cfgs, info)
+    for name, rss in peaks.items():
+        measured[name]["rss"].append(rss)
     result = summarize(args, policy, measured, diffs, packs, info)
     if info.rank == 0:
         bc.write_result(result)

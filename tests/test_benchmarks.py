@@ -44,3 +44,21 @@ def test_bench_step_small():
     phases = {"generate", "release_rollout", "onload", "train", "offload_optimizer", "wake_weights",
               "sync_weights", "offload_params", "wake_kv_cache"}
     assert {f"memory/{p}_rss_gb" for p in phases} <= set(r["phases"])
+
+
+def test_bench_train_small():
+    # a 2-layer, 512-token-vocab SmolLM2-shaped model; --n prefixes torchrun's own options
+    r = run_bench("bench_train.py", "--layers", "2", "--vocab", "512", "--prompts", "2", "--n", "4",
+                  "--repeats", "1", "--nproc", "2")
+    for key in ("baseline_s", "optimized_s", "speedup", "max_grad_rel_diff", "target_speedup", "meets_target",
+                "prompts", "n", "prompt_len", "response_len", "micro_batch_tokens"):
+        assert key in r, key
+    assert r["ranks"] == 2 and r["layers"] == 2 and r["vocab"] == 512
+    assert list(r["variants"]) == ["baseline", "+response_only", "+shared_prompt", "+token_budget"]
+    for name, v in r["variants"].items():
+        assert v["median_s"] > 0 and v["peak_rss_mib"] >= 0, name
+    assert r["variants"]["baseline"]["grad_rel_diff"] == 0.0
+    # every packing option leaves the gradient of the step unchanged
+    assert r["max_grad_rel_diff"] <= 1e-5
+    # the shared prompt is packed once per group: fewer tokens through the decoder
+    assert r["variants"]["+shared_prompt"]["packed_tokens"] < r["variants"]["+response_only"]["packed_tokens"]
