@@ -88,7 +88,8 @@ def build(cfg: Config, info: DistInfo, stop, watchdog) -> Run:
     engines = build_engines(cfg, info, timer)
     if info.is_main:
         described = [engines.policy, engines.ref, engines.rollout, engines.switch]
-        print(*(x.describe() for x in described if x is not None), sep="\n", flush=True)
+        print(*(x.describe() for x in described if x is not None), grpo.describe_train_phase(cfg.algorithm),
+              sep="\n", flush=True)
     t = cfg.trainer
     sampler = StepSampler(engines.rollout, PromptSampler(prompts, cfg.data.seed, cfg.data.shuffle), tokenizer, scorer,
                           cfg.rollout, cfg.algorithm, t.prompts_per_step, t.seed, timer)

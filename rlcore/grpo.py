@@ -186,6 +186,16 @@ def logprob_matrix(policy, batch: RolloutBatch, temperature: float, *, grad: boo
     return logp_mat, ent_mat
 
 
+def describe_train_phase(cfg: AlgorithmConfig) -> str:
+    """One start-up line: what the train phase computes once and what it skips."""
+    head = "response-only logits" if cfg.response_only_logits else "logits at every position"
+    share = ("one prompt per group (block mask)" if cfg.share_prompt
+             else "each sample with its own prompt copy (algorithm.share_prompt off)")
+    micro = (f"micro-batches up to {cfg.micro_batch_tokens} tokens" if cfg.micro_batch_tokens
+             else f"micro-batches of {cfg.micro_batch_size} sequences")
+    return f"train phase: {head}, {share}, {micro}"
+
+
 def _pack_options(cfg: AlgorithmConfig | int) -> dict[str, bool]:
     if not isinstance(cfg, AlgorithmConfig):  # a plain micro-batch size: the defaults
         return {}

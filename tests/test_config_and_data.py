@@ -3,6 +3,7 @@ and a message naming the key, the value and the fix. Runs the real entry point a
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -142,6 +143,23 @@ def test_accelerator_defaults_resolve_per_device():
         assert resolve(cfg, device) == cfg  # resolving twice changes nothing
     cpu = resolve(Config(), "cpu")
     assert cpu.model.dtype == "float32" and cpu.rollout.weight_load == "reload" and cpu.rollout.enforce_eager
+    assert cpu.algorithm.share_prompt is True  # sdpa: the block mask runs
+
+
+@pytest.mark.unit
+def test_share_prompt_follows_the_attention_kernel():
+    """share_prompt needs a dense mask: auto is on with sdpa/eager, off with a flash kernel, and
+    asking for it with a flash kernel is a config error that names both fixes."""
+    from rlcore.config import AlgorithmConfig, Config, ConfigError, ModelConfig, resolve
+
+    npu = Config(model=ModelConfig(attn_implementation="auto"))
+    assert resolve(npu, "npu").algorithm.share_prompt is False  # npu_fusion_attention
+    assert resolve(Config(model=ModelConfig(attn_implementation="eager")), "cpu").algorithm.share_prompt is True
+    forced = dataclasses.replace(npu, algorithm=AlgorithmConfig(share_prompt=True))
+    with pytest.raises(ConfigError, match="share_prompt=true needs a dense attention mask.*attn_implementation: sdpa"):
+        resolve(forced, "npu")
+    off = dataclasses.replace(npu, algorithm=AlgorithmConfig(share_prompt=False))
+    assert resolve(off, "cpu").algorithm.share_prompt is False  # an explicit false wins
 
 
 @pytest.mark.unit

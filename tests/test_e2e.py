@@ -42,6 +42,7 @@ def test_two_ranks_end_to_end(tiny_model, toy_data, tmp_path):
     # vLLM sampled with the weights the trainer had before each update (fp32): a stale sync shows here
     assert all(r["rollout/mismatch_max"] < 1e-3 and 0 <= r["rollout/mismatch_kl"] < 1e-6 for r in rows), rows
     assert "step 3/3" in proc.stdout and "reward" in proc.stdout and "| eta " in proc.stdout
+    assert "train phase: response-only logits, one prompt per group (block mask)" in proc.stdout  # CPU: sdpa
     assert f"done: 3 steps in" in proc.stdout and os.path.join(out, "hf_final") in proc.stdout
     assert_no_third_party_noise(proc.stdout + proc.stderr)
     assert glob.glob(os.path.join(out, "tensorboard", "events.out.tfevents.*"))
