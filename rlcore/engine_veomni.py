@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from rlcore import hf_export
+from rlcore import engine_moe, hf_export
 from rlcore.attention import pick_attn_implementation
 from rlcore.bucket_gather import ShardSpec, SyncBuffers, SyncPlan
 from rlcore.dist import DistInfo, empty_cache
@@ -64,15 +64,18 @@ def _install_cpu_shims() -> None:
         torch.cpu.empty_cache = lambda: None
 
 
-def _ensure_parallel_state(info: DistInfo):
-    """One FSDP2 mesh over all ranks. The state is a process-wide VeOmni singleton, so a second
-    engine (the frozen reference next to the actor) reuses it instead of building new groups."""
+def _ensure_parallel_state(info: DistInfo, ep_size: int = 1):
+    """One FSDP2 mesh over all ranks, plus the expert-parallel mesh when ``ep_size`` > 1 (see
+    ``rlcore.engine_moe``). The state is a process-wide VeOmni singleton, so a second engine (the
+    frozen reference next to the actor) reuses it instead of building new groups."""
     from veomni.distributed import parallel_state as ps
 
     if ps.is_parallel_state_initialized():
         state = ps.get_parallel_state()
-        if state.world_size != info.world_size:
-            raise RuntimeError(f"VeOmni parallel state has world size {state.world_size}, not {info.world_size}")
+        have_ep = dist.get_world_size(state.ep_group) if state.ep_enabled else 1
+        if state.world_size != info.world_size or have_ep != ep_size:
+            raise RuntimeError(f"VeOmni parallel state has world size {state.world_size} and ep {have_ep}, "
+                               f"not {info.world_size} and {ep_size}")
         return state
     # The default process group must exist already (rlcore.dist.init_distributed): VeOmni's own
     # backend picker raises on CPU, so gloo has to come from us.
@@ -82,6 +85,7 @@ def _ensure_parallel_state(info: DistInfo):
         dp_shard_size=info.world_size,
         dp_mode="fsdp2",
         device_type=info.device_type,
+        **({"extra_parallel_sizes": (ep_size,), "extra_parallel_names": ("ep",)} if ep_size > 1 else {}),
     )
 
 
@@ -107,8 +111,10 @@ def _ops_config(attn_implementation: str, overrides: dict | None):
 
 
 def _build_sharded_model(model_path: str, info: DistInfo, *, master_dtype: str, compute_dtype: str,
-                         gradient_checkpointing: bool, attn_implementation: str, ops_overrides: dict | None):
-    """Meta-init the VeOmni model, then shard it with FSDP2 and load the HF weights into the shards."""
+                         gradient_checkpointing: bool, attn_implementation: str, ops_overrides: dict | None,
+                         moe_implementation: str = "eager"):
+    """Meta-init the VeOmni model, then shard it with FSDP2 (experts over the EP mesh, when one
+    exists) and load the HF weights into the shards."""
     from veomni.arguments import MixedPrecisionConfig
     from veomni.distributed.torch_parallelize import build_parallelize_model, parallelize_model_fsdp2
     from veomni.models import build_foundation_model
@@ -118,8 +124,12 @@ def _build_sharded_model(model_path: str, info: DistInfo, *, master_dtype: str, 
         weights_path=model_path,
         torch_dtype=master_dtype,
         init_device="meta",
-        ops_implementation=_ops_config(attn_implementation, ops_overrides),
+        ops_implementation=_ops_config(attn_implementation, {
+            "moe_implementation": "eager" if moe_implementation == engine_moe.TORCH_EP else moe_implementation,
+            **(ops_overrides or {})}),
     )
+    if moe_implementation == engine_moe.TORCH_EP:  # bound after the build, which binds every slot
+        engine_moe.bind_experts(model, moe_implementation)
     # FSDP2 mixed precision only when compute and master dtypes differ: the all-gather then
     # casts the fp32 master shards to the compute dtype, and gradients reduce in fp32.
     mixed = compute_dtype != master_dtype
@@ -132,7 +142,9 @@ def _build_sharded_model(model_path: str, info: DistInfo, *, master_dtype: str, 
         init_device="meta",
     )
     if info.world_size > 1:
-        return build_parallelize_model(model, enable_gradient_checkpointing=gradient_checkpointing, **kwargs)
+        model = build_parallelize_model(model, enable_gradient_checkpointing=gradient_checkpointing, **kwargs)
+        engine_moe.gloo_sum_reduction(model)
+        return model
     # World size 1: build_parallelize_model refuses meta init ("Only FSDP training supports
     # init_device=meta": its fsdp_enabled means size > 1). The FSDP2 wrapper it would call works
     # on a one-rank mesh, so call it directly after doing the one thing it does first.
@@ -185,6 +197,9 @@ class VeOmniPolicy:
         lr, weight_decay, betas, adam_eps: AdamW (one group, decay on every parameter).
         lr_schedule, warmup_steps, min_lr_ratio, total_steps: see ``_LrLambda``.
         grad_clip: max global grad norm; ``None`` or <= 0 only measures the norm.
+        ep_size: expert-parallel size for a mixture-of-experts model (divides the world size
+            and the expert count); 1 = experts sharded by FSDP2 like any other weight.
+        moe_implementation: the experts kernel, ``rlcore.engine_moe.pick_moe_implementation``.
         ops_overrides: VeOmni ``OpsImplementationConfig`` fields to change from "eager"
             (e.g. liger kernels on GPUs).
     """
@@ -195,7 +210,7 @@ class VeOmniPolicy:
                  lr: float = 1e-6, weight_decay: float = 0.0, betas: tuple[float, float] = (0.9, 0.999),
                  adam_eps: float = 1e-8, lr_schedule: str = "constant", warmup_steps: int = 0,
                  min_lr_ratio: float = 0.0, total_steps: int = 1, grad_clip: float | None = 1.0,
-                 ops_overrides: dict | None = None):
+                 ops_overrides: dict | None = None, ep_size: int = 1, moe_implementation: str = "auto"):
         dtype = str(_to_dtype(dtype)).removeprefix("torch.")  # validate; VeOmni wants the name
         if offload_outside_forward and trainable:
             raise ValueError("offload_outside_forward is for frozen (trainable=False) policies; the phase switch "
@@ -211,7 +226,9 @@ class VeOmniPolicy:
         self.offload_outside_forward = offload_outside_forward
         self.offloaded = {"params": False, "optimizer": False}  # where the state is now (see offload)
         self._host_copies = HostCopies.from_env(info.device_type)
-        _ensure_parallel_state(info)
+        _ensure_parallel_state(info, ep_size)
+        self.ep_size = ep_size
+        self.moe_implementation = engine_moe.pick_moe_implementation(moe_implementation, info.device_type, ep_size)
         self.model = _build_sharded_model(
             model_path, info,
             master_dtype="float32" if trainable else dtype,
@@ -219,7 +236,9 @@ class VeOmniPolicy:
             gradient_checkpointing=self.gradient_checkpointing,
             attn_implementation=attn_implementation,
             ops_overrides=ops_overrides,
+            moe_implementation=self.moe_implementation,
         )
+        self.router_stats = engine_moe.RouterStats(self.model) if trainable else None
         self.optimizer = self.lr_scheduler = None
         self.lr_schedule_changes: list[str] = []  # config vs the resumed checkpoint's schedule
         if trainable:
@@ -251,14 +270,21 @@ class VeOmniPolicy:
             self.model, lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, fused=False,
             optimizer_type="adamw", no_decay_modules=[], no_decay_params=[],
         )
-        self.lr_scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, _LrLambda(schedule, warmup_steps, total_steps, min_lr_ratio)
-        )
+        # Under EP VeOmni builds one AdamW per mesh (experts, the rest) in a MultiOptimizer
+        # (veomni/optim/optimizer.py:930-958), which is no torch Optimizer: one schedule each.
+        lam = _LrLambda(schedule, warmup_steps, total_steps, min_lr_ratio)
+        self._lr_schedulers = [torch.optim.lr_scheduler.LambdaLR(o, lam) for o in self._inner_optimizers()]
+        self.lr_scheduler = self._lr_schedulers[0]
+
+    def _inner_optimizers(self) -> list:
+        return list(getattr(self.optimizer, "optimizers_dict", {"all": self.optimizer}).values())
 
     @property
     def num_params(self) -> int:
-        """Total (unsharded) parameter count; DTensor.numel() is the global size."""
-        return sum(p.numel() for p in self.model.parameters())
+        """Total (unsharded) parameter count; DTensor.numel() is the global size (of this rank's
+        experts only, under EP)."""
+        return sum(p.numel() * (self.ep_size if engine_moe.ep_dim(self.model, n) is not None else 1)
+                   for n, p in self.model.named_parameters())
 
     # -----------------------------------------------------------------------------------------
     # forward / backward / step
@@ -335,7 +361,7 @@ class VeOmniPolicy:
         if not self.trainable:
             raise RuntimeError("step() on a frozen (trainable=False) policy")
         self._require_resident("step()", params=True, optimizer=True)
-        lr = self.optimizer.param_groups[0]["lr"]
+        lr = self.lr_scheduler.optimizer.param_groups[0]["lr"]
         max_norm = self.grad_clip if self.grad_clip and self.grad_clip > 0 else float("inf")
         # VeOmni's FSDP2 clip: local shard norms all-reduced to the global norm, the same on every
         # rank, so the skip decision below is identical everywhere.
@@ -344,9 +370,12 @@ class VeOmniPolicy:
         skipped = not math.isfinite(grad_norm)
         if not skipped:
             self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        self.lr_scheduler.step()
-        return {"actor/grad_norm": grad_norm, "actor/lr": lr, "actor/skipped": int(skipped)}
+        for opt in self._inner_optimizers():
+            opt.zero_grad(set_to_none=True)
+        for sched in self._lr_schedulers:
+            sched.step()
+        return {"actor/grad_norm": grad_norm, "actor/lr": lr, "actor/skipped": int(skipped),
+                **self.router_stats.metrics()}
 
     # -----------------------------------------------------------------------------------------
     # weights out, memory
@@ -372,7 +401,7 @@ class VeOmniPolicy:
         with self._resident(params=True):
             self._reshard()
             for name, param in self.model.named_parameters():
-                yield _hf_name(name), _full_tensor(param, dtype, self.device)
+                yield from engine_moe.split_experts(_hf_name(name), self._whole(name, param, dtype))
 
     @torch.no_grad()
     def named_hf_weights_bucketed(self, dtype: str | torch.dtype | None = None, bucket_mb: float = 64.0
@@ -403,8 +432,15 @@ class VeOmniPolicy:
             # two buckets), where the memory belongs to training in between and the caching
             # allocator makes the next allocation cheap.
             buffers = plan.kept_buffers if self.info.device_type == "cpu" else SyncBuffers(keep=False)
-            yield from plan.run(lambda n: params[n].to_local(), lambda n: _full_tensor(params[n], dtype, self.device),
-                                self.device, buffers)
+            for name, tensor in plan.run(lambda n: params[n].to_local(), lambda n: self._whole(n, params[n], dtype),
+                                         self.device, buffers):
+                yield from engine_moe.split_experts(name, tensor)
+
+    def _whole(self, name: str, param, dtype: torch.dtype | None) -> torch.Tensor:
+        """One parameter whole (collective): gathered over FSDP2, and over EP for experts."""
+        full = _full_tensor(param, dtype, self.device)
+        dim = engine_moe.ep_dim(self.model, name)
+        return full if dim is None else engine_moe.gather_ep(full, dim)
 
     def _sync_plan(self, dtype: torch.dtype | None, bucket_mb: float) -> SyncPlan:
         """The bucket layout depends only on names, shapes, meshes and the two arguments: build
@@ -489,7 +525,8 @@ class VeOmniPolicy:
         if what == "params":
             tensors = [*self.model.parameters(), *self.model.buffers()]
         else:
-            tensors = [v for state in self.optimizer.state.values() for v in state.values() if torch.is_tensor(v)]
+            tensors = [v for opt in self._inner_optimizers() for state in opt.state.values()
+                       for v in state.values() if torch.is_tensor(v)]
         return [t.to_local() if isinstance(t, DTensor) else t for t in tensors]
 
     # -----------------------------------------------------------------------------------------
@@ -530,7 +567,8 @@ class VeOmniPolicy:
             build_checkpointer("dcp", "fsdp2").load(path, state)
         extra = state["extra_state"]
         if self.lr_scheduler is not None and extra["engine"]["lr_scheduler"] is not None:
-            self.lr_schedule_changes = _resume_lr_schedule(self.lr_scheduler, extra["engine"]["lr_scheduler"])
+            for sched in self._lr_schedulers:  # the same schedule on every sub-optimizer
+                self.lr_schedule_changes = _resume_lr_schedule(sched, extra["engine"]["lr_scheduler"])
         return extra["user"]
 
     def save_hf(self, path: str, dtype: str = "float32", max_shard_bytes: int = 4 * 2**30) -> None:
