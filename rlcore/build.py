@@ -71,7 +71,8 @@ class Engines:
     switch: object  # rlcore.switch.PhaseSwitcher
 
 
-def build_policy(model: ModelConfig, optim: OptimConfig, info: DistInfo, total_optim_steps: int) -> Policy:
+def build_policy(model: ModelConfig, optim: OptimConfig, info: DistInfo, total_optim_steps: int,
+                 ep_size: int = 1) -> Policy:
     from rlcore.engine_veomni import VeOmniPolicy
 
     return VeOmniPolicy(
@@ -79,14 +80,15 @@ def build_policy(model: ModelConfig, optim: OptimConfig, info: DistInfo, total_o
         attn_implementation=model.attn_implementation, lr=optim.lr, weight_decay=optim.weight_decay,
         betas=tuple(optim.betas), adam_eps=optim.eps, lr_schedule=optim.lr_schedule,
         warmup_steps=optim.warmup_steps, min_lr_ratio=optim.min_lr_ratio, total_steps=total_optim_steps,
-        grad_clip=optim.grad_clip)
+        grad_clip=optim.grad_clip, ep_size=ep_size, moe_implementation=model.moe_implementation)
 
 
-def build_reference(model: ModelConfig, offload: OffloadConfig, info: DistInfo) -> Policy:
+def build_reference(model: ModelConfig, offload: OffloadConfig, info: DistInfo, ep_size: int = 1) -> Policy:
     from rlcore.engine_veomni import VeOmniPolicy
 
     return VeOmniPolicy(model.path, info, dtype=model.dtype, trainable=False,
-                        attn_implementation=model.attn_implementation, offload_outside_forward=offload.ref)
+                        attn_implementation=model.attn_implementation, offload_outside_forward=offload.ref,
+                        ep_size=ep_size, moe_implementation=model.moe_implementation)
 
 
 def build_rollout(model: ModelConfig, rollout: RolloutConfig, info: DistInfo, seed: int) -> Rollout:
@@ -120,8 +122,9 @@ def build_engines(cfg: Config, info: DistInfo, timer: Timer) -> Engines:
         print(format_plan(plan_from_config(cfg, info.world_size, device_total_gb(info.device_type), info.device_type,
                                            nproc_per_node=info.local_world_size)), flush=True)
     with quiet.filtered_output():
-        policy = build_policy(cfg.model, cfg.optim, info, cfg.trainer.total_steps * cfg.algorithm.optim_steps_per_step)
-        ref = build_reference(cfg.model, cfg.offload, info) if cfg.algorithm.kl_loss_coef > 0 else None
+        ep = cfg.parallel.ep_size
+        policy = build_policy(cfg.model, cfg.optim, info, cfg.trainer.total_steps * cfg.algorithm.optim_steps_per_step, ep)
+        ref = build_reference(cfg.model, cfg.offload, info, ep) if cfg.algorithm.kl_loss_coef > 0 else None
         if cfg.offload.params or cfg.offload.optimizer:
             # The run starts in the generation phase: the trainer's state waits on the host, so
             # vLLM sizes its KV cache from the memory generation really has.

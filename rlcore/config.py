@@ -13,6 +13,7 @@ the fix.
 from __future__ import annotations
 
 import dataclasses
+import os
 import textwrap
 from dataclasses import dataclass, field
 from typing import Literal, Optional
@@ -46,6 +47,10 @@ class ModelConfig:
     attn_implementation: str = "auto"
     """Training attention over packed sequences: auto (varlen flash attention where installed,
     else sdpa), sdpa, flash_attention_2, eager."""
+    moe_implementation: str = "auto"
+    """Experts kernel of a mixture-of-experts model: auto (VeOmni's fused kernel: triton on cuda,
+    npu on Ascend; torch_ep on cpu), torch_ep (pure PyTorch, expert-parallel, any device),
+    triton, quack, npu, eager (no expert parallelism). Ignored for dense models."""
 
     def __post_init__(self):
         check(bool(self.attn_implementation), "model.attn_implementation", self.attn_implementation,
@@ -320,6 +325,13 @@ class ParallelConfig:
     """auto = cuda, else npu, else cpu."""
     timeout_s: float = 1800.0
     """Process-group timeout: a hung collective becomes an error after this long."""
+    ep_size: int = 1
+    """Expert parallelism of a mixture-of-experts policy: the experts are split over the ep_size
+    ranks of each EP group (it divides the world size and the expert count); FSDP2 shards the
+    rest over all ranks. 1 = no expert parallelism."""
+
+    def __post_init__(self):
+        check(self.ep_size >= 1, "parallel.ep_size", self.ep_size, "it must be >= 1 (1 = no expert parallelism)")
 
 
 @dataclass
@@ -447,11 +459,25 @@ class Config:
 # ---------------------------------------------------------------------------------------------
 
 
+def model_num_experts(path: str) -> int:
+    """Routed experts in the config.json at ``path`` (0: dense, or no readable config there)."""
+    import json
+
+    from rlcore.engine_moe import num_experts
+
+    try:
+        with open(os.path.join(path, "config.json")) as f:
+            return num_experts(json.load(f))
+    except (OSError, ValueError):
+        return 0
+
+
 def resolve(cfg: Config, device_type: str) -> Config:
     """A copy of ``cfg`` with every default that depends on another field or on the device filled
     in (the ``null`` / ``auto`` values documented on the fields), checked where the combination
     is what matters. Call once, after parsing; resolving a resolved config changes nothing."""
     from rlcore.attention import pick_attn_implementation
+    from rlcore.engine_moe import pick_moe_implementation
     from rlcore.rollout_checks import pick_enforce_eager, pick_sleep_level, pick_weight_load
 
 
@@ -467,6 +493,14 @@ def resolve(cfg: Config, device_type: str) -> Config:
         attn = pick_attn_implementation(m.attn_implementation, device_type, dtype=dtype)[0]
     except ValueError as e:
         raise ConfigError(f"model.attn_implementation={m.attn_implementation!r} is invalid: {e}") from e
+    try:
+        moe = pick_moe_implementation(m.moe_implementation, device_type, cfg.parallel.ep_size)
+    except ValueError as e:
+        raise ConfigError(f"model.moe_implementation={m.moe_implementation!r} is invalid: {e}") from e
+    if r.weight_load == "auto" and model_num_experts(m.path):
+        # vLLM's fused-MoE layers post-process expert weights after loading (CPU repacks them,
+        # Ascend refuses a direct MoE load): reload_weights runs that step
+        weight_load = "reload"
     share = cfg.algorithm.share_prompt
     if share and attn not in ("sdpa", "eager"):
         raise ConfigError(f"algorithm.share_prompt=true needs a dense attention mask, but model.attn_implementation "
@@ -474,7 +508,7 @@ def resolve(cfg: Config, device_type: str) -> Config:
                           f"algorithm.share_prompt: false (or null to decide per device)")
     return dataclasses.replace(
         cfg,
-        model=dataclasses.replace(m, dtype=dtype, attn_implementation=attn),
+        model=dataclasses.replace(m, dtype=dtype, attn_implementation=attn, moe_implementation=moe),
         algorithm=dataclasses.replace(cfg.algorithm, share_prompt=attn in ("sdpa", "eager") if share is None else share),
         rollout=dataclasses.replace(
             r, sleep_level=pick_sleep_level(device_type, r.sleep_level), weight_load=weight_load,

@@ -519,7 +519,7 @@ def plan_from_config(cfg, world_size: int, device_gb: float, device_type: str = 
         prompt_len=cfg.data.max_prompt_length, response_len=r.max_response_length, max_model_len=r.max_model_len,
         gradient_checkpointing=cfg.model.gradient_checkpointing, prompts_per_step=cfg.trainer.prompts_per_step,
         n=r.n, max_num_batched_tokens=r.max_num_batched_tokens, max_num_seqs=r.max_num_seqs,
-        graphs=not r.enforce_eager)
+        graphs=not r.enforce_eager, ep=cfg.parallel.ep_size)
     return build_plan(p)
 
 

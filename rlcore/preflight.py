@@ -81,6 +81,7 @@ def validate_against_world(cfg: Config, world_size: int) -> None:
     check(any(f.endswith(".safetensors") for f in os.listdir(cfg.model.path)), "model.path", cfg.model.path,
           "it holds no *.safetensors weights; weights are read only from safetensors (re-save the model with "
           "save_pretrained(..., safe_serialization=True))")
+    _check_experts(cfg, world_size)
     context = _model_context(cfg.model.path)
     check(context is None or cfg.rollout.max_model_len <= context, "rollout.max_model_len", cfg.rollout.max_model_len,
           f"the model's context (max_position_embeddings in config.json) is {context}; use at most that")
@@ -96,6 +97,17 @@ def validate_against_world(cfg: Config, world_size: int) -> None:
     check(needed <= cfg.rollout.max_model_len, "rollout.max_model_len", cfg.rollout.max_model_len,
           f"it must hold data.max_prompt_length + rollout.max_response_length = {needed}")
     _validate_val(cfg)
+
+
+def _check_experts(cfg: Config, world_size: int) -> None:
+    from rlcore.config import model_num_experts
+
+    ep, experts = cfg.parallel.ep_size, model_num_experts(cfg.model.path)
+    check(world_size % ep == 0, "parallel.ep_size", ep, f"it must divide the world size {world_size}")
+    if ep > 1:
+        check(experts > 0, "parallel.ep_size", ep, "the model at model.path has no experts (a dense model): use 1")
+        check(experts % ep == 0, "parallel.ep_size", ep,
+              f"it must divide the model's {experts} experts (e.g. {', '.join(str(d) for d in range(2, experts + 1) if experts % d == 0 and world_size % d == 0)})")
 
 
 def _model_context(model_path: str) -> int | None:

@@ -50,6 +50,9 @@ def env(tiny_model, toy_data, tmp_path_factory):
         f.write(("\n".join(good) + "\n").encode() + b'{"prompt": "d \xff\xfe", "answer": "1"}\n')
     (d / "a_folder.jsonl").mkdir()
     paths["folder"] = str(d / "a_folder.jsonl")
+    from rlcore.toy_task import make_tiny_moe_model
+
+    paths["moe6"] = make_tiny_moe_model(str(d / "moe6"), num_experts=6)
     yaml = {"bad_yaml": "trainer: [unclosed\n", "unknown_key": "trainer:\n  totl_steps: 3\n",
             "wrong_type": "rollout:\n  n: eight\n"}
     for name, text in yaml.items():
@@ -119,6 +122,16 @@ CASES = [
     ("max_num_batched_tokens", ["--rollout.max_num_batched_tokens", "16"], "rollout.max_num_batched_tokens=16", 2),
     ("micro_batch_tokens", ["--algorithm.micro_batch_tokens", "0"], "algorithm.micro_batch_tokens=0", 2),
     ("tis_cap", ["--rollout_correction.tis_cap", "0.5"], "rollout_correction.tis_cap=0.5", 2),
+    # mixture of experts
+    ("ep_size_zero", ["--parallel.ep_size", "0"], "parallel.ep_size=0", 2),
+    ("ep_not_dividing_world", ["--parallel.ep_size", "3"], "it must divide the world size 2", 2),
+    ("ep_on_dense_model", ["--parallel.ep_size", "2"], "has no experts (a dense model)", 2),
+    ("ep_not_dividing_experts", ["--model.path", "{moe6}", "--parallel.ep_size", "4"],
+     "it must divide the model's 6 experts (e.g. 2)", 4),
+    ("fused_moe_on_cpu", ["--model.moe_implementation", "triton"],
+     "model.moe_implementation='triton' is invalid: triton is a fused GPU kernel", 2),
+    ("eager_experts_with_ep", ["--model.path", "{moe6}", "--model.moe_implementation", "eager",
+                               "--parallel.ep_size", "2"], "eager experts index the experts globally", 2),
     ("unknown_section", ["--trainerr.total_steps", "3"], "trainerr", 2),
     ("missing_config_file", ["--config", "/nonexistent/run.yaml"], "/nonexistent/run.yaml", 2),
     ("malformed_yaml", ["--config", "{bad_yaml}"], "bad_yaml.yaml) is not valid YAML", 2),

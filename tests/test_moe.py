@@ -46,3 +46,4 @@ def test_expert_parallel_matches_one_rank(tiny_moe, tmp_path):
     assert min(moved.values()) > 0
     for n in ckpt:
         assert torch.allclose(runs[(2, 2)]["weights"][n], ref["weights"][n], atol=1e-5), n
+
