@@ -1,4 +1,5 @@
-"""Create the bundled demo's offline assets: a tiny random Qwen3 model and the toy task's data.
+"""Create the bundled demo's offline assets: a tiny random Qwen3 model, a tiny random Qwen3-MoE
+(4 experts, top-2: configs/demo_moe_cpu.yaml) and the toy task's data.
 
     python scripts/prepare_demo.py --out demo_assets
 """
@@ -10,7 +11,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from rlcore import quiet  # noqa: E402
-from rlcore.toy_task import make_tiny_model, make_toy_data  # noqa: E402
+from rlcore.toy_task import make_tiny_model, make_tiny_moe_model, make_toy_data  # noqa: E402
 
 
 def main() -> None:
@@ -19,9 +20,10 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
     model_dir = os.path.join(args.out, "tiny_qwen3")
-    if not os.path.isfile(os.path.join(model_dir, "config.json")):
-        with quiet.filtered_output():  # transformers' "Writing model shards" progress bar
-            make_tiny_model(model_dir, seed=args.seed)
+    for folder, make in ((model_dir, make_tiny_model), (os.path.join(args.out, "tiny_qwen3_moe"), make_tiny_moe_model)):
+        if not os.path.isfile(os.path.join(folder, "config.json")):
+            with quiet.filtered_output():  # transformers' "Writing model shards" progress bar
+                make(folder, seed=args.seed)
     make_toy_data(os.path.join(args.out, "data"), seed=args.seed)
     print(f"demo assets in {args.out}/ (model: {model_dir}, data: {args.out}/data)")
 

@@ -200,3 +200,31 @@ def test_cluster_recipe_is_valid_for_16_ranks(recipe, device, tmp_path):
     with open(path) as f:
         text = f.read()
     assert "data/gsm8k/train.parquet" in text and "sbatch" in text  # the documented data path and launch line
+
+
+@pytest.mark.unit
+def test_moe_recipe_is_valid_for_16_ranks_and_fits(tmp_path):
+    """configs/qwen3_30b_a3b_math_16gpu.yaml: keys exist, EP 8 divides the 16 ranks and the 128
+    experts of Qwen3-30B-A3B (its public config.json, tests/fixtures), and the memory plan fits 80 GB."""
+    import shutil
+
+    from rlcore.cli import parse_config
+    from rlcore.memory_plan import plan_from_config
+    from rlcore.preflight import validate_against_world
+
+    model = tmp_path / "Qwen3-30B-A3B"
+    model.mkdir()
+    shutil.copy(os.path.join(REPO, "tests", "fixtures", "qwen3_30b_a3b", "config.json"), model)
+    (model / "model.safetensors").write_bytes(b"")
+    data = [str(tmp_path / "train.parquet"), str(tmp_path / "test.parquet")]
+    for f in data:
+        open(f, "w").close()
+    path = os.path.join(REPO, "configs", "qwen3_30b_a3b_math_16gpu.yaml")
+    cfg = parse_config(["--config", path, "--model.path", str(model), "--data.train_files", json.dumps(data[:1]),
+                        "--data.val_files", json.dumps(data[1:]), "--trainer.output_dir", str(tmp_path / "out")],
+                       device_type="cuda")
+    validate_against_world(cfg, 16)
+    assert cfg.parallel.ep_size == 8 and cfg.model.moe_implementation == "triton"
+    assert cfg.rollout.weight_load == "reload"  # auto, for an MoE model
+    plan = plan_from_config(cfg, 16, 80, "cuda", nproc_per_node=8)
+    assert plan.fits, plan
