@@ -36,6 +36,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from rlcore import engine_moe, hf_export
+from rlcore.engine_parts import LrLambda, hidden_rows, resume_lr_schedule
 from rlcore.attention import pick_attn_implementation
 from rlcore.bucket_gather import ShardSpec, SyncBuffers, SyncPlan
 from rlcore.dist import DistInfo, empty_cache
@@ -153,27 +154,6 @@ def _build_sharded_model(model_path: str, info: DistInfo, *, master_dtype: str, 
     return parallelize_model_fsdp2(model, **kwargs)
 
 
-class _LrLambda:
-    """Multiplier of the base lr after ``step`` optimizer steps (a class, so it pickles).
-
-    Linear warm-up ``(step + 1) / warmup_steps`` (the first step already trains), then constant,
-    or cosine from 1 to ``min_lr_ratio`` over the remaining ``total_steps - warmup_steps``.
-    """
-
-    def __init__(self, schedule: str, warmup_steps: int, total_steps: int, min_lr_ratio: float):
-        if schedule not in ("constant", "cosine"):
-            raise ValueError(f"lr_schedule must be 'constant' or 'cosine', got {schedule!r}")
-        self.schedule, self.warmup, self.total, self.min_ratio = schedule, warmup_steps, total_steps, min_lr_ratio
-
-    def __call__(self, step: int) -> float:
-        if step < self.warmup:
-            return (step + 1) / self.warmup
-        if self.schedule == "constant":
-            return 1.0
-        progress = min(1.0, (step - self.warmup) / max(1, self.total - self.warmup))
-        return self.min_ratio + (1.0 - self.min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
-
-
 # ---------------------------------------------------------------------------------------------
 # The engine
 # ---------------------------------------------------------------------------------------------
@@ -195,7 +175,7 @@ class VeOmniPolicy:
         offload_outside_forward: frozen policies only: keep the parameters on the host except
             around forwards (each forward, or a ``with on_device():`` block of them).
         lr, weight_decay, betas, adam_eps: AdamW (one group, decay on every parameter).
-        lr_schedule, warmup_steps, min_lr_ratio, total_steps: see ``_LrLambda``.
+        lr_schedule, warmup_steps, min_lr_ratio, total_steps: see ``rlcore.engine_parts.LrLambda``.
         grad_clip: max global grad norm; ``None`` or <= 0 only measures the norm.
         ep_size: expert-parallel size for a mixture-of-experts model (divides the world size
             and the expert count); 1 = experts sharded by FSDP2 like any other weight.
@@ -278,7 +258,7 @@ class VeOmniPolicy:
         )
         # Under EP VeOmni builds one AdamW per mesh (experts, the rest) in a MultiOptimizer
         # (veomni/optim/optimizer.py:930-958), which is no torch Optimizer: one schedule each.
-        lam = _LrLambda(schedule, warmup_steps, total_steps, min_lr_ratio)
+        lam = LrLambda(schedule, warmup_steps, total_steps, min_lr_ratio)
         self._lr_schedulers = [torch.optim.lr_scheduler.LambdaLR(o, lam) for o in self._inner_optimizers()]
         self.lr_scheduler = self._lr_schedulers[0]
 
@@ -330,7 +310,7 @@ class VeOmniPolicy:
         if attention_mask is not None and self.attn_implementation not in ("sdpa", "eager"):
             raise ValueError(f"a custom attention mask needs sdpa or eager attention, not {self.attn_implementation}")
         with self._resident(params=True), torch.set_grad_enabled(grad), warnings.catch_warnings(), \
-                _hidden_rows(self.model, select):
+                hidden_rows(self.model, select):
             # FSDP2 warns that the (reshaped) log-prob output is a view; only an in-place op on it
             # would matter, and callers get it for arithmetic.
             warnings.filterwarnings("ignore", message=".*returned a view tensor.*")
@@ -574,7 +554,7 @@ class VeOmniPolicy:
         extra = state["extra_state"]
         if self.lr_scheduler is not None and extra["engine"]["lr_scheduler"] is not None:
             for sched in self._lr_schedulers:  # the same schedule on every sub-optimizer
-                self.lr_schedule_changes = _resume_lr_schedule(sched, extra["engine"]["lr_scheduler"])
+                self.lr_schedule_changes = resume_lr_schedule(sched, extra["engine"]["lr_scheduler"])
         return extra["user"]
 
     def save_hf(self, path: str, dtype: str = "float32", max_shard_bytes: int = 4 * 2**30) -> None:
@@ -593,58 +573,11 @@ class VeOmniPolicy:
         dist.barrier()
 
 
-@contextlib.contextmanager
-def _hidden_rows(model, select: torch.Tensor | None):
-    """Within the block, the decoder's last hidden states are cut to the rows ``select`` before
-    the causal-LM head sees them: VeOmni's log-prob kernel projects every row it gets to the
-    vocabulary (veomni/ops/kernels/cross_entropy/chunk_logprobs.py:162-176, and again in its
-    backward :215-225) and only masks the -100 rows afterwards, and the causal-LM forward hands
-    it ``outputs.last_hidden_state`` whole (veomni/models/transformers/llama/
-    llama_gpu_patch_gen_config.py:156-195). A forward hook on the decoder is the one place between
-    the two; the backward of ``index_select`` scatters (and sums, for repeated rows) the
-    gradient back, so the parameter gradient is unchanged."""
-    if select is None:
-        yield
-        return
-    decoder = model.get_decoder()
-
-    def cut(_module, _args, output):
-        output.last_hidden_state = output.last_hidden_state.index_select(1, select.to(output.last_hidden_state.device))
-        return output
-
-    handle = decoder.register_forward_hook(cut)
-    try:
-        yield
-    finally:
-        handle.remove()
-
-
 def _hf_name(name: str) -> str:
     """Strip wrapper prefixes that activation checkpointing or torch.compile may insert."""
     for wrapper in ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module."):
         name = name.replace(wrapper, "")
     return name
-
-
-def _resume_lr_schedule(sched, saved: dict) -> list[str]:
-    """Continue ``sched`` at the saved step count under the schedule built from the current
-    config (lr, warm-up, total steps, min ratio), so that a resumed run can be extended or
-    re-shaped; returns what differs from the checkpoint's schedule, for the log."""
-    current = {"base lr": list(sched.base_lrs), **vars(sched.lr_lambdas[0])}
-    sched.load_state_dict(saved)  # the step count, and the checkpoint's lambda settings and base lrs
-    before = {"base lr": list(sched.base_lrs), **vars(sched.lr_lambdas[0])}
-    sched.base_lrs = current.pop("base lr")
-    vars(sched.lr_lambdas[0]).update(current)
-    lrs = [base * lam(sched.last_epoch) for base, lam in zip(sched.base_lrs, sched.lr_lambdas)]
-    # The optimizer's lr also comes back from the DCP param groups; set it here, so that the next
-    # step's lr never depends on what DCP chose to restore.
-    for group, lr in zip(sched.optimizer.param_groups, lrs):
-        group["lr"] = lr
-    sched._last_lr = lrs
-    now = {"base lr": sched.base_lrs, **current}
-    names = {"base lr": "lr", "schedule": "lr_schedule", "warmup": "warmup_steps", "total": "total optimizer steps",
-             "min_ratio": "min_lr_ratio"}
-    return [f"{names.get(k, k)} {before.get(k)} -> {now[k]}" for k in now if before.get(k) != now[k]]
 
 
 def _full_tensor(param, dtype: torch.dtype | None, device) -> torch.Tensor:
