@@ -38,6 +38,7 @@ from rlcore.dist import DistInfo
 from rlcore.rollout_checks import (
     align_sampler_logprobs_mode,
     capture_load_weights,
+    cpu_moe_repack_on_reload,
     check_engine_kwargs,
     check_sleep_level_supported,
     check_weight_load,
@@ -341,7 +342,8 @@ class ColocateRollout:
             if self.weight_load == "direct":
                 self._load_direct(model, stream)
             else:
-                self._reload(weights_iterator=stream)
+                with cpu_moe_repack_on_reload(model):
+                    self._reload(weights_iterator=stream)
         # Cached prefix KV blocks were computed with the old weights.
         self.llm.reset_prefix_cache()
         if refill:
@@ -355,7 +357,7 @@ class ColocateRollout:
         round trip; kept as the baseline of scripts/bench_weight_sync.py and to reset an engine)."""
         self._require_awake("update_weights_from_path", {"weights"})
         model = self._model_runner().get_model()
-        with capture_load_weights(model) as loaded:
+        with capture_load_weights(model) as loaded, cpu_moe_repack_on_reload(model):
             self._reload(weights_path=path)
         self.llm.reset_prefix_cache()
         if not self.weights_valid:

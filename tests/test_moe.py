@@ -47,3 +47,74 @@ def test_expert_parallel_matches_one_rank(tiny_moe, tmp_path):
     for n in ckpt:
         assert torch.allclose(runs[(2, 2)]["weights"][n], ref["weights"][n], atol=1e-5), n
 
+
+def moe_args(model, data, out, *extra):
+    return ["--config", os.path.join(REPO, "configs", "demo_cpu.yaml"), "--model.path", model,
+            "--data.train_files", f'["{data}"]', "--data.val_files", "[]", "--trainer.output_dir", out,
+            "--trainer.total_steps", "4", "--trainer.prompts_per_step", "4", "--rollout.n", "4",
+            "--parallel.ep_size", "2", "--checkpoint.keep_last", "10", *extra]
+
+
+def test_expert_parallel_end_to_end_resume_and_export(tiny_moe, toy_data, tmp_path):
+    """4 steps with EP=2 on 2 ranks (policy and reference), against the same run killed (-9) after
+    step 2's checkpoint and resumed: equal metric rows and final weights; the HF export loads in
+    transformers (per-expert names) and in vLLM; the sync kept vLLM on the trainer's weights."""
+    from workers.launch import TRAIN, Launch, comparable, read_rows
+
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    proc = run_torchrun(TRAIN, 2, *moe_args(tiny_moe, toy_data[0], a))
+    assert "experts: torch_ep kernel, expert parallel 2" in proc.stdout
+    killed = Launch(2, moe_args(tiny_moe, toy_data[0], b, "--checkpoint.save_every", "2",
+                                "--checkpoint.resume", "auto", "--checkpoint.save_hf_final", "false"))
+    try:
+        killed.wait_for(r"saved checkpoint .*step_2$", timeout=600)
+        killed.wait_for(r"^step +3/", timeout=300)
+        killed.kill9()
+    finally:
+        killed.close()
+    run_torchrun(TRAIN, 2, *moe_args(tiny_moe, toy_data[0], b, "--checkpoint.save_every", "2",
+                                     "--checkpoint.resume", "auto"))
+    rows_a, rows_b = read_rows(a), read_rows(b)
+    assert [r["step"] for r in rows_b] == [1, 2, 3, 4]
+    for ra, rb in zip(rows_a, rows_b):
+        assert comparable(ra) == comparable(rb), ra["step"]
+    for r in rows_a:  # fp32, right after a sync: vLLM samples from the trainer's weights, experts included
+        assert r["rollout/mismatch_max"] < 1e-4 and r["rollout/mismatch_kl"] < 1e-6, r
+        assert r["actor/moe_load_max"] >= 1.0 and r["actor/moe_aux_loss"] > 0
+    from safetensors.torch import load_file
+
+    wa, wb = load_file(os.path.join(a, "hf_final", "model.safetensors")), load_file(
+        os.path.join(b, "hf_final", "model.safetensors"))
+    ckpt = load_file(os.path.join(tiny_moe, "model.safetensors"))
+    assert set(wa) == set(ckpt) and all(torch.equal(wa[k], wb[k]) for k in wa)
+    assert max((wa[k] - ckpt[k]).abs().max().item() for k in wa if ".experts." in k) > 0  # experts trained
+    from transformers import AutoModelForCausalLM
+
+    AutoModelForCausalLM.from_pretrained(os.path.join(a, "hf_final"))  # loads: names and shapes fit
+    script = ("import os; os.environ['VLLM_ENABLE_V1_MULTIPROCESSING']='0'\n"
+              "from vllm import LLM, SamplingParams\n"
+              f"llm = LLM(model={os.path.join(a, 'hf_final')!r}, dtype='float32', max_model_len=64, "
+              "kv_cache_memory_bytes=64<<20, enforce_eager=True)\n"
+              "o = llm.generate(['d 1 2 3 4 pick 2nd ='], SamplingParams(max_tokens=3, temperature=0), use_tqdm=False)\n"
+              "print('VLLM_OK', len(o[0].outputs[0].token_ids))\n")
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "PYTHONPATH": REPO})
+    assert "VLLM_OK" in out.stdout, out.stderr[-4000:]
+
+
+def test_stale_experts_show_as_rollout_mismatch(tiny_moe, toy_data, tmp_path):
+    """The same run with step 2's weight sync skipped (tests/workers/faulty_train.py): step 3
+    samples from stale weights and its mismatch stands out; the synced steps stay at fp32 noise.
+    (Before the CPU MoE re-pack in rlcore/rollout_checks.py, every synced step looked like this.)"""
+    out = str(tmp_path / "stale")
+    run_torchrun(os.path.join(REPO, "tests", "workers", "faulty_train.py"), 2,
+                 *moe_args(tiny_moe, toy_data[0], out, "--trainer.total_steps", "3", "--checkpoint.save_hf_final",
+                           "false"), env={"RLCORE_TEST_SKIP_SYNC_STEPS": "2"})
+    from workers.launch import read_rows
+
+    rows = read_rows(out)
+    assert [r["rollout/mismatch_max"] < 1e-4 for r in rows] == [True, True, False], rows
+    assert rows[2]["rollout/mismatch_max"] > 1e-2 and rows[2]["rollout/mismatch_kl"] > 1e-5, rows[2]
