@@ -79,7 +79,8 @@ def make_tiny_model(
 
 def make_tiny_moe_model(out_dir: str, *, hidden_size: int = 64, num_layers: int = 2, num_experts: int = 4,
                         top_k: int = 2, moe_intermediate_size: int = 64, head_dim: int = 32, seed: int = 0,
-                        max_position_embeddings: int = 512) -> str:
+                        max_position_embeddings: int = 512, num_heads: int = 2, num_kv_heads: int = 1,
+                        vocab_size: int | None = None) -> str:
     """A randomly initialised Qwen3-MoE + tokenizer as an HF safetensors folder (per-expert weight
     names, as transformers saves them). Hidden size a multiple of 32: vLLM's CPU MoE needs it."""
     import torch
@@ -88,9 +89,10 @@ def make_tiny_moe_model(out_dir: str, *, hidden_size: int = 64, num_layers: int 
     os.makedirs(out_dir, exist_ok=True)
     make_tokenizer(out_dir)
     config = Qwen3MoeConfig(
-        vocab_size=len(VOCAB), hidden_size=hidden_size, intermediate_size=2 * hidden_size,
+        vocab_size=vocab_size or len(VOCAB), hidden_size=hidden_size, intermediate_size=2 * hidden_size,
         moe_intermediate_size=moe_intermediate_size, num_experts=num_experts, num_experts_per_tok=top_k,
-        num_hidden_layers=num_layers, num_attention_heads=2, num_key_value_heads=1, head_dim=head_dim,
+        num_hidden_layers=num_layers, num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
+        head_dim=head_dim,
         decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True, max_position_embeddings=max_position_embeddings,
         tie_word_embeddings=False, pad_token_id=VOCAB.index("<pad>"), eos_token_id=VOCAB.index("<eos>"),
         bos_token_id=None, torch_dtype="float32")

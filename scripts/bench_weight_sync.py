@@ -1,6 +1,6 @@
 """Benchmark: the trainer -> vLLM weight sync on 2 CPU ranks, against a disk round trip and a floor.
 
-    .venv/bin/python scripts/bench_weight_sync.py [--params 100e6] [--bucket-mb 64[,256,...]] [--reps 5]
+    .venv/bin/python scripts/bench_weight_sync.py [--params 100e6] [--bucket-mb 64[,256,...]] [--reps 5] [--moe]
 
 Starts its own ranks (torchrun). A random Qwen3-shaped model of about ``--params`` parameters is
 sharded with VeOmni FSDP2 (one AdamW step moves it away from the checkpoint) next to an
@@ -18,6 +18,11 @@ repetitions after one warm-up, methods interleaved, time = the slowest rank (bar
          weight is packed into vLLM's CPU (oneDNN) kernel straight from full tensors: the least
          any sync into vLLM on CPU can cost. naive_s over it (speedup_ceiling_kernel) and over
          vLLM's own load of gathered tensors (speedup_ceiling_reload) bound speedup_vs_naive here
+
+``--moe``: a Qwen3-MoE instead (8 experts, top-2, experts as wide as the model) trained with
+expert parallelism over all ranks: the experts are gathered over the EP group and handed to
+vLLM per expert (its CPU MoE re-packed on reload). The floors still gather only the FSDP2
+buckets (experts travel alone), so they are lower bounds for the MoE case.
 
 Then vLLM is reset to the checkpoint's weights, synced once more, and its log-probs of fresh
 samples are compared with the trainer's (max |diff| over every sampled token of both ranks).
@@ -49,6 +54,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--nproc", type=int, default=2)
     p.add_argument("--timeout-s", type=float, default=1800)
+    p.add_argument("--moe", action="store_true", help="a Qwen3-MoE (8 experts, top-2) with expert parallelism")
     args = p.parse_args(argv)
     args.buckets = [float(x) for x in str(args.bucket_mb).split(",")]
     if args.params < 1e6 or args.reps < 1 or args.nproc < 1 or any(b <= 0 for b in args.buckets):
@@ -65,6 +71,17 @@ def model_dims(params: float) -> dict:
     layers = max(1, round((params - 2 * vocab * HIDDEN) / per_layer))
     return dict(hidden_size=HIDDEN, num_layers=layers, num_heads=HEADS, num_kv_heads=KV_HEADS, head_dim=HEAD_DIM,
                 intermediate_size=INTERMEDIATE, vocab_size=vocab, max_position_embeddings=256)
+
+
+def moe_dims(params: float) -> dict:
+    """Qwen3-MoE dims giving about ``params`` parameters: 8 experts of width 768, 32k vocab."""
+    experts, inter = 8, HIDDEN
+    per_layer = HIDDEN * HEAD_DIM * (2 * HEADS + 2 * KV_HEADS) + experts * (3 * HIDDEN * inter + HIDDEN) + 2 * HIDDEN
+    vocab = VOCAB if params >= 2 * VOCAB * HIDDEN + per_layer else max(64, int((params - per_layer) // (2 * HIDDEN)))
+    layers = max(1, round((params - 2 * vocab * HIDDEN) / per_layer))
+    return dict(hidden_size=HIDDEN, num_layers=layers, num_heads=HEADS, num_kv_heads=KV_HEADS, head_dim=HEAD_DIM,
+                num_experts=experts, top_k=2, moe_intermediate_size=inter, vocab_size=vocab,
+                max_position_embeddings=256)
 
 
 # ----------------------------------------------------------------------------- worker
@@ -133,19 +150,22 @@ def setup(args, info):
     import torch
     import torch.distributed as dist
 
-    from rlcore.toy_task import make_tiny_model
+    from rlcore.toy_task import make_tiny_model, make_tiny_moe_model
 
     holder = [tempfile.mkdtemp(prefix="bench_sync_") if info.rank == 0 else None]
     dist.broadcast_object_list(holder, src=0)
     root = holder[0]
     model_dir = os.path.join(root, "model")
     if info.rank == 0:
-        make_tiny_model(model_dir, **model_dims(args.params))
+        if args.moe:
+            make_tiny_moe_model(model_dir, **moe_dims(args.params))
+        else:
+            make_tiny_model(model_dir, **model_dims(args.params))
     dist.barrier()
     from rlcore.colocate_rollout import ColocateRollout
     from rlcore.engine_veomni import VeOmniPolicy
 
-    policy = VeOmniPolicy(model_dir, info, lr=1e-3, total_steps=10)
+    policy = VeOmniPolicy(model_dir, info, lr=1e-3, total_steps=10, ep_size=info.world_size if args.moe else 1)
     g = torch.Generator().manual_seed(info.rank)
     ids = torch.randint(3, 26, (1, 64), generator=g)
     logp, _ = policy.forward_logprobs(ids, torch.arange(64)[None], ids.roll(-1, 1), grad=True)

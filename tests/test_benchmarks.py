@@ -33,6 +33,14 @@ def test_bench_weight_sync_small():
     assert r["plan"]["buckets"] > 1  # a 1 MiB bucket splits this model
 
 
+def test_bench_weight_sync_moe_small():
+    """--moe: the same fields for a Qwen3-MoE with expert parallelism 2; vLLM ends on the trainer's experts."""
+    r = run_bench("bench_weight_sync.py", "--params", "4e6", "--reps", "1", "--nproc", "2", "--moe")
+    for key in ("params", "sync_s", "naive_s", "floor_s", "speedup_vs_naive", "max_logprob_diff"):
+        assert key in r and r[key] == r[key], key
+    assert r["stale_logprob_diff"] > 0.1 and r["max_logprob_diff"] <= 1e-4
+
+
 def test_bench_step_small():
     # --n and --nproc prefix torchrun's own options: they must reach the script, not torchrun
     r = run_bench("bench_step.py", "--steps", "1", "--warmup", "1", "--response-len", "4",

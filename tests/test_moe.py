@@ -118,3 +118,14 @@ def test_stale_experts_show_as_rollout_mismatch(tiny_moe, toy_data, tmp_path):
     rows = read_rows(out)
     assert [r["rollout/mismatch_max"] < 1e-4 for r in rows] == [True, True, False], rows
     assert rows[2]["rollout/mismatch_max"] > 1e-2 and rows[2]["rollout/mismatch_kl"] > 1e-5, rows[2]
+
+
+@pytest.mark.unit
+def test_demo_moe_config_points_at_what_prepare_demo_writes():
+    from rlcore.cli import parse_config
+
+    cfg = parse_config(["--config", os.path.join(REPO, "configs", "demo_moe_cpu.yaml")], device_type="cpu")
+    assert cfg.parallel.ep_size == 2 and cfg.model.moe_implementation == "torch_ep"
+    assert cfg.model.path == "demo_assets/tiny_qwen3_moe"
+    with open(os.path.join(REPO, "scripts", "prepare_demo.py")) as f:
+        assert '"tiny_qwen3_moe"' in f.read()
