@@ -123,7 +123,8 @@ def build_engines(cfg: Config, info: DistInfo, timer: Timer) -> Engines:
                                            nproc_per_node=info.local_world_size)), flush=True)
     with quiet.filtered_output():
         ep = cfg.parallel.ep_size
-        policy = build_policy(cfg.model, cfg.optim, info, cfg.trainer.total_steps * cfg.algorithm.optim_steps_per_step, ep)
+        optim_steps = cfg.trainer.total_steps * cfg.algorithm.optim_steps_per_step
+        policy = build_policy(cfg.model, cfg.optim, info, optim_steps, ep)
         ref = build_reference(cfg.model, cfg.offload, info, ep) if cfg.algorithm.kl_loss_coef > 0 else None
         if cfg.offload.params or cfg.offload.optimizer:
             # The run starts in the generation phase: the trainer's state waits on the host, so

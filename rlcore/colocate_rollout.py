@@ -34,6 +34,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from rlcore.config import model_num_experts
 from rlcore.dist import DistInfo
 from rlcore.rollout_checks import (
     align_sampler_logprobs_mode,
@@ -157,7 +158,7 @@ class ColocateRollout:
         self.seed = seed
         self.enforce_eager = _pick_enforce_eager(info.device_type, enforce_eager)
         self.sleep_level = _pick_sleep_level(info.device_type, sleep_level)
-        self.weight_load = _pick_weight_load(info.device_type, weight_load)
+        self.weight_load = _pick_weight_load(info.device_type, weight_load, moe=model_num_experts(model_path) > 0)
         # Freed memory kinds ("weights", "kv_cache"): generate() needs none, update_weights()
         # needs the weights resident.
         self._asleep: set[str] = set()

@@ -485,7 +485,7 @@ def resolve(cfg: Config, device_type: str) -> Config:
     m, r, o = cfg.model, cfg.rollout, cfg.offload
     params = accel if o.params is None else o.params
     try:
-        weight_load = pick_weight_load(device_type, r.weight_load)
+        weight_load = pick_weight_load(device_type, r.weight_load, moe=model_num_experts(m.path) > 0)
     except ValueError as e:
         raise ConfigError(f"rollout.weight_load={r.weight_load!r} is invalid: {e}") from e
     dtype = m.dtype or ("bfloat16" if accel else "float32")
@@ -497,10 +497,6 @@ def resolve(cfg: Config, device_type: str) -> Config:
         moe = pick_moe_implementation(m.moe_implementation, device_type, cfg.parallel.ep_size)
     except ValueError as e:
         raise ConfigError(f"model.moe_implementation={m.moe_implementation!r} is invalid: {e}") from e
-    if r.weight_load == "auto" and model_num_experts(m.path):
-        # vLLM's fused-MoE layers post-process expert weights after loading (CPU repacks them,
-        # Ascend refuses a direct MoE load): reload_weights runs that step
-        weight_load = "reload"
     share = cfg.algorithm.share_prompt
     if share and attn not in ("sdpa", "eager"):
         raise ConfigError(f"algorithm.share_prompt=true needs a dense attention mask, but model.attn_implementation "
@@ -509,7 +505,8 @@ def resolve(cfg: Config, device_type: str) -> Config:
     return dataclasses.replace(
         cfg,
         model=dataclasses.replace(m, dtype=dtype, attn_implementation=attn, moe_implementation=moe),
-        algorithm=dataclasses.replace(cfg.algorithm, share_prompt=attn in ("sdpa", "eager") if share is None else share),
+        algorithm=dataclasses.replace(cfg.algorithm,
+                                      share_prompt=attn in ("sdpa", "eager") if share is None else share),
         rollout=dataclasses.replace(
             r, sleep_level=pick_sleep_level(device_type, r.sleep_level), weight_load=weight_load,
             enforce_eager=pick_enforce_eager(device_type, r.enforce_eager)),

@@ -185,6 +185,13 @@ def gloo_sum_reduction(model) -> None:
             m.set_force_sum_reduction_for_comms(True)
 
 
+def describe(model, impl: str, ep_size: int) -> str:
+    """The start-up line's MoE part ("" for a dense model)."""
+    if not any(n.endswith("mlp.experts.gate_up_proj") for n, _ in model.named_parameters()):
+        return ""
+    return f", experts: {impl} kernel, expert parallel {ep_size}"
+
+
 # ---------------------------------------------------------------------------------------------
 # weights out
 # ---------------------------------------------------------------------------------------------
@@ -267,10 +274,11 @@ class RouterStats:
             return {}
         names = [n for n, _ in self.routers]
         e = next(iter(self.counts.values())).numel() if self.counts else 1
+        from rlcore.dist import all_reduce_sum  # moves the numbers to the communication device (NCCL/HCCL)
+
         flat = torch.cat([torch.cat([self.counts.get(n, torch.zeros(e)).cpu(), self.probs.get(n, torch.zeros(e)).cpu(),
                                      torch.tensor([self.tokens.get(n, 0.0)])]) for n in names])
-        if dist.is_initialized():
-            dist.all_reduce(flat)
+        flat = torch.tensor(all_reduce_sum(flat.tolist()))
         self.counts, self.probs, self.tokens = {}, {}, {}
         aux, load = [], []
         for row in flat.view(len(names), 2 * e + 1):

@@ -239,13 +239,8 @@ class VeOmniPolicy:
         return (f"{'policy' if self.trainable else 'reference'}: VeOmni FSDP2 over {self.info.world_size} x "
                 f"{self.info.device_type}, master {'float32' if self.trainable else self.dtype} / compute "
                 f"{self.dtype}, attention {self.attn_implementation} ({self.attn_reason}), gradient checkpointing "
-                f"{'on' if self.gradient_checkpointing else 'off'}, offload: {offload}{self._describe_moe()}")
-
-    def _describe_moe(self) -> str:
-        experts = sum(1 for n, _ in self.model.named_parameters() if n.endswith("mlp.experts.gate_up_proj"))
-        if not experts:
-            return ""
-        return f", experts: {self.moe_implementation} kernel, expert parallel {self.ep_size}"
+                f"{'on' if self.gradient_checkpointing else 'off'}, offload: {offload}"
+                f"{engine_moe.describe(self.model, self.moe_implementation, self.ep_size)}")
 
     def _build_optimizer(self, lr, weight_decay, betas, eps, schedule, warmup_steps, min_lr_ratio, total_steps):
         from veomni.optim import build_optimizer

@@ -64,8 +64,10 @@ class ModelShape:
 
     @classmethod
     def from_hf_config(cls, c: dict) -> "ModelShape":
+        from rlcore.engine_moe import num_experts
+
         mtype, layers = c.get("model_type", ""), c["num_hidden_layers"]
-        experts = c.get("num_experts") or c.get("num_local_experts") or 0
+        experts = num_experts(c)
         step, dense_only = c.get("decoder_sparse_step", 1) or 1, set(c.get("mlp_only_layers") or [])
         sparse = tuple(experts > 0 and i not in dense_only and (i + 1) % step == 0 for i in range(layers))
         heads = c["num_attention_heads"]

@@ -106,8 +106,9 @@ def _check_experts(cfg: Config, world_size: int) -> None:
     check(world_size % ep == 0, "parallel.ep_size", ep, f"it must divide the world size {world_size}")
     if ep > 1:
         check(experts > 0, "parallel.ep_size", ep, "the model at model.path has no experts (a dense model): use 1")
+        fits = [str(d) for d in range(2, experts + 1) if experts % d == 0 and world_size % d == 0]
         check(experts % ep == 0, "parallel.ep_size", ep,
-              f"it must divide the model's {experts} experts (e.g. {', '.join(str(d) for d in range(2, experts + 1) if experts % d == 0 and world_size % d == 0)})")
+              f"it must divide the model's {experts} experts (e.g. {', '.join(fits) or 1})")
 
 
 def _model_context(model_path: str) -> int | None:

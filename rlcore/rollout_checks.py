@@ -38,7 +38,7 @@ def pick_sleep_level(device_type: str, sleep_level: int | None) -> int:
     return 2 if sleep_level is None else sleep_level
 
 
-def pick_weight_load(device_type: str, weight_load: str) -> str:
+def pick_weight_load(device_type: str, weight_load: str, moe: bool = False) -> str:
     """How update_weights loads: "reload" (vLLM's reload_weights: layer-wise restore, load,
     post-process, copy back) or "direct" (``model.load_weights`` straight into vLLM's parameters).
 
@@ -49,14 +49,16 @@ def pick_weight_load(device_type: str, weight_load: str) -> str:
     is off (vllm-ascend 0.23.0 vllm_ascend/ops/linear.py:86-98, maybe_trans_nz is a no-op with
     weight_nz_mode=0, utils.py:261-298), and vllm-ascend 0.23.0's NPUWorker has no reload_weights
     (vllm_ascend/worker/worker.py:89-1037; 0.26.0rc1 adds it at worker.py:1115): reload goes through
-    its model runner there (see reload_weights_method).
+    its model runner there (see reload_weights_method). A mixture-of-experts model (``moe``)
+    reloads on every device: vLLM's fused-MoE layers post-process (CPU: pre-pack, see
+    cpu_moe_repack_on_reload) the expert weights after loading, and Ascend refuses a direct MoE load.
     """
     if weight_load not in ("auto", "reload", "direct"):
         raise ValueError(f"weight_load must be auto, reload or direct, got {weight_load!r}")
     if weight_load == "direct" and device_type == "cpu":
         raise ValueError("weight_load=direct does not work on CPU (vLLM repacks linear weights); use reload")
     if weight_load == "auto":
-        return "reload" if device_type == "cpu" else "direct"
+        return "reload" if device_type == "cpu" or moe else "direct"
     return weight_load
 
 

@@ -294,12 +294,9 @@ def timed_rounds(args, policy, local, inp, cfgs: dict, info) -> dict[str, dict[s
 
 
 def reduce_over_ranks(values: list[float], op: str) -> list[float]:
-    import torch
-    import torch.distributed as dist
+    from rlcore.dist import all_reduce_max, all_reduce_sum
 
-    t = torch.tensor(values, dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM)
-    return t.tolist()
+    return all_reduce_max(values) if op == "max" else all_reduce_sum(values)
 
 
 def summarize(args, policy, measured: dict, diffs: dict, packs: dict, info) -> dict:

@@ -208,6 +208,7 @@ def test_weight_load_choice_per_platform():
     assert rc.pick_weight_load("npu", "auto") == "direct"  # vllm-ascend 0.23 NPUWorker: no reload_weights
     assert rc.pick_weight_load("cpu", "auto") == "reload"  # oneDNN repacking needs vLLM's reload
     assert rc.pick_weight_load("npu", "reload") == "reload"
+    assert rc.pick_weight_load("cuda", "auto", moe=True) == "reload"  # fused-MoE post-processing
     with pytest.raises(ValueError, match="CPU"):
         rc.pick_weight_load("cpu", "direct")
     with pytest.raises(ValueError):
