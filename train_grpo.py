@@ -23,7 +23,7 @@ from rlcore.lifecycle import (  # noqa: E402
     Run, count_skips, maybe_save, resume, step_snapshot, stop_if_diverged, stop_preempted, teardown,
 )
 from rlcore.metrics import MetricsLogger, Timer  # noqa: E402
-from rlcore.preflight import prepare_scoring, preflight  # noqa: E402
+from rlcore.preflight import prepare_scoring, preflight, resolve_image_limit  # noqa: E402
 from rlcore.sampling import StepSampler, generation_seed, shard_for_training  # noqa: E402
 
 
@@ -82,8 +82,9 @@ def loop(run: Run) -> None:
 
 def build(cfg: Config, info: DistInfo, stop, watchdog) -> Run:
     """Everything cheap and checkable first (config, files, data), then the engines."""
-    tokenizer, prompts, resume_from = preflight(cfg, info.rank, info.world_size)
-    scorer, val_prompts = prepare_scoring(cfg, tokenizer, info.rank)
+    tokenizer, processor, prompts, resume_from = preflight(cfg, info.rank, info.world_size)
+    scorer, val_prompts = prepare_scoring(cfg, tokenizer, info.rank, processor)
+    cfg = resolve_image_limit(cfg, prompts, val_prompts)
     timer = Timer()
     engines = build_engines(cfg, info, timer)
     if info.is_main:
@@ -92,7 +93,7 @@ def build(cfg: Config, info: DistInfo, stop, watchdog) -> Run:
               sep="\n", flush=True)
     t = cfg.trainer
     sampler = StepSampler(engines.rollout, PromptSampler(prompts, cfg.data.seed, cfg.data.shuffle), tokenizer, scorer,
-                          cfg.rollout, cfg.algorithm, t.prompts_per_step, t.seed, timer)
+                          cfg.rollout, cfg.algorithm, t.prompts_per_step, t.seed, timer, processor)
     logger = MetricsLogger(t.output_dir, info.is_main, cfg.logging.tensorboard, cfg.logging.console_every,
                            total_steps=t.total_steps)
     return Run(cfg, info, engines, sampler, logger, timer, stop, watchdog, resume_from=resume_from,

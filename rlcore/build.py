@@ -80,7 +80,8 @@ def build_policy(model: ModelConfig, optim: OptimConfig, info: DistInfo, total_o
         attn_implementation=model.attn_implementation, lr=optim.lr, weight_decay=optim.weight_decay,
         betas=tuple(optim.betas), adam_eps=optim.eps, lr_schedule=optim.lr_schedule,
         warmup_steps=optim.warmup_steps, min_lr_ratio=optim.min_lr_ratio, total_steps=total_optim_steps,
-        grad_clip=optim.grad_clip, ep_size=ep_size, moe_implementation=model.moe_implementation)
+        grad_clip=optim.grad_clip, ep_size=ep_size, moe_implementation=model.moe_implementation,
+        **({"freeze_vision_tower": True} if model.freeze_vision_tower else {}))
 
 
 def build_reference(model: ModelConfig, offload: OffloadConfig, info: DistInfo, ep_size: int = 1) -> Policy:
@@ -100,7 +101,8 @@ def build_rollout(model: ModelConfig, rollout: RolloutConfig, info: DistInfo, se
         dtype=model.dtype, kv_cache_gb=r.kv_cache_gb, gpu_memory_utilization=r.gpu_memory_utilization,
         sleep_level=r.sleep_level, weight_load=r.weight_load, enforce_eager=r.enforce_eager,
         max_num_seqs=r.max_num_seqs, max_num_batched_tokens=r.max_num_batched_tokens,
-        enable_prefix_caching=r.enable_prefix_caching)
+        enable_prefix_caching=r.enable_prefix_caching,
+        **({"limit_mm_per_prompt": r.limit_mm_per_prompt} if r.limit_mm_per_prompt is not None else {}))
 
 
 def build_switch(policy: Policy, rollout: Rollout, model: ModelConfig, r: RolloutConfig, offload: OffloadConfig,

@@ -47,6 +47,9 @@ class ModelConfig:
     attn_implementation: str = "auto"
     """Training attention over packed sequences: auto (varlen flash attention where installed,
     else sdpa), sdpa, flash_attention_2, eager."""
+    freeze_vision_tower: bool = False
+    """Vision-language models: keep the vision tower (the ``visual`` module: patch embedding, blocks,
+    mergers) fixed and train the language model only."""
     moe_implementation: str = "auto"
     """Experts kernel of a mixture-of-experts model: auto (VeOmni's fused kernel: triton on cuda,
     npu on Ascend; torch_ep on cpu), torch_ep (pure PyTorch, expert-parallel, any device),
@@ -69,6 +72,10 @@ class DataConfig:
     """Row key of the prompt (dotted for nested keys, e.g. extra.question)."""
     answer_key: str = "answer"
     """Row key of the reference answer the reward compares with."""
+    image_key: Optional[str] = None
+    """Row key of the prompt's images, for a vision-language model: a list of paths (relative to the
+    data file), bytes, or {bytes, path} dicts (the Parquet layout of public image sets); each
+    goes where an <image> placeholder is in the prompt text. null = text-only prompts."""
     apply_chat_template: bool = False
     """Render each prompt with the tokenizer's chat template (as one user turn)."""
     system_prompt: Optional[str] = None
@@ -130,6 +137,9 @@ class RolloutConfig:
     """vLLM's token budget per scheduler step; null = vLLM's default."""
     enable_prefix_caching: Optional[bool] = None
     """Share the prompt's KV blocks between the n samples of a prompt; null = vLLM's default."""
+    limit_mm_per_prompt: Optional[dict[str, int]] = None
+    """Vision-language models: most items of each kind per prompt vLLM accepts (and budgets its
+    encoder cache for), e.g. {image: 2, video: 0}. null = the most images a data row has, no video."""
 
     def __post_init__(self):
         _check_positive("rollout", self, "n", "max_response_length", "tensor_parallel_size", "max_model_len",

@@ -6,7 +6,9 @@ Rows carry ``data.prompt_key`` and ``data.answer_key`` (dotted paths such as
 ``reward_model.ground_truth`` reach into nested objects). A prompt is raw text, or a list of chat
 messages ``[{"role": ..., "content": ...}]``; with ``data.apply_chat_template`` either form is
 rendered with the tokenizer's chat template (text becomes one user message), after an optional
-``data.system_prompt``.
+``data.system_prompt``. With ``data.image_key`` a row also lists images, one per ``<image>``
+placeholder in its prompt; they are checked (found, decodable, as many as placeholders) and kept
+as encoded bytes, and the prompt's length counts the tokens they expand to (``rlcore.vision``).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import os
 import random
 from dataclasses import dataclass
 
+from rlcore import vision
 from rlcore.config import ConfigError, DataConfig
 
 PARQUET_EXTS = (".parquet", ".pq")
@@ -23,9 +26,10 @@ PARQUET_EXTS = (".parquet", ".pq")
 
 @dataclass
 class Prompt:
-    ids: list[int]  # prompt token ids
+    ids: list[int]  # prompt token ids (one image token per image: vLLM expands them)
     text: str
     answer: str
+    images: list[bytes] | None = None  # encoded images, in placeholder order (data.image_key)
 
 
 def get_key(row: dict, key: str):
@@ -66,6 +70,42 @@ def row_problem(row, cfg: DataConfig) -> str | None:
     return None
 
 
+def image_entries(row: dict, cfg: DataConfig) -> list:
+    """The row's image entries ([] when ``data.image_key`` is off or the row has none)."""
+    if not cfg.image_key:
+        return []
+    try:
+        entries = get_key(row, cfg.image_key)
+    except KeyError:
+        return []
+    return [] if entries is None else list(entries) if isinstance(entries, (list, tuple)) else [entries]
+
+
+def placeholder_count(row: dict, cfg: DataConfig) -> int:
+    prompt = get_key(row, cfg.prompt_key)
+    texts = [m["content"] for m in prompt] if isinstance(prompt, list) else [prompt]
+    return sum(t.count(vision.IMAGE_PLACEHOLDER) for t in texts)
+
+
+def image_problem(row: dict, cfg: DataConfig, base_dir: str) -> str | None:
+    """Why a row's images cannot be used (missing, undecodable, not one per placeholder), or None."""
+    if not cfg.image_key:
+        return None
+    entries, placeholders = image_entries(row, cfg), placeholder_count(row, cfg)
+    if len(entries) != placeholders:
+        return (f"has {len(entries)} image(s) under {cfg.image_key!r} but {placeholders} "
+                f"{vision.IMAGE_PLACEHOLDER!r} placeholder(s) in {cfg.prompt_key!r}; each image needs one "
+                f"placeholder where it goes in the prompt")
+    if entries and not cfg.apply_chat_template:
+        return "has images, which need data.apply_chat_template=true (the chat template places the vision tokens)"
+    for i, entry in enumerate(entries):
+        try:
+            vision.open_image(entry, base_dir)
+        except ValueError as e:
+            return f"has a bad image {i} under {cfg.image_key!r}: {e}"
+    return None
+
+
 def iter_raw_rows(path: str):
     """(location, row or None, parse error or None) for each non-empty row of a JSONL/Parquet file."""
     if path.lower().endswith(PARQUET_EXTS):
@@ -100,8 +140,9 @@ def read_rows(path: str, cfg: DataConfig) -> tuple[list[dict], int]:
     if not os.path.isfile(path):
         raise ConfigError(f"data file {path} does not exist; fix data.train_files / data.val_files")
     rows, bad = [], 0
+    base_dir = os.path.dirname(os.path.abspath(path))
     for where, row, problem in iter_raw_rows(path):
-        problem = problem or row_problem(row, cfg)
+        problem = problem or row_problem(row, cfg) or image_problem(row, cfg, base_dir)
         if problem is None:
             rows.append(row)
         elif cfg.skip_bad_rows:
@@ -121,6 +162,9 @@ def render_prompt(row: dict, cfg: DataConfig, tokenizer) -> str:
                               "set data.apply_chat_template=true")
         return prompt
     messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
+    if cfg.image_key:  # "<image>" placeholders -> image items of the message content
+        messages = [{**m, "content": vision.chat_content(m["content"], m["content"].count(vision.IMAGE_PLACEHOLDER))}
+                    for m in messages]
     if cfg.system_prompt and messages[0]["role"] != "system":
         messages = [{"role": "system", "content": cfg.system_prompt}] + messages
     if getattr(tokenizer, "chat_template", None) is None:
@@ -129,25 +173,30 @@ def render_prompt(row: dict, cfg: DataConfig, tokenizer) -> str:
     return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 
 
-def load_prompts(files: list[str], cfg: DataConfig, tokenizer) -> tuple[list[Prompt], dict]:
-    """Tokenize every row; filter or reject over-long prompts. Returns (prompts, data/* stats)."""
+def load_prompts(files: list[str], cfg: DataConfig, tokenizer, processor=None) -> tuple[list[Prompt], dict]:
+    """Tokenize every row; filter or reject over-long prompts. Returns (prompts, data/* stats).
+    ``processor`` (a ``rlcore.vision.VisionProcessor``) is needed for rows with images."""
     prompts, bad, too_long = [], 0, 0
     for path in files:
         rows, nbad = read_rows(path, cfg)
         bad += nbad
+        base_dir = os.path.dirname(os.path.abspath(path))
         for row in rows:
             text = render_prompt(row, cfg, tokenizer)
             # The chat template already holds the special tokens (BOS etc.).
             ids = tokenizer(text, add_special_tokens=not cfg.apply_chat_template)["input_ids"]
-            if len(ids) > cfg.max_prompt_length:
+            images = [vision.open_image(e, base_dir) for e in image_entries(row, cfg)]
+            length = len(ids) + sum(processor.num_tokens(im) - 1 for im in images) if images else len(ids)
+            if length > cfg.max_prompt_length:
                 if cfg.truncation == "error":
                     raise ConfigError(
-                        f"a prompt in {path} has {len(ids)} tokens > data.max_prompt_length="
+                        f"a prompt in {path} has {length} tokens (image tokens included) > data.max_prompt_length="
                         f"{cfg.max_prompt_length}; raise the limit or set data.truncation=filter"
                     )
                 too_long += 1
                 continue
-            prompts.append(Prompt(ids=ids, text=text, answer=str(get_key(row, cfg.answer_key))))
+            prompts.append(Prompt(ids=ids, text=text, answer=str(get_key(row, cfg.answer_key)),
+                                  images=[vision.encode_image(im) for im in images] or None))
     if not prompts:
         raise ConfigError(f"data files {files} hold no usable prompt after filtering "
                           f"({bad} bad rows, {too_long} over data.max_prompt_length); check the files and keys")

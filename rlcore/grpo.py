@@ -27,6 +27,9 @@ class RolloutBatch:
     finish_reasons: list[str]
     group_size: int
     keep: list[float] | None = None  # per-sequence loss weight (0 masks a sequence out); None = all 1
+    # Image prompts: each sample's rlcore.vision.VisionInputs (or None), one object per prompt shared
+    # by its group; prompt_ids are then the expanded ids. None: a text-only batch.
+    vision: list | None = None
 
     def __post_init__(self):
         if self.keep is None:
@@ -38,7 +41,8 @@ class RolloutBatch:
     def select(self, idx: list[int]) -> "RolloutBatch":
         pick = lambda xs: [xs[i] for i in idx]  # noqa: E731
         return RolloutBatch(pick(self.prompt_ids), pick(self.response_ids), pick(self.rollout_logp),
-                            pick(self.answers), pick(self.finish_reasons), self.group_size, pick(self.keep))
+                            pick(self.answers), pick(self.finish_reasons), self.group_size, pick(self.keep),
+                            None if self.vision is None else pick(self.vision))
 
     def response_mask(self) -> torch.Tensor:
         """(N, T) 1 on response tokens of kept sequences: the loss mask."""
@@ -91,17 +95,22 @@ def informative_groups(scores: torch.Tensor, group_size: int) -> list[int]:
 def concat(batches: list[RolloutBatch]) -> RolloutBatch:
     first = batches[0]
     cat = lambda attr: [x for b in batches for x in getattr(b, attr)]  # noqa: E731
+    vision = None
+    if any(b.vision is not None for b in batches):
+        vision = [v for b in batches for v in (b.vision if b.vision is not None else [None] * len(b))]
     return RolloutBatch(cat("prompt_ids"), cat("response_ids"), cat("rollout_logp"), cat("answers"),
-                        cat("finish_reasons"), first.group_size, cat("keep"))
+                        cat("finish_reasons"), first.group_size, cat("keep"), vision)
 
 
-def prompt_runs(prompt_ids: list[list[int]]) -> list[tuple[int, int]]:
+def prompt_runs(prompt_ids: list[list[int]], vision: list | None = None) -> list[tuple[int, int]]:
     """``(start, end)`` of each run of consecutive sequences with the same prompt: a group, or
     the part of one this rank or micro-batch holds (TP sharding and micro-batch splits may cut a
-    group; dynamic sampling keeps groups together)."""
+    group; dynamic sampling keeps groups together). With images the prompt must also be the same
+    object (two prompts with the same text and differently drawn images expand to equal ids)."""
     runs: list[tuple[int, int]] = []
+    same_images = (lambda i, j: True) if vision is None else (lambda i, j: vision[i] is vision[j])  # noqa: E731
     for i, p in enumerate(prompt_ids):
-        if runs and prompt_ids[runs[-1][0]] == p:
+        if runs and prompt_ids[runs[-1][0]] == p and same_images(runs[-1][0], i):
             runs[-1] = (runs[-1][0], i + 1)
         else:
             runs.append((i, i + 1))
@@ -109,7 +118,7 @@ def prompt_runs(prompt_ids: list[list[int]]) -> list[tuple[int, int]]:
 
 
 def pack(prompt_ids: list[list[int]], response_ids: list[list[int]], device, *, share_prompt: bool = False,
-         response_only: bool = True) -> dict[str, torch.Tensor | None]:
+         response_only: bool = True, vision: list | None = None) -> dict[str, torch.Tensor | None]:
     """Concatenate sequences without padding into one ``(1, L)`` row for ``forward_logprobs``.
 
     Unshared, each sequence is ``prompt + response`` with positions restarting at 0. With
@@ -118,28 +127,44 @@ def pack(prompt_ids: list[list[int]], response_ids: list[list[int]], device, *, 
     lets a token see its run's prompt and its own response only, so the prompt is computed once
     and its gradient is the sum over the run's samples, as if each sample had its own copy.
 
-    ``select`` (K,) lists the packed positions whose hidden state predicts a response token, one
+    ``select`` (K,) lists the packed positions whose hidden states predict a response token, one
     per response token in order (the prompt's last position once per sample of a shared run);
     ``labels`` (1, K) are those tokens, and ``gather`` (N, T) indexes each response token's
     log-prob in the (1, K) result. ``response_only=False`` (benchmarks only) projects every
     position instead: ``select`` None, ``labels`` (1, L) with -100 off the responses.
+
+    ``vision`` (per sequence ``rlcore.vision.VisionInputs`` or None): ``position_ids`` becomes
+    (4, 1, L), the text positions above on row 0 (what the attention mask is derived from) and the
+    M-RoPE (t, h, w) positions on rows 1-3 (a response continues at its prompt's next position);
+    ``mm`` holds the ``pixel_values`` and ``image_grid_thw`` of every prompt copy in the row, in
+    order (a shared prompt's images once).
     """
     ids, pos, seg, run_of, select, labels = [], [], [], [], [], []
+    rope, pixels, grids = [], [], []  # image prompts: (3, len) position blocks, per-copy pixels and grids
     t_max = max(1, max(len(r) for r in response_ids))
     gather = torch.zeros(len(response_ids), t_max, dtype=torch.long)  # (N, T)
-    runs = prompt_runs(prompt_ids) if share_prompt else [(i, i + 1) for i in range(len(prompt_ids))]
+    runs = prompt_runs(prompt_ids, vision) if share_prompt else [(i, i + 1) for i in range(len(prompt_ids))]
     for k, (a, b) in enumerate(runs):
         p = prompt_ids[a]
         base = len(ids)
         ids += p
         pos += range(len(p))
         seg += [0] * len(p)
+        if vision is not None:
+            v = vision[a]
+            rope.append(torch.arange(len(p)).expand(3, -1) if v is None else v.positions)
+            if v is not None:
+                pixels.append(v.pixel_values)
+                grids.append(v.image_grid_thw)
         for i in range(a, b):
             r = response_ids[i]
             start = len(ids)
             ids += r
             pos += range(len(p), len(p) + len(r))
             seg += [i + 1] * len(r)
+            if vision is not None:
+                nxt = len(p) if vision[a] is None else vision[a].next_position
+                rope.append(torch.arange(nxt, nxt + len(r)).expand(3, -1))
             # r[0] is predicted at the prompt's last position, r[j] at r[j-1]'s
             here = [base + len(p) - 1] + list(range(start, start + len(r) - 1))
             gather[i, : len(r)] = torch.arange(len(select), len(select) + len(r))
@@ -149,7 +174,12 @@ def pack(prompt_ids: list[list[int]], response_ids: list[list[int]], device, *, 
     as_row = lambda xs: torch.tensor(xs, dtype=torch.long, device=device).unsqueeze(0)  # noqa: E731
     out = {"input_ids": as_row(ids), "position_ids": as_row(pos), "attention_mask": None,
            "select": torch.tensor(select, dtype=torch.long, device=device), "labels": as_row(labels),
-           "gather": gather.to(device)}
+           "gather": gather.to(device), "mm": None}
+    if vision is not None:
+        rows = torch.cat([torch.tensor(pos).unsqueeze(0), torch.cat(rope, dim=1)])  # (4, L)
+        out["position_ids"] = rows.unsqueeze(1).to(device)  # (4, 1, L)
+        if pixels:
+            out["mm"] = {"pixel_values": torch.cat(pixels).to(device), "image_grid_thw": torch.cat(grids).to(device)}
     if share_prompt:
         out["attention_mask"] = shared_prompt_mask(torch.tensor(run_of), torch.tensor(seg)).to(device)
     if not response_only:  # the full-row form: labels at the selected positions, -100 elsewhere
@@ -176,10 +206,11 @@ def logprob_matrix(policy, batch: RolloutBatch, temperature: float, *, grad: boo
                    ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per-token log-probs (and entropy) of the response tokens as (N, T) matrices, 0 where masked."""
     packed = pack(batch.prompt_ids, batch.response_ids, device, share_prompt=share_prompt,
-                  response_only=response_only)
+                  response_only=response_only, vision=batch.vision)
+    extra = {"mm": packed["mm"]} if batch.vision is not None else {}  # text policies take no mm argument
     logp, ent = policy.forward_logprobs(packed["input_ids"], packed["position_ids"], packed["labels"],
                                         temperature=temperature, with_entropy=with_entropy, grad=grad,
-                                        select=packed["select"], attention_mask=packed["attention_mask"])
+                                        select=packed["select"], attention_mask=packed["attention_mask"], **extra)
     mask = batch.response_mask().to(device)
     logp_mat = logp[0][packed["gather"]] * mask  # (N, T)
     ent_mat = ent[0][packed["gather"]] * mask if ent is not None else None
@@ -235,7 +266,8 @@ def split_micro(batch: RolloutBatch, idx: list[int], cfg: AlgorithmConfig) -> li
     if not cfg.micro_batch_tokens:
         return [idx[i: i + cfg.micro_batch_size] for i in range(0, len(idx), cfg.micro_batch_size)]
     prompts = [batch.prompt_ids[i] for i in idx]
-    units = prompt_runs(prompts) if cfg.share_prompt else [(k, k + 1) for k in range(len(idx))]
+    vision = None if batch.vision is None else [batch.vision[i] for i in idx]
+    units = prompt_runs(prompts, vision) if cfg.share_prompt else [(k, k + 1) for k in range(len(idx))]
     lengths = [len(prompts[a]) * (1 if cfg.share_prompt else b - a)
                + sum(len(batch.response_ids[idx[k]]) for k in range(a, b)) for a, b in units]
     parts = token_budget_batches(lengths, cfg.micro_batch_tokens)

@@ -3,6 +3,7 @@ files, the checkpoint to resume, the tokenizer and every data row. A mistake exi
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 
@@ -13,32 +14,74 @@ from rlcore.data import load_prompts
 
 def preflight(cfg: Config, rank: int, world_size: int):
     """Every check that needs no model, on every rank: config against the world size, files, the
-    checkpoint to resume, the tokenizer, every data row. A mistake exits with code 2 here."""
+    checkpoint to resume, the tokenizer (and image processor), every data row. A mistake exits
+    with code 2 here. Returns (tokenizer, image processor or None, prompts, checkpoint to resume)."""
     try:
         validate_against_world(cfg, world_size)
         resume_from = checkpoint.find_resume(cfg.trainer.output_dir, cfg.checkpoint.resume)
         if resume_from is not None:
             checkpoint.validate_resume(resume_from, rank, world_size)
         tokenizer = load_tokenizer(cfg.model.path)
-        prompts, stats = load_prompts(cfg.data.train_files, cfg.data, tokenizer)
+        processor = load_vision(cfg) if cfg.data.image_key else None
+        prompts, stats = load_prompts(cfg.data.train_files, cfg.data, tokenizer, processor)
+        check_image_limit(cfg, prompts)
     except ConfigError as e:
         fail(str(e))
     if rank == 0:
-        print(f"train data: {stats['data/prompts']} prompts ({stats['data/bad_rows']} bad rows skipped, "
+        images = sum(len(p.images or []) for p in prompts)
+        print(f"train data: {stats['data/prompts']} prompts{f' with {images} images' if images else ''} "
+              f"({stats['data/bad_rows']} bad rows skipped, "
               f"{stats['data/filtered_too_long']} over data.max_prompt_length filtered)", flush=True)
-    return tokenizer, prompts, resume_from
+    return tokenizer, processor, prompts, resume_from
 
 
-def prepare_scoring(cfg: Config, tokenizer, rank: int):
+def prepare_scoring(cfg: Config, tokenizer, rank: int, processor=None):
     """The reward scorer and the tokenized validation prompts (None without data.val_files)."""
     try:
         scorer = rewards.Scorer(cfg.reward)
-        val_prompts = load_prompts(cfg.data.val_files, cfg.data, tokenizer)[0] if cfg.data.val_files else None
+        val_prompts = None
+        if cfg.data.val_files:
+            val_prompts = load_prompts(cfg.data.val_files, cfg.data, tokenizer, processor)[0]
+            check_image_limit(cfg, val_prompts)
     except (ConfigError, ValueError) as e:
         fail(str(e))
     if rank == 0 and val_prompts:
         print(f"validation data: {len(val_prompts)} prompts", flush=True)
     return scorer, val_prompts
+
+
+def load_vision(cfg: Config):
+    """The model folder's image processor (data.image_key is set): a vision-language model only."""
+    from rlcore.vision import VisionProcessor
+
+    config = _read_config(cfg.model.path)
+    check("vision_config" in config, "data.image_key", cfg.data.image_key,
+          f"model.path={cfg.model.path!r} is a text-only model (no vision_config in its config.json); use a "
+          "vision-language model (Qwen2.5-VL, Qwen3-VL) or unset data.image_key")
+    try:
+        return VisionProcessor(cfg.model.path)
+    except (OSError, ValueError, TypeError, KeyError, AttributeError) as e:
+        raise ConfigError(f"model.path={cfg.model.path!r} has no usable image processor ({type(e).__name__}: {e}); "
+                          "the folder needs the model's preprocessor/processor config files") from e
+
+
+def resolve_image_limit(cfg: Config, *prompt_sets) -> Config:
+    """rollout.limit_mm_per_prompt null with image data -> {image: the most images a prompt has,
+    video: 0}: vLLM budgets its encoder cache for that many, not for its default of hundreds."""
+    if cfg.rollout.limit_mm_per_prompt is not None or not cfg.data.image_key:
+        return cfg
+    most = max((len(p.images or []) for prompts in prompt_sets if prompts for p in prompts), default=0)
+    limit = {"image": max(most, 1), "video": 0}
+    return dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, limit_mm_per_prompt=limit))
+
+
+def check_image_limit(cfg: Config, prompts: list) -> None:
+    """rollout.limit_mm_per_prompt, when set, must admit the most images any prompt has."""
+    most = max((len(p.images or []) for p in prompts), default=0)
+    limit = cfg.rollout.limit_mm_per_prompt
+    if limit is not None and most > limit.get("image", 0):
+        raise ConfigError(f"rollout.limit_mm_per_prompt={limit} is too small: a prompt has {most} images; set "
+                          f"rollout.limit_mm_per_prompt.image to at least {most} (or null: from the data)")
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
@@ -111,15 +154,21 @@ def _check_experts(cfg: Config, world_size: int) -> None:
               f"it must divide the model's {experts} experts (e.g. {', '.join(fits) or 1})")
 
 
-def _model_context(model_path: str) -> int | None:
-    """max_position_embeddings of the model's config.json (None when it does not say)."""
+def _read_config(model_path: str) -> dict:
     try:
         with open(os.path.join(model_path, "config.json")) as f:
             config = json.load(f)
     except (OSError, ValueError) as e:
         raise ConfigError(f"model.path={model_path!r} is invalid: its config.json does not parse as JSON "
                           f"({e}); re-export the model folder") from e
-    value = config.get("max_position_embeddings") if isinstance(config, dict) else None
+    return config if isinstance(config, dict) else {}
+
+
+def _model_context(model_path: str) -> int | None:
+    """max_position_embeddings of the model's config.json, or of its text model's (vision-language
+    models nest it under text_config); None when it does not say."""
+    config = _read_config(model_path)
+    value = config.get("max_position_embeddings", (config.get("text_config") or {}).get("max_position_embeddings"))
     return value if isinstance(value, int) else None
 
 

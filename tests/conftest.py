@@ -84,3 +84,21 @@ def run_torchrun(script: str, nproc: int, *args: str, timeout: int = 600, env: d
             f"--- stdout ---\n{proc.stdout[-6000:]}\n--- stderr ---\n{proc.stderr[-8000:]}"
         )
     return proc
+
+
+@pytest.fixture(scope="session")
+def tiny_vl_model(tmp_path_factory) -> str:
+    """A tiny random Qwen3-VL with its processor (rlcore.vl_task)."""
+    from rlcore import quiet
+    from rlcore.vl_task import make_tiny_vl_model
+
+    with quiet.filtered_output():
+        return make_tiny_vl_model(str(tmp_path_factory.mktemp("tiny_vl_model")))
+
+
+@pytest.fixture(scope="session")
+def shapes_data(tmp_path_factory) -> tuple[str, str]:
+    """The shapes task as JSONL + PNG files (train 64 rows, val 16)."""
+    from rlcore.vl_task import make_shapes_data
+
+    return make_shapes_data(str(tmp_path_factory.mktemp("shapes")), n_train=64, n_val=16)
