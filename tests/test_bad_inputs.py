@@ -61,6 +61,7 @@ def env(tiny_model, toy_data, tmp_path_factory):
             f.write(text)
     paths.update(_bad_models(d, tiny_model))
     paths.update(_bad_checkpoints(d))
+    paths.update(_image_rows(d))
     (d / "a_file").write_text("x")
     paths["a_file"] = str(d / "a_file")
     paths["model"], paths["train"], paths["out"] = tiny_model, toy_data[0], str(d / "out")
@@ -79,6 +80,29 @@ def _bad_models(d, tiny_model) -> dict:
                 shutil.copy(os.path.join(tiny_model, f), folder / f)
         out[name] = str(folder)
     (d / "model_bad_config" / "config.json").write_text("{truncated")
+    return out
+
+
+def _image_rows(d) -> dict:
+    """Image rows (shapes task style): a good file, one whose 3rd row's image is not there, one whose
+    3rd row has two placeholders for one image; plus the tiny Qwen3-VL they are for."""
+    from PIL import Image
+
+    from rlcore.vl_task import make_tiny_vl_model
+
+    Image.new("RGB", (96, 96), (250, 250, 250)).save(d / "blank.png")
+    good = {"prompt": "<image> how many shapes are there ?", "images": ["blank.png"], "answer": "0"}
+    rows = {"vl_good": [good] * 4, "vl_missing_image": [good, good, {**good, "images": ["gone.png"]}],
+            "vl_two_placeholders": [good, good, {**good, "prompt": "<image> <image> how many ?"}]}
+    out = {}
+    for name, lines in rows.items():
+        out[name] = str(d / f"{name}.jsonl")
+        with open(out[name], "w") as f:
+            f.writelines(json.dumps(r) + "\n" for r in lines)
+    from rlcore import quiet
+
+    with quiet.filtered_output():
+        out["vl_model"] = make_tiny_vl_model(str(d / "tiny_vl"))
     return out
 
 
@@ -107,6 +131,8 @@ def base_args(env) -> list[str]:
 
 
 # (id, extra args with {placeholders} from env, text the message must contain, world size)
+VL = ["--model.path", "{vl_model}", "--data.image_key", "images", "--data.apply_chat_template", "true",
+      "--data.max_prompt_length", "40"]  # the tiny Qwen3-VL and its image rows
 CASES = [
     # wrong types, unknown keys, broken config files
     ("type_cli", ["--rollout.n", "abc"], "rollout.n", 2),
@@ -177,6 +203,15 @@ CASES = [
     ("all_prompts_too_long", ["--data.max_prompt_length", "4"], "no usable prompt", 2),
     ("too_long_is_error", ["--data.max_prompt_length", "4", "--data.truncation", "error"],
      "max_prompt_length=4", 2),
+    # image prompts (vision-language models)
+    ("images_on_text_model", ["--data.train_files", "[{vl_good}]", "--data.image_key", "images",
+                              "--data.apply_chat_template", "true"], "is a text-only model (no vision_config", 2),
+    ("image_missing", VL + ["--data.train_files", "[{vl_missing_image}]"],
+     "vl_missing_image.jsonl:3 has a bad image 0 under 'images': image file", 2),
+    ("image_placeholders", VL + ["--data.train_files", "[{vl_two_placeholders}]"],
+     "vl_two_placeholders.jsonl:3 has 1 image(s) under 'images' but 2 '<image>' placeholder(s)", 2),
+    ("image_limit_too_small", VL + ["--data.train_files", "[{vl_good}]", "--rollout.limit_mm_per_prompt",
+                                    "{{image: 0}}"], "rollout.limit_mm_per_prompt={'image': 0} is too small", 2),
     # reward, output folder, resume
     ("reward_fn_import", ["--reward.fn", "no_such_package.rewards:score", "--reward.components", "{{custom: 1.0}}"],
      "importing no_such_package.rewards failed", 2),
