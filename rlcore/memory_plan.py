@@ -5,7 +5,9 @@ no weights (torch only in ``device_total_gb``). GB = 2**30 bytes, as torch repor
 Notation: P parameters, W world size (FSDP shards over every rank), c bytes of ``model.dtype``
 (compute and rollout dtype; master weights and AdamW state are fp32), T tokens of one micro-batch,
 h hidden size, V vocab. Each component's formula is in its function's docstring; docs/memory_plan.md
-has them all with a worked Qwen3-8B plan.
+has them all with a worked Qwen3-8B plan. Vision-language models (Qwen3-VL, Qwen2.5-VL, Qwen2-VL)
+add their vision tower (``VisionShape``) to P, the ViT's activations for the images of a
+micro-batch, and vLLM's profile run of the ViT.
 
 Phases, in the order a run meets them (the steps are rlcore/switch.py's); each total is a peak:
     train     params, gradients, optimizer, activations, FSDP's gathered weights, the resident
@@ -41,9 +43,143 @@ LOGITS_BUFFERS = 6  # fp32 (chunk, V) buffers alive at the kernel's backward pea
 SAMPLER_BUFFERS = 3  # fp32 (max_num_seqs, V) buffers of vLLM's sampler in its profile run
 
 
+# The processors' default image budget: Qwen2-VL 12,845,056 pixels / 28^2, Qwen3-VL 16,777,216 / 32^2
+# (max_pixels / (patch x merge)^2); preprocessor_config.json in the model folder may lower it.
+DEFAULT_MAX_IMAGE_TOKENS = 16384
+VISION_FAMILIES = {"qwen3_vl": "qwen3_vl", "qwen3_vl_moe": "qwen3_vl", "qwen2_5_vl": "qwen2_5_vl",
+                   "qwen2_vl": "qwen2_vl"}  # config.json model_type -> vision tower layout
+
+
+@dataclass(frozen=True)
+class VisionShape:
+    """The vision tower (``model.visual``) of a Qwen-VL ``config.json``: ``vision_config`` read with
+    transformers' defaults (transformers 5.19, models/qwen*_vl/configuration_qwen*_vl.py). Layouts
+    (v hidden, I intermediate, H = v x merge^2 the merged width, o out_hidden_size = the LM's h):
+
+    - qwen3_vl (Qwen3-VL, Qwen3-VL-MoE): Conv3d patch embedding with bias, learned position
+      embedding (num_position_embeddings x v), blocks of LayerNorm / qkv / proj / GELU MLP (all with
+      bias), a merger (LayerNorm over v, H -> H -> o) and one deepstack merger per
+      ``deepstack_visual_indexes`` entry (LayerNorm over H, H -> H -> o);
+    - qwen2_5_vl: patch embedding without bias, no position embedding, RMSNorm blocks with a gated
+      (SwiGLU) MLP with bias, merger with an RMSNorm over v;
+    - qwen2_vl: like qwen2_5_vl but LayerNorm and a plain MLP of ``embed_dim x mlp_ratio``; its
+      ``hidden_size`` is the output width and ``embed_dim`` the tower's.
+    """
+
+    family: str
+    depth: int
+    hidden: int
+    intermediate: int
+    out_hidden: int
+    merge: int
+    patch_pixels: int  # in_channels x temporal_patch_size x patch_size^2: one patch's values
+    pos_embeddings: int = 0
+    deepstack: int = 0
+    max_image_tokens: int = DEFAULT_MAX_IMAGE_TOKENS  # the processor's max_pixels / (patch x merge)^2
+
+    @classmethod
+    def from_hf_config(cls, c: dict, max_image_tokens: int | None = None) -> "VisionShape | None":
+        """None for a config without ``vision_config``, or whose tower layout the plan does not
+        know (``ModelShape.from_path`` then warns that it is not counted)."""
+        v = c.get("vision_config")
+        family = VISION_FAMILIES.get(c.get("model_type", ""))
+        if v is None or family is None:
+            return None
+        size = {"qwen3_vl": (27, 1152, 4304, 3584, 16), "qwen2_5_vl": (32, 3584, 3420, 3584, 14)}
+        if family == "qwen2_vl":
+            hidden = v.get("embed_dim", 1280)
+            depth, inter, out, patch = v.get("depth", 32), int(hidden * v.get("mlp_ratio", 4)), \
+                v.get("hidden_size", 3584), v.get("patch_size", 14)
+        else:
+            d_depth, d_hidden, d_inter, d_out, d_patch = size[family]
+            depth, hidden, inter = v.get("depth", d_depth), v.get("hidden_size", d_hidden), \
+                v.get("intermediate_size", d_inter)
+            out, patch = v.get("out_hidden_size", d_out), v.get("patch_size", d_patch)
+        channels = v.get("in_channels", v.get("in_chans", 3))
+        qwen3 = family == "qwen3_vl"
+        return cls(family=family, depth=depth, hidden=hidden, intermediate=inter, out_hidden=out,
+                   merge=v.get("spatial_merge_size", 2),
+                   patch_pixels=channels * v.get("temporal_patch_size", 2) * patch * patch,
+                   pos_embeddings=v.get("num_position_embeddings", 2304) if qwen3 else 0,
+                   deepstack=len(v.get("deepstack_visual_indexes", (8, 16, 24))) if qwen3 else 0,
+                   max_image_tokens=max_image_tokens or DEFAULT_MAX_IMAGE_TOKENS)
+
+    @property
+    def merged(self) -> int:
+        """H: the width of merge x merge patches concatenated (the mergers' input)."""
+        return self.hidden * self.merge ** 2
+
+    def patch_embed(self) -> int:
+        return self.patch_pixels * self.hidden + self.hidden * (self.family == "qwen3_vl")
+
+    def pos_embed(self) -> int:
+        return self.pos_embeddings * self.hidden
+
+    def block(self) -> int:
+        """One ViT block: two norms, qkv and proj (with bias), the MLP (with bias)."""
+        v, i = self.hidden, self.intermediate
+        norms = 2 * v if self.family == "qwen2_5_vl" else 4 * v  # RMSNorm weight / LayerNorm weight + bias
+        mlp = 3 * v * i + 2 * i + v if self.family == "qwen2_5_vl" else 2 * v * i + i + v
+        return norms + 3 * v * v + 3 * v + v * v + v + mlp
+
+    def merger(self, norm_width: int) -> int:
+        """A patch merger: a norm over ``norm_width`` (LayerNorm: weight + bias; Qwen2.5-VL's RMSNorm:
+        weight), then H -> H and H -> o linears with bias."""
+        h, o = self.merged, self.out_hidden
+        norm = norm_width * (1 if self.family == "qwen2_5_vl" else 2)
+        return norm + h * h + h + h * o + o
+
+    def root(self) -> int:
+        """What FSDP2 leaves in the root unit: VeOmni wraps each ViT block (``_no_split_modules``:
+        Qwen3VLVisionBlock), so the patch and position embeddings and the mergers stay at the root."""
+        return (self.patch_embed() + self.pos_embed() + self.merger(self.hidden)
+                + self.deepstack * self.merger(self.merged))
+
+    @property
+    def params(self) -> int:
+        return self.root() + self.depth * self.block()
+
+    def replicated(self) -> int:
+        """Parameters vLLM does not shard by tensor parallelism (its Conv3d patch embedding and
+        nn.Embedding position embedding; qkv, proj, MLP and mergers are column/row parallel)."""
+        return self.patch_embed() + self.pos_embed()
+
+    def block_activations(self) -> int:
+        """Elements per patch a ViT block saves for backward, as ``ModelShape.layer_activations``
+        counts them: both norms' inputs and outputs (4v), qkv before and after RoPE (6v), the
+        attention output (v), the MLP's hidden and activated values (2I; 3I gated)."""
+        mlp = 3 * self.intermediate if self.family == "qwen2_5_vl" else 2 * self.intermediate
+        return 11 * self.hidden + mlp
+
+    def output_width(self) -> int:
+        """Elements per image token the tower returns: the merger's o plus one o per deepstack merger."""
+        return self.out_hidden * (1 + self.deepstack)
+
+
+def max_image_tokens(model_path: str, vision_config: dict) -> int | None:
+    """Image tokens of the largest image the folder's image processor admits: its ``max_pixels``
+    (or ``size.longest_edge``) over (patch x merge)^2. The processor is ``preprocessor_config.json``
+    (released checkpoints) or the ``image_processor`` of ``processor_config.json`` (transformers 5's
+    save_pretrained); None without either (the processors' default, ``DEFAULT_MAX_IMAGE_TOKENS``)."""
+    for name, key in (("preprocessor_config.json", None), ("processor_config.json", "image_processor")):
+        try:
+            with open(os.path.join(model_path, name)) as f:
+                pre = json.load(f)
+        except (OSError, ValueError):
+            continue
+        pre = pre.get(key) if key else pre
+        pixels = isinstance(pre, dict) and ((pre.get("size") or {}).get("longest_edge") or pre.get("max_pixels"))
+        if pixels:
+            unit = (pre.get("patch_size") or vision_config.get("patch_size", 16)) * \
+                (pre.get("merge_size") or vision_config.get("spatial_merge_size", 2))
+            return max(1, int(pixels) // unit ** 2)
+    return None
+
+
 @dataclass(frozen=True)
 class ModelShape:
-    """What the plan needs from config.json: dense Llama/Qwen-style and Qwen-MoE decoders."""
+    """What the plan needs from config.json: dense Llama/Qwen-style and Qwen-MoE decoders, and the
+    vision tower of Qwen-VL models (``vision``; the decoder is their ``text_config``)."""
 
     arch: str
     hidden: int
@@ -61,6 +197,8 @@ class ModelShape:
     moe_intermediate: int = 0
     shared_intermediate: int = 0  # Qwen2-MoE shared expert (0 for Qwen3-MoE)
     sparse: tuple[bool, ...] = ()  # per layer: routed experts instead of the dense MLP
+    vision: VisionShape | None = None  # a vision-language model's ViT and mergers
+    uncounted_vision: str = ""  # model_type of a vision tower the plan cannot count (a warning)
 
     @classmethod
     def from_hf_config(cls, c: dict) -> "ModelShape":
@@ -77,7 +215,7 @@ class ModelShape:
             head_dim=c.get("head_dim") or c["hidden_size"] // heads,
             intermediate=c.get("intermediate_size", 0), vocab=c["vocab_size"],
             tied=bool(c.get("tie_word_embeddings", False)),
-            qkv_bias=bool(c.get("attention_bias", mtype in ("qwen2", "qwen2_moe"))),
+            qkv_bias=bool(c.get("attention_bias", mtype.startswith("qwen2"))),  # Qwen2, -MoE, -VL, 2.5-VL
             qk_norm=mtype.startswith("qwen3"), experts=experts,
             experts_per_tok=c.get("num_experts_per_tok", 0),
             moe_intermediate=c.get("moe_intermediate_size") or (c.get("intermediate_size", 0) if experts else 0),
@@ -85,9 +223,19 @@ class ModelShape:
 
     @classmethod
     def from_path(cls, model_path: str) -> "ModelShape":
+        """config.json of ``model_path``; a multimodal config nests the LM in ``text_config`` (older
+        Qwen2-VL / Qwen2.5-VL files keep it at the top level) and the ViT in ``vision_config``. The
+        image budget comes from ``preprocessor_config.json`` when the folder has one."""
         with open(os.path.join(model_path, "config.json")) as f:
             c = json.load(f)
-        return cls.from_hf_config(c.get("text_config", c))  # multimodal configs nest the LM
+        shape = cls.from_hf_config(c.get("text_config", c))
+        if "text_config" in c:  # transformers ties the lm_head by the outer config's flag
+            shape = replace(shape, tied=bool(c.get("tie_word_embeddings", False)))
+        if "vision_config" not in c:
+            return shape
+        vision = VisionShape.from_hf_config(c, max_image_tokens(model_path, c["vision_config"]))
+        return replace(shape, arch=(c.get("architectures") or [shape.arch])[0], vision=vision,
+                       uncounted_vision="" if vision else str(c.get("model_type")))
 
     # parameter counts (elements) -----------------------------------------------------------
     @property
@@ -127,13 +275,19 @@ class ModelShape:
         return self.attn() + 2 * self.hidden + self.dense_mlp(), 0
 
     def root(self) -> int:
-        """The FSDP root's parameters: embedding, final norm, untied lm_head."""
-        return self.embed() + self.hidden + self.lm_head()
+        """The FSDP root's parameters: embedding, final norm, untied lm_head, and a vision tower's
+        patch/position embeddings and mergers (``VisionShape.root``)."""
+        return self.embed() + self.hidden + self.lm_head() + (self.vision.root() if self.vision else 0)
+
+    def vision_params(self) -> int:
+        return self.vision.params if self.vision else 0
 
     def counts(self) -> tuple[int, int]:
-        """(non-expert, routed-expert) totals; expert parallelism will shard only the second."""
+        """(non-expert, routed-expert) totals; expert parallelism will shard only the second. The
+        vision tower counts with the first."""
         per_layer = [self.layer(i) for i in range(self.layers)]
-        return self.root() + sum(d for d, _ in per_layer), sum(e for _, e in per_layer)
+        blocks = self.vision.depth * self.vision.block() if self.vision else 0
+        return self.root() + blocks + sum(d for d, _ in per_layer), sum(e for _, e in per_layer)
 
     @property
     def params(self) -> int:
@@ -142,9 +296,10 @@ class ModelShape:
     def largest_sync_unit(self) -> int:
         """Largest group of parameters the weight sync keeps in one bucket (rlcore.bucket_gather:
         one grandparent module: embed_tokens + final norm, lm_head, a layer's self_attn or mlp,
-        one routed expert)."""
+        one routed expert; of a vision tower, one merger or a block's MLP)."""
         mlp = max((self.moe_shared() if s else self.dense_mlp()) for s in (self.sparse or (False,)))
-        return max(self.embed() + self.hidden, self.lm_head(), self.attn(), mlp, self.expert())
+        vision = max(self.vision.merger(self.vision.merged), self.vision.block()) if self.vision else 0
+        return max(self.embed() + self.hidden, self.lm_head(), self.attn(), mlp, self.expert(), vision)
 
     # activation elements per token --------------------------------------------------------
     def layer_activations(self, i: int) -> int:
@@ -189,6 +344,15 @@ class PlanInputs:
     max_num_batched_tokens: int | None = None  # None: vLLM's default for this device size
     max_num_seqs: int | None = None
     graphs: bool = False  # vLLM captures CUDA/ACL graphs (rollout.enforce_eager false)
+    # vision-language models (ignored when shape.vision is None)
+    freeze_vision: bool = False  # model.freeze_vision_tower: no gradients or AdamW state for the ViT
+    images_per_prompt: int = 1  # most images a prompt has (0: text-only data, data.image_key null)
+    vllm_images: int | None = None  # rollout.limit_mm_per_prompt's image limit; None: vLLM's default
+
+    @property
+    def trainable(self) -> int:
+        """Parameters that get gradients and AdamW state (all but a frozen vision tower)."""
+        return self.shape.params - self.shape.vision_params() * self.freeze_vision
 
     @property
     def c(self) -> int:
@@ -207,10 +371,15 @@ class PlanInputs:
         return self.prompts_per_step / self.dp * self.n
 
     @property
-    def micro_tokens(self) -> int:
-        """T: one packed micro-batch; a rank never trains on more sequences than it holds."""
+    def micro_seqs(self) -> int:
+        """Sequences of one micro-batch; a rank never trains on more sequences than it holds."""
         per_rank = max(1, int(self.seqs_per_replica // self.tp))
-        return min(self.micro_batch_size, per_rank) * self.seq_len
+        return min(self.micro_batch_size, per_rank)
+
+    @property
+    def micro_tokens(self) -> int:
+        """T: one packed micro-batch."""
+        return self.micro_seqs * self.seq_len
 
     def vllm_defaults(self) -> tuple[int, int]:
         """(max_num_batched_tokens, max_num_seqs): vLLM 0.32's offline (LLM class) defaults pick
@@ -239,7 +408,34 @@ def activation_bytes(p: PlanInputs) -> int:
     else:
         layers = t * sum(per_layer) * c + t * max(per_layer) * c
     head = 2 * t * s.hidden * c + LOGITS_BUFFERS * min(LOGITS_CHUNK, t) * s.vocab * 4
-    return layers + head
+    return layers + head + vision_activation_bytes(p)
+
+
+def vision_activation_bytes(p: PlanInputs) -> int:
+    """The vision tower's share of one micro-batch (c bytes), for an upper bound of image tokens:
+    each prompt all image, t_img = micro-batch sequences x min(max_prompt_length, images per prompt
+    x the processor's largest image), i.e. m^2 x t_img patches (m = spatial_merge_size).
+
+    Trainable tower, like the decoder: with gradient checkpointing each block's input (depth x
+    patches x v) plus one block recomputed with its gradients (2 x patches x block_activations),
+    without it every block's saved activations plus one block's gradients; the mergers' norm
+    input/output, hidden and activated values (4H per image token per merger) and the tower's
+    output with its gradient (2 x t_img x output_width). A frozen tower (model.freeze_vision_tower)
+    runs without autograd (no parameter or input needs a gradient), so only its output stays.
+    """
+    vis = p.shape.vision
+    if vis is None or p.images_per_prompt <= 0:
+        return 0
+    tokens = p.micro_seqs * min(p.prompt_len, p.images_per_prompt * vis.max_image_tokens)
+    if p.freeze_vision:
+        return tokens * vis.output_width() * p.c
+    patches = tokens * vis.merge ** 2
+    if p.gradient_checkpointing:
+        blocks = vis.depth * patches * vis.hidden + 2 * patches * vis.block_activations()
+    else:
+        blocks = (vis.depth + 1) * patches * vis.block_activations()
+    mergers = tokens * (1 + vis.deepstack) * 4 * vis.merged
+    return (blocks + mergers + 2 * tokens * vis.output_width()) * p.c
 
 
 def fsdp_gathered_bytes(p: PlanInputs, activations: int) -> int:
@@ -263,11 +459,14 @@ def fsdp_gathered_bytes(p: PlanInputs, activations: int) -> int:
 
 def vllm_weight_bytes(p: PlanInputs) -> int:
     """c x (P / tp); key/value projections hold ceil(kv_heads / tp) heads per rank (vLLM
-    replicates them when tp > kv heads); norms are replicated (negligible)."""
+    replicates them when tp > kv heads); norms are replicated (negligible). A vision tower is
+    sharded like the decoder (vLLM's mm_encoder_tp_mode "weights", its default) except its patch
+    and position embeddings, which every rank holds whole."""
     s = p.shape
     kv = s.layers * 2 * s.hidden * s.head_dim  # one kv head's k and v projections, all layers
     kv_rank = kv * math.ceil(s.kv_heads / p.tp)
-    return p.c * ((s.params - kv * s.kv_heads) // p.tp + kv_rank)
+    whole = s.vision.replicated() if s.vision else 0
+    return p.c * ((s.params - kv * s.kv_heads - whole) // p.tp + kv_rank + whole)
 
 
 def vllm_activation_bytes(p: PlanInputs) -> int:
@@ -279,7 +478,31 @@ def vllm_activation_bytes(p: PlanInputs) -> int:
     mlp = max((s.experts_per_tok * s.moe_intermediate + s.shared_intermediate) if sp else s.intermediate
               for sp in (s.sparse or (False,)))
     per_token = 2 * s.hidden + (2 * s.q_dim + 2 * s.kv_dim + 3 * mlp) // p.tp
-    return tokens * per_token * p.c + SAMPLER_BUFFERS * seqs * s.vocab * 4
+    decoder = tokens * per_token * p.c + SAMPLER_BUFFERS * seqs * s.vocab * 4
+    encoder, kept = vllm_encoder_bytes(p)
+    return max(decoder, encoder) + kept
+
+
+def vllm_encoder_bytes(p: PlanInputs) -> tuple[int, int]:
+    """(the ViT's temporaries, the encoder outputs kept) of vLLM's profile run for a vision model.
+    vLLM 0.32 (v1/worker/gpu_model_runner.py profile_run, multimodal/encoder_budget.py) first runs
+    the vision tower on the most images of the largest size that its encoder budget admits:
+    budget max(max_num_batched_tokens, k) for k = the processor's largest image in tokens
+    (VisionShape.max_image_tokens), so n = max(1, min(budget // k, max_num_seqs x image limit))
+    images of k tokens, m^2 k patches each; it keeps their outputs (k x output_width each) in its
+    encoder cache through the decoder's dummy run. Temporaries per patch, in c: the patch's pixel
+    values, 4v unsharded (hidden state, norm output, position embedding, projection output) and
+    (4v + 2I) / tp sharded (qkv, attention output, MLP hidden and activated). (0, 0) without a
+    vision tower or with rollout.limit_mm_per_prompt.image 0."""
+    vis = p.shape.vision
+    if vis is None or p.vllm_images == 0:
+        return 0, 0
+    tokens, seqs = p.vllm_defaults()
+    k = vis.max_image_tokens
+    images = max(1, min(max(tokens, k) // k, seqs * (p.vllm_images or 1)))
+    patches = images * k * vis.merge ** 2
+    per_patch = vis.patch_pixels + 4 * vis.hidden + (4 * vis.hidden + 2 * vis.intermediate) // p.tp
+    return patches * per_patch * p.c, images * k * vis.output_width() * p.c
 
 
 def kv_bytes_per_token(p: PlanInputs) -> int:
@@ -296,16 +519,18 @@ def sync_bucket_bytes(p: PlanInputs) -> int:
 
 def component_bytes(p: PlanInputs) -> dict[str, int]:
     """Bytes per rank of each component while it is resident. The sharded trainer state:
-    trainer_params 4P/W (fp32 master), gradients 4P/W (fp32: FSDP2 reduces in float32; freed by
-    zero_grad after each step), optimizer 8P/W (AdamW exp_avg + exp_avg_sq, made at the first
-    step), reference cP/W (kl_loss_coef > 0). vllm_overhead: VLLM_OVERHEAD_GB, + VLLM_GRAPHS_GB
-    with CUDA/ACL graphs. kv_cache: what vLLM's budget (gpu_memory_utilization x device) leaves
-    after its weights, its profiled activations and that overhead (vLLM 0.32 counts its graph
-    estimate against the budget too); negative means vLLM cannot start."""
-    P = p.shape.params
+    trainer_params 4P/W (fp32 master), gradients 4P'/W (fp32: FSDP2 reduces in float32; freed by
+    zero_grad after each step), optimizer 8P'/W (AdamW exp_avg + exp_avg_sq, made at the first
+    step), reference cP/W (kl_loss_coef > 0); P counts a vision tower, P' = P less a frozen one.
+    vllm_overhead: VLLM_OVERHEAD_GB, + VLLM_GRAPHS_GB with CUDA/ACL graphs. kv_cache: what vLLM's
+    budget (gpu_memory_utilization x device) leaves after its weights, its profiled activations
+    and that overhead (vLLM 0.32 counts its graph estimate against the budget too); negative means
+    vLLM cannot start."""
+    P, trainable = p.shape.params, p.trainable
     vllm_budget = int(p.gpu_memory_utilization * p.device_gb * GB)
     sizes = {
-        "trainer_params": 4 * P // p.world, "gradients": 4 * P // p.world, "optimizer": 8 * P // p.world,
+        "trainer_params": 4 * P // p.world, "gradients": 4 * trainable // p.world,
+        "optimizer": 8 * trainable // p.world,
         "reference": p.c * P // p.world if p.reference else 0,
         "activations": activation_bytes(p), "vllm_weights": vllm_weight_bytes(p),
         "vllm_activations": vllm_activation_bytes(p),
@@ -374,7 +599,8 @@ class MemoryPlan:
         p, s = self.inputs, self.inputs.shape
         dense, expert = s.counts()
         return {
-            "model": {"arch": s.arch, "params": dense + expert, "expert_params": expert},
+            "model": {"arch": s.arch, "params": dense + expert, "expert_params": expert,
+                      "vision_params": s.vision_params()},
             "world_size": p.world, "device_type": p.device_type, "device_gb": p.device_gb, "dtype": p.dtype,
             "reserve_gb": self.reserve_gb, "limit_gb": _gb(self.limit),
             "phases": {ph: {"components": {k: _gb(v) for k, v in self.phases[ph].items()},
@@ -401,6 +627,9 @@ def build_plan(p: PlanInputs, suggest: bool = True) -> MemoryPlan:
           "batch_tokens_shared_prompts": int(p.prompts_per_step / p.dp * (p.prompt_len + p.n * p.response_len))}
     plan = MemoryPlan(p, phases, kv, RESERVE_GB.get(p.device_type, 0.0))
     plan.warnings = _kv_warnings(plan, suggest)
+    if p.shape.uncounted_vision:
+        plan.warnings.append(f"config.json has a vision tower (model_type {p.shape.uncounted_vision!r}) whose layout "
+                             f"the plan does not know: its parameters and activations are not counted")
     if suggest and not plan.fits:
         plan.suggestions = suggest_fixes(plan)
     return plan
@@ -512,6 +741,9 @@ def plan_from_config(cfg, world_size: int, device_gb: float, device_type: str = 
 
     cfg = resolve(cfg, device_type)
     r, a, o = cfg.rollout, cfg.algorithm, cfg.offload
+    # rollout.limit_mm_per_prompt null with image data: the trainer sets it from the data (1 image
+    # or more); the plan assumes 1
+    images = max(1, (r.limit_mm_per_prompt or {}).get("image", 1))
     p = PlanInputs(
         shape=shape or ModelShape.from_path(cfg.model.path), world=world_size, device_gb=float(device_gb),
         device_type=device_type, dtype=cfg.model.dtype, nproc_per_node=nproc_per_node,
@@ -521,7 +753,9 @@ def plan_from_config(cfg, world_size: int, device_gb: float, device_type: str = 
         prompt_len=cfg.data.max_prompt_length, response_len=r.max_response_length, max_model_len=r.max_model_len,
         gradient_checkpointing=cfg.model.gradient_checkpointing, prompts_per_step=cfg.trainer.prompts_per_step,
         n=r.n, max_num_batched_tokens=r.max_num_batched_tokens, max_num_seqs=r.max_num_seqs,
-        graphs=not r.enforce_eager, ep=cfg.parallel.ep_size)
+        graphs=not r.enforce_eager, ep=cfg.parallel.ep_size, freeze_vision=cfg.model.freeze_vision_tower,
+        images_per_prompt=(images if cfg.data.image_key else 0),
+        vllm_images=None if r.limit_mm_per_prompt is None else r.limit_mm_per_prompt.get("image", 0))
     return build_plan(p)
 
 
@@ -538,8 +772,10 @@ def format_plan(plan: MemoryPlan) -> str:
     p, s = plan.inputs, plan.inputs.shape
     nnodes = p.world // p.nproc_per_node if p.nproc_per_node else 0
     nodes = f" ({nnodes} node{'s' * (nnodes > 1)} x {p.nproc_per_node})" if nnodes else ""
+    vision = (f" ({s.vision_params() / 1e9:.2f}B vision{', frozen' if p.freeze_vision else ''})"
+              if s.vision else "")
     lines = [
-        f"memory plan per rank, GB = 2^30 bytes: {s.arch} {s.params / 1e9:.2f}B params, {p.dtype}, "
+        f"memory plan per rank, GB = 2^30 bytes: {s.arch} {s.params / 1e9:.2f}B params{vision}, {p.dtype}, "
         f"world {p.world}{nodes}, tp {p.tp}, {p.device_type} {p.device_gb:g} GB",
         f"{'component':<18}" + "".join(f"{ph:>10}" for ph in PHASES),
     ]

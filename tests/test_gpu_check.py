@@ -228,3 +228,43 @@ def test_moe_recipe_is_valid_for_16_ranks_and_fits(tmp_path):
     assert cfg.rollout.weight_load == "reload"  # auto, for an MoE model
     plan = plan_from_config(cfg, 16, 80, "cuda", nproc_per_node=8)
     assert plan.fits, plan
+
+
+@pytest.mark.unit
+def test_vl_recipe_is_valid_for_16_ranks_and_fits(tmp_path):
+    """configs/qwen3_vl_8b_geo3k_16gpu.yaml: keys exist, sizes fit a world of 16, the image settings
+    are the geo3k ones, and the memory plan (vision tower included) fits 80 GB, the GPUs of the dense
+    recipe, with the whole batch in one wave. Qwen3-VL-8B-Instruct's public config.json: tests/fixtures."""
+    import shutil
+
+    from rlcore.cli import parse_config
+    from rlcore.config import resolve
+    from rlcore.memory_plan import plan_from_config
+    from rlcore.preflight import validate_against_world
+
+    model = tmp_path / "Qwen3-VL-8B-Instruct"
+    model.mkdir()
+    shutil.copy(os.path.join(REPO, "tests", "fixtures", "qwen3_vl_8b", "config.json"), model)
+    (model / "model.safetensors").write_bytes(b"")
+    data = [str(tmp_path / "train.parquet"), str(tmp_path / "test.parquet")]
+    for f in data:
+        open(f, "w").close()
+    path = os.path.join(REPO, "configs", "qwen3_vl_8b_geo3k_16gpu.yaml")
+    cfg = parse_config(["--config", path, "--model.path", str(model), "--data.train_files", json.dumps(data[:1]),
+                        "--data.val_files", json.dumps(data[1:]), "--trainer.output_dir", str(tmp_path / "out")],
+                       device_type="cuda")
+    validate_against_world(cfg, 16)
+    assert cfg.model.dtype == "bfloat16" and cfg.offload.params and cfg.offload.optimizer
+    assert cfg.data.image_key == "images" and cfg.data.apply_chat_template
+    assert cfg.rollout.limit_mm_per_prompt == {"image": 1, "video": 0}
+    assert cfg.reward.components == {"math": 1.0} and cfg.rollout.tensor_parallel_size == 2
+    resolved = resolve(cfg, "cuda")  # sdpa with images: the shared prompt (one image encode per group) is on
+    assert resolved.model.attn_implementation == "sdpa" and resolved.algorithm.share_prompt is True
+    assert resolved.rollout.sleep_level == 2
+    plan = plan_from_config(cfg, 16, 80, "cuda", nproc_per_node=8)
+    assert plan.fits, plan
+    assert plan.inputs.shape.vision_params() == 576_388_336 and plan.inputs.vllm_images == 1
+    assert plan.kv["sequences"] >= plan.kv["batch_sequences"] == 128, plan.kv  # one generation wave
+    with open(path) as f:
+        text = f.read()
+    assert "convert_data.py geo3k" in text and "data/geo3k/train.parquet" in text and "sbatch" in text

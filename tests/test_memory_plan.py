@@ -166,3 +166,191 @@ def test_moe_count_and_expert_sharding():
     assert shape.sparse == (True, True, True, False)
     assert shape.counts() == (100 * 64 + 64 + 3 * sparse + dense, 3 * experts)  # tied: no lm_head
     assert shape.layer(0, ep=4) == (sparse, experts // 4)  # expert parallelism shards experts only
+
+
+# ---------------------------------------------------------------------------------------------
+# vision-language models: the vision tower (tests/fixtures/qwen3_vl_8b: Qwen3-VL-8B-Instruct's config.json)
+# ---------------------------------------------------------------------------------------------
+
+VL_FIXTURE = os.path.join(REPO, "tests", "fixtures", "qwen3_vl_8b")
+
+
+def qwen3_vl_vision_by_hand(v, inter, depth, out, pos, deepstack, merge=2, patch_pixels=3 * 2 * 16 * 16) -> int:
+    """Qwen3-VL's visual module written out (v hidden, H = v merge^2)."""
+    h = v * merge ** 2
+    patch_embed = patch_pixels * v + v  # Conv3d with bias
+    pos_embed = pos * v
+    block = (2 * 2 * v  # norm1, norm2: LayerNorm weight + bias
+             + v * 3 * v + 3 * v + v * v + v  # qkv, proj (with bias)
+             + v * inter + inter + inter * v + v)  # linear_fc1, linear_fc2 (with bias)
+    merger = 2 * v + h * h + h + h * out + out  # LayerNorm over v, fc1 H -> H, fc2 H -> out
+    deepstack_merger = 2 * h + h * h + h + h * out + out  # LayerNorm over H (post-shuffle)
+    return patch_embed + pos_embed + depth * block + merger + deepstack * deepstack_merger
+
+
+@pytest.mark.unit
+def test_qwen3_vl_8b_count_is_the_hand_sum():
+    shape = ModelShape.from_path(VL_FIXTURE)
+    vision = qwen3_vl_vision_by_hand(1152, 4304, 27, 4096, 2304, 3)
+    assert vision == shape.vision_params() == 576_388_336
+    # the language model is Qwen3-8B's shape; the total is the 750 tensors of the released
+    # safetensors (8,767,123,696 elements)
+    assert shape.params == N + vision == 8_767_123_696
+    assert shape.arch == "Qwen3VLForConditionalGeneration" and not shape.tied
+    assert shape.vision.max_image_tokens == 16384  # no preprocessor_config.json: the processor default
+    assert shape.root() == 2 * EMBED + 4096 + (vision - 27 * shape.vision.block())  # ViT blocks are FSDP units
+
+
+@pytest.mark.unit
+def test_qwen3_vl_8b_count_equals_transformers_on_meta():
+    """Qwen3VLForConditionalGeneration built from the fixture on the meta device (no memory)."""
+    import torch
+    from transformers import AutoConfig, Qwen3VLForConditionalGeneration
+
+    with torch.device("meta"):
+        model = Qwen3VLForConditionalGeneration(AutoConfig.from_pretrained(VL_FIXTURE))
+    shape = ModelShape.from_path(VL_FIXTURE)
+    assert sum(p.numel() for p in model.model.visual.parameters()) == shape.vision_params()
+    assert sum(p.numel() for p in model.parameters()) == shape.params
+    vis = model.model.visual
+    assert sum(p.numel() for p in vis.blocks[0].parameters()) == shape.vision.block()
+    assert sum(p.numel() for p in vis.deepstack_merger_list[0].parameters()) == shape.vision.merger(4608)
+
+
+@pytest.mark.unit
+def test_tiny_qwen3_vl_count_equals_the_loaded_model(tiny_vl_model):
+    """rlcore.vl_task's tiny Qwen3-VL loaded by transformers; its processor caps images at 128 x 128
+    pixels (preprocessor_config.json), i.e. 16 tokens of 32 x 32 pixels."""
+    from transformers import Qwen3VLForConditionalGeneration
+
+    model = Qwen3VLForConditionalGeneration.from_pretrained(tiny_vl_model)
+    shape = ModelShape.from_path(tiny_vl_model)
+    assert sum(p.numel() for p in model.model.visual.parameters()) == shape.vision_params() == \
+        qwen3_vl_vision_by_hand(64, 128, 2, 64, 64, 1)
+    assert sum(p.numel() for p in model.parameters()) == shape.params
+    assert shape.vision.max_image_tokens == 128 * 128 // 32 ** 2
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen2_vl"])
+def test_qwen2_vl_towers_equal_transformers_on_meta(family, tmp_path):
+    """Qwen2.5-VL-7B's and Qwen2-VL-2B's vision configs (top-level LM, qkv bias) with a 2-layer LM."""
+    import torch
+    import transformers
+
+    lm = {"hidden_size": 1536, "intermediate_size": 8960, "num_hidden_layers": 2, "num_attention_heads": 12,
+          "num_key_value_heads": 2, "vocab_size": 151936}
+    if family == "qwen2_5_vl":
+        vision = {"depth": 32, "hidden_size": 1280, "intermediate_size": 3420, "out_hidden_size": 1536,
+                  "in_chans": 3, "num_heads": 16, "patch_size": 14, "spatial_merge_size": 2, "temporal_patch_size": 2,
+                  "window_size": 112, "fullatt_block_indexes": [7, 15, 23, 31]}
+        cls = transformers.Qwen2_5_VLForConditionalGeneration
+    else:
+        vision = {"depth": 32, "embed_dim": 1280, "mlp_ratio": 4, "num_heads": 16, "in_chans": 3, "hidden_size": 1536,
+                  "patch_size": 14, "spatial_merge_size": 2, "temporal_patch_size": 2}
+        cls = transformers.Qwen2VLForConditionalGeneration
+    config = {"architectures": [cls.__name__], "model_type": family, **lm, "tie_word_embeddings": True,
+              "vision_config": vision}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with torch.device("meta"):
+        model = cls(transformers.AutoConfig.from_pretrained(str(tmp_path)))
+    shape = ModelShape.from_path(str(tmp_path))
+    assert sum(p.numel() for p in model.model.visual.parameters()) == shape.vision_params() > 6e8
+    assert sum(p.numel() for p in model.parameters()) == shape.params  # LM with qkv bias, tied lm_head
+
+
+@pytest.mark.unit
+def test_unknown_vision_tower_is_named_not_counted(tmp_path):
+    config = json.loads(open(os.path.join(FIXTURE, "config.json")).read())
+    config = {"model_type": "some_vl", "text_config": config, "vision_config": {"depth": 4}}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    shape = ModelShape.from_path(str(tmp_path))
+    assert shape.vision is None and shape.params == N and shape.uncounted_vision == "some_vl"
+    plan = build_plan(PlanInputs(shape, world=16, device_gb=80, tp=2), suggest=False)
+    assert any("'some_vl'" in w and "not counted" in w for w in plan.warnings)
+
+
+VL_RECIPE = """\
+model: {{path: {model}, dtype: bfloat16, gradient_checkpointing: true, freeze_vision_tower: {frozen}}}
+data: {{train_files: [unused.parquet], image_key: images, apply_chat_template: true, max_prompt_length: 1024}}
+rollout: {{n: 8, max_response_length: 2048, max_model_len: 3072, tensor_parallel_size: 2,
+          gpu_memory_utilization: 0.6, sleep_level: 2, enforce_eager: true, sync_bucket_mb: 64,
+          max_num_seqs: 128, max_num_batched_tokens: 8192, limit_mm_per_prompt: {{image: 1, video: 0}}}}
+offload: {{params: true, optimizer: true, ref: true}}
+algorithm: {{kl_loss_coef: 0.01, micro_batch_size: 4}}
+trainer: {{prompts_per_step: 128}}
+"""
+
+
+def vl_plan(tmp_path, frozen: bool):
+    from rlcore.cli import parse_config
+
+    path = tmp_path / f"vl_{frozen}.yaml"
+    path.write_text(VL_RECIPE.format(model=VL_FIXTURE, frozen=str(frozen).lower()))
+    cfg = parse_config(["--config", str(path)], device_type="cuda")
+    return plan_from_config(cfg, world_size=16, device_gb=80, device_type="cuda")
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("frozen", [False, True])
+def test_vl_plan_by_hand(tmp_path, frozen):
+    """The vision tower in every component: sharded fp32 state (frozen: no gradients or AdamW state
+    for it), its activations, vLLM's weights and its profile run of the ViT."""
+    plan = vl_plan(tmp_path, frozen)
+    V, P, W = 576_388_336, 8_767_123_696, 16
+    trainable = P - V * frozen
+    train = plan.phases["train"]
+    assert (train["trainer_params"], train["gradients"], train["optimizer"]) == \
+        (4 * P // W, 4 * trainable // W, 8 * trainable // W)
+    assert plan.to_json()["model"]["vision_params"] == V
+
+    # activations: Qwen3-8B's (4 sequences of 3072) + the ViT's for 4 x 1024 image tokens at most
+    T, img = 4 * 3072, 4 * 1024
+    per_token_layer = 4 * 4096 + 2 * (4096 + 2 * 1024) + 4096 + 4 * 12288
+    text = 36 * T * 4096 * 2 + 2 * T * per_token_layer * 2 + 2 * T * 4096 * 2 + 6 * 1024 * 151936 * 4
+    out = 4096 * (1 + 3)  # merger + 3 deepstack mergers, per image token
+    if frozen:  # no autograd through the tower: its output only
+        vision = img * out * 2
+    else:
+        patches = 4 * img
+        vision = (27 * patches * 1152 + 2 * patches * (11 * 1152 + 2 * 4304)  # checkpointed blocks, one recomputed
+                  + img * 4 * 4 * 4608  # 4 mergers: norm in/out, hidden, activated (H = 4608)
+                  + 2 * img * out) * 2  # the output and its gradient
+    assert train["activations"] == text + vision
+
+    # vLLM: TP 2 shards all but the ViT's patch/position embeddings (and 4 of 8 kv heads per rank)
+    gen = plan.phases["generate"]
+    kv_proj = 36 * 2 * 4096 * 128
+    whole = 1536 * 1152 + 1152 + 2304 * 1152
+    assert gen["vllm_weights"] == 2 * ((P - 8 * kv_proj - whole) // 2 + 4 * kv_proj + whole)
+    # profile run: one 16384-token image (the processor's default largest; 16384 > 8192 batched tokens)
+    patches = 16384 * 4
+    encoder = patches * (1536 + 4 * 1152 + (4 * 1152 + 2 * 4304) // 2) * 2
+    kept = 16384 * out * 2
+    decoder = 8192 * (2 * 4096 + (2 * 4096 + 2 * 1024 + 3 * 12288) // 2) * 2 + 3 * 128 * 151936 * 4
+    assert gen["vllm_activations"] == max(encoder, decoder) + kept
+    assert gen["kv_cache"] == int(0.6 * 80 * GB) - gen["vllm_weights"] - gen["vllm_activations"] - GB // 2
+    assert plan.fits and plan.kv["sequences"] >= plan.kv["batch_sequences"] == 128
+
+
+@pytest.mark.unit
+def test_vl_plan_reads_the_processor_image_budget(tmp_path):
+    """A preprocessor_config.json that caps images at 1024 x 1024 pixels: 1024 tokens per image, so
+    vLLM's encoder budget (8192 batched tokens) profiles 8 images, and training counts at most
+    1024 image tokens per prompt."""
+    import shutil
+
+    model = tmp_path / "model"
+    model.mkdir()
+    shutil.copy(os.path.join(VL_FIXTURE, "config.json"), model)
+    (model / "preprocessor_config.json").write_text(json.dumps(
+        {"size": {"longest_edge": 1024 * 1024, "shortest_edge": 65536}, "patch_size": 16, "merge_size": 2}))
+    shape = ModelShape.from_path(str(model))
+    assert shape.vision.max_image_tokens == 1024
+    from rlcore.memory_plan import vllm_encoder_bytes
+
+    p = PlanInputs(shape, world=16, device_gb=80, tp=2, max_num_batched_tokens=8192, max_num_seqs=128)
+    encoder, kept = vllm_encoder_bytes(p)
+    assert kept == 8 * 1024 * 4096 * 4 * 2
+    assert encoder == 8 * 1024 * 4 * (1536 + 4 * 1152 + (4 * 1152 + 2 * 4304) // 2) * 2
+    assert vllm_encoder_bytes(PlanInputs(shape, world=16, device_gb=80, vllm_images=0)) == (0, 0)
