@@ -1,6 +1,7 @@
-"""Pieces of the policy engine that need no VeOmni, FSDP2 or DTensor: the LR schedule (and how
-a resumed run continues it) and the response-only hook on the decoder. Used by
-``rlcore.engine_veomni`` only."""
+"""Pieces of the policy engine that need no VeOmni: the LR schedule (and how a resumed run
+continues it), the response-only hook on the decoder, the eager form of a bool attention mask,
+and the per-parameter helpers of the weight export (HF names, whole tensors from FSDP2's DTensor
+shards). Used by ``rlcore.engine_veomni`` only."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import contextlib
 import math
 
 import torch
+from torch.distributed.tensor import DTensor
 
 
 class LrLambda:
@@ -76,3 +78,49 @@ def hidden_rows(model, select: torch.Tensor | None):
         yield
     finally:
         handle.remove()
+
+
+def eager_attention_mask(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A bool ``(1, 1, L, L)`` mask (True = may attend) as the additive float mask that eager
+    attention needs: transformers' ``eager_attention_forward`` adds the mask to the scores
+    (e.g. veomni/models/transformers/qwen3_vl/generated/patched_modeling_qwen3_vl_gpu.py:466-467)
+    and a 4D mask reaches it unchanged (transformers/masking_utils.py:813-815), so a bool mask
+    would add 1 or 0 and mask nothing. sdpa takes the bool mask as is. 0 where allowed, the
+    dtype's minimum elsewhere, as transformers' own eager mask (masking_utils.py ``eager_mask``)."""
+    if mask.dtype != torch.bool:
+        return mask
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, torch.finfo(dtype).min)
+
+
+def hf_name(name: str) -> str:
+    """Strip wrapper prefixes that activation checkpointing or torch.compile may insert."""
+    for wrapper in ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module."):
+        name = name.replace(wrapper, "")
+    return name
+
+
+def full_tensor(param, dtype: torch.dtype | None, device) -> torch.Tensor:
+    """One parameter, whole, on ``device``: cast on the local shard first (a bf16 export moves
+    half the bytes), moved to the device the group talks on (offloaded shards live on CPU)."""
+    t = param.detach()
+    if dtype is not None:
+        t = t.to(dtype)
+    if t.device != device:
+        t = t.to(device)
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def dim0_shard_group(param):
+    """The process group to gather ``param`` over when it is a plain dim-0 FSDP2 shard (one
+    ``Shard(0)`` mesh dim, the others ``Replicate``, as with FSDP and HSDP); None otherwise
+    (not a DTensor, a scalar, or a layout the bucketed gather does not handle: it exports
+    those alone through ``full_tensor``)."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    if not isinstance(param, DTensor) or param.dim() == 0:
+        return None
+    shard_dims = [i for i, p in enumerate(param.placements) if type(p) is Shard]
+    others_replicated = all(isinstance(p, Replicate) for i, p in enumerate(param.placements) if i not in shard_dims)
+    if len(shard_dims) != 1 or param.placements[shard_dims[0]].dim != 0 or not others_replicated:
+        return None
+    return param.device_mesh.get_group(shard_dims[0])

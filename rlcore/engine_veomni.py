@@ -1,10 +1,12 @@
 """The policy engine: a VeOmni-built HF causal LM sharded with FSDP2 over every rank.
 
-This module is the only one in the project that touches VeOmni, FSDP2 or DTensor. Its helpers
-get plain tensors and files only: ``rlcore.bucket_gather`` gathers the local shards it is handed,
-``rlcore.hf_export`` writes the HF folder, ``rlcore.attention`` picks the attention kernel.
-Everything else sees plain tensors: packed ``(1, L)`` token batches in, per-token log-probs out,
-and full HF-named weight tensors streamed out for vLLM and for export.
+This module and its ``rlcore.engine_*`` siblings are the only ones in the project that touch
+VeOmni, FSDP2 or DTensor. Its other helpers get plain tensors and files only:
+``rlcore.bucket_gather`` gathers the local shards it is handed, ``rlcore.hf_export`` writes the
+HF folder, ``rlcore.attention`` picks the attention kernel. Everything else sees plain tensors:
+packed ``(1, L)`` token batches in, per-token log-probs out, and full HF-named weight tensors
+streamed out for vLLM and for export. Vision-language models (Qwen3-VL) take their images with
+the packed row (``forward_logprobs(mm=...)``, ``rlcore.engine_vl``).
 
 Layout: one FSDP2 mesh over all ranks (``dp_shard = world_size``), each decoder layer its own
 FSDP unit, weights loaded from an HF safetensors folder straight into the shards (meta init).
@@ -35,8 +37,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from rlcore import engine_moe, hf_export
-from rlcore.engine_parts import LrLambda, hidden_rows, resume_lr_schedule
+from rlcore import engine_moe, engine_vl, hf_export
+from rlcore.engine_parts import (LrLambda, dim0_shard_group, eager_attention_mask, full_tensor, hf_name, hidden_rows,
+                                 resume_lr_schedule)
 from rlcore.attention import pick_attn_implementation
 from rlcore.bucket_gather import ShardSpec, SyncBuffers, SyncPlan
 from rlcore.dist import DistInfo, empty_cache
@@ -102,6 +105,7 @@ def _ops_config(attn_implementation: str, overrides: dict | None):
         rms_norm_implementation="eager",
         swiglu_mlp_implementation="eager",
         rotary_pos_emb_implementation="eager",
+        rotary_pos_emb_vision_implementation="eager",  # Qwen-VL ViT (its default; 'npu' elsewhere)
         load_balancing_loss_implementation="eager",
         rms_norm_gated_implementation="eager",
         causal_conv1d_implementation="eager",
@@ -182,6 +186,9 @@ class VeOmniPolicy:
         moe_implementation: the experts kernel, ``rlcore.engine_moe.pick_moe_implementation``.
         ops_overrides: VeOmni ``OpsImplementationConfig`` fields to change from "eager"
             (e.g. liger kernels on GPUs).
+        freeze_vision_tower: vision-language models: the whole vision tower (``model.visual.*``:
+            patch/position embeddings, ViT blocks, merger and deepstack mergers) gets no gradient
+            and no optimizer state; the language model trains (``rlcore.engine_vl``).
     """
 
     def __init__(self, model_path: str, info: DistInfo, *, dtype: str | torch.dtype = "float32", trainable: bool = True,
@@ -190,7 +197,8 @@ class VeOmniPolicy:
                  lr: float = 1e-6, weight_decay: float = 0.0, betas: tuple[float, float] = (0.9, 0.999),
                  adam_eps: float = 1e-8, lr_schedule: str = "constant", warmup_steps: int = 0,
                  min_lr_ratio: float = 0.0, total_steps: int = 1, grad_clip: float | None = 1.0,
-                 ops_overrides: dict | None = None, ep_size: int = 1, moe_implementation: str = "auto"):
+                 ops_overrides: dict | None = None, ep_size: int = 1, moe_implementation: str = "auto",
+                 freeze_vision_tower: bool = False):
         dtype = str(_to_dtype(dtype)).removeprefix("torch.")  # validate; VeOmni wants the name
         if offload_outside_forward and trainable:
             raise ValueError("offload_outside_forward is for frozen (trainable=False) policies; the phase switch "
@@ -218,6 +226,9 @@ class VeOmniPolicy:
             ops_overrides=ops_overrides,
             moe_implementation=self.moe_implementation,
         )
+        self.freeze_vision_tower = freeze_vision_tower and trainable
+        if self.freeze_vision_tower:  # before the optimizer, which then leaves the tower out
+            engine_vl.freeze_vision_tower(self.model)
         self.router_stats = engine_moe.RouterStats(self.model) if trainable else None
         self.optimizer = self.lr_scheduler = None
         self.lr_schedule_changes: list[str] = []  # config vs the resumed checkpoint's schedule
@@ -240,6 +251,7 @@ class VeOmniPolicy:
                 f"{self.info.device_type}, master {'float32' if self.trainable else self.dtype} / compute "
                 f"{self.dtype}, attention {self.attn_implementation} ({self.attn_reason}), gradient checkpointing "
                 f"{'on' if self.gradient_checkpointing else 'off'}, offload: {offload}"
+                f"{engine_vl.describe(self.model, self.freeze_vision_tower or not self.trainable)}"
                 f"{engine_moe.describe(self.model, self.moe_implementation, self.ep_size)}")
 
     def _build_optimizer(self, lr, weight_decay, betas, eps, schedule, warmup_steps, min_lr_ratio, total_steps):
@@ -273,20 +285,29 @@ class VeOmniPolicy:
 
     def forward_logprobs(self, input_ids: torch.Tensor, position_ids: torch.Tensor, labels: torch.Tensor,
                          temperature: float = 1.0, with_entropy: bool = False, grad: bool = True,
-                         select: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None
-                         ) -> tuple[torch.Tensor, torch.Tensor | None]:
+                         select: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
+                         mm: dict | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Per-token log-probs (and entropy) of a packed batch.
 
         Args:
             input_ids, position_ids: ``(1, L)`` LongTensors. Several sequences packed without
-                padding, ``position_ids`` restarting at 0 per sequence.
+                padding, ``position_ids`` restarting at 0 per sequence. With ``mm`` (images),
+                ``position_ids`` is ``(4, 1, L)``: row 0 the text positions as above (they
+                delimit the packed sequences when ``attention_mask`` is None), rows 1-3 the
+                M-RoPE temporal/height/width positions of each sequence as transformers'
+                ``Qwen3VLModel.get_rope_index`` computes them for that sequence alone.
             labels: without ``select``, ``(1, L)``: ``labels[t]`` is the token scored at ``t``
                 (``input_ids[t + 1]`` inside a sequence) or -100. With ``select``, ``(1, K)``:
                 the token scored at position ``select[k]``.
             select: ``(K,)`` positions whose hidden states go through the LM head (positions may
                 repeat); the others never meet the vocabulary. None = all ``L``.
-            attention_mask: None for block-causal attention derived from ``position_ids``, or a
-                ``(1, 1, L, L)`` bool mask used as is (sdpa/eager only; see ``rlcore.grpo.pack``).
+            attention_mask: None for block-causal attention derived from ``position_ids`` (row 0),
+                or a ``(1, 1, L, L)`` bool mask, True where a query may attend to a key (sdpa/eager
+                only; see ``rlcore.grpo.pack``; eager gets it as an additive float mask).
+            mm: None, or for a vision-language model the row's images: ``pixel_values`` (P, C)
+                float (the processor's patches, any float dtype) and ``image_grid_thw`` (I, 3)
+                int of every image, in order of appearance of their ``<|image_pad|>`` runs in
+                ``input_ids``; checked against the image-token count (``rlcore.engine_vl``).
             temperature: logits are divided by it before the softmax.
             grad: False runs under ``no_grad`` (always so for a frozen policy).
 
@@ -304,6 +325,9 @@ class VeOmniPolicy:
             self._require_resident("forward_logprobs(grad=True)", params=True)
         if attention_mask is not None and self.attn_implementation not in ("sdpa", "eager"):
             raise ValueError(f"a custom attention mask needs sdpa or eager attention, not {self.attn_implementation}")
+        if attention_mask is not None and self.attn_implementation == "eager":
+            attention_mask = eager_attention_mask(attention_mask, _to_dtype(self.dtype))
+        images = engine_vl.forward_kwargs(self.model, input_ids, position_ids, mm, self.device)
         with self._resident(params=True), torch.set_grad_enabled(grad), warnings.catch_warnings(), \
                 hidden_rows(self.model, select):
             # FSDP2 warns that the (reshaped) log-prob output is a view; only an in-place op on it
@@ -322,6 +346,7 @@ class VeOmniPolicy:
                 return_log_probs=True,  # chunked lm_head + log_softmax: no (L, V) logits kept
                 temperature=float(temperature),
                 use_cache=False,
+                **images,
             )
         logp, entropy = out.fused_linear_aux.log_probs, out.fused_linear_aux.entropy  # (1, L), (1, L)
         if not grad:
@@ -382,7 +407,7 @@ class VeOmniPolicy:
         with self._resident(params=True):
             self._reshard()
             for name, param in self.model.named_parameters():
-                yield from engine_moe.split_experts(_hf_name(name), self._whole(name, param, dtype))
+                yield from engine_moe.split_experts(hf_name(name), self._whole(name, param, dtype))
 
     @torch.no_grad()
     def named_hf_weights_bucketed(self, dtype: str | torch.dtype | None = None, bucket_mb: float = 64.0
@@ -419,7 +444,7 @@ class VeOmniPolicy:
 
     def _whole(self, name: str, param, dtype: torch.dtype | None) -> torch.Tensor:
         """One parameter whole (collective): gathered over FSDP2, and over EP for experts."""
-        full = _full_tensor(param, dtype, self.device)
+        full = full_tensor(param, dtype, self.device)
         dim = engine_moe.ep_dim(self.model, name)
         return full if dim is None else engine_moe.gather_ep(full, dim)
 
@@ -429,7 +454,7 @@ class VeOmniPolicy:
         key = (dtype, float(bucket_mb))
         cache = self.__dict__.setdefault("_sync_plans", {})
         if key not in cache:
-            specs = [ShardSpec(name, _hf_name(name), tuple(p.shape), p.dtype, _dim0_shard_group(p))
+            specs = [ShardSpec(name, hf_name(name), tuple(p.shape), p.dtype, dim0_shard_group(p))
                      for name, p in self.model.named_parameters()]
             cache[key] = SyncPlan.build(specs, dtype, int(bucket_mb * 2**20))
         return cache[key]
@@ -566,37 +591,3 @@ class VeOmniPolicy:
             writer.close()
             hf_export.copy_aux_files(self.model_path, path, dtype)
         dist.barrier()
-
-
-def _hf_name(name: str) -> str:
-    """Strip wrapper prefixes that activation checkpointing or torch.compile may insert."""
-    for wrapper in ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module."):
-        name = name.replace(wrapper, "")
-    return name
-
-
-def _full_tensor(param, dtype: torch.dtype | None, device) -> torch.Tensor:
-    """One parameter, whole, on ``device``: cast on the local shard first (a bf16 export moves
-    half the bytes), moved to the device the group talks on (offloaded shards live on CPU)."""
-    t = param.detach()
-    if dtype is not None:
-        t = t.to(dtype)
-    if t.device != device:
-        t = t.to(device)
-    return t.full_tensor() if isinstance(t, DTensor) else t
-
-
-def _dim0_shard_group(param):
-    """The process group to gather ``param`` over when it is a plain dim-0 FSDP2 shard (one
-    ``Shard(0)`` mesh dim, the others ``Replicate``, as with FSDP and HSDP); None otherwise
-    (not a DTensor, a scalar, or a layout the bucketed gather does not handle: it exports
-    those alone through ``_full_tensor``)."""
-    from torch.distributed.tensor import Replicate, Shard
-
-    if not isinstance(param, DTensor) or param.dim() == 0:
-        return None
-    shard_dims = [i for i, p in enumerate(param.placements) if type(p) is Shard]
-    others_replicated = all(isinstance(p, Replicate) for i, p in enumerate(param.placements) if i not in shard_dims)
-    if len(shard_dims) != 1 or param.placements[shard_dims[0]].dim != 0 or not others_replicated:
-        return None
-    return param.device_mesh.get_group(shard_dims[0])

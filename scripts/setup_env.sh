@@ -25,4 +25,9 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
     || { echo "[setup] the installed stack does not import; see above" >&2; exit 1; }
   echo "$want" > "$stamp"
 fi
+# Any process of this venv (not only those importing rlcore) can import torchvision: see
+# rlcore/torchvision_shim.py. Refreshed every time: the module may change without the requirements.
+site=$(.venv/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+cp rlcore/torchvision_shim.py "$site/rlcore_torchvision_shim.py"
+echo "import rlcore_torchvision_shim; rlcore_torchvision_shim.install_import_hook()" > "$site/rlcore_torchvision_shim.pth"
 echo "[setup] .venv ready ($(.venv/bin/python -c 'import torch, vllm; print("torch", torch.__version__, "vllm", vllm.__version__)' 2>/dev/null))"

@@ -19,20 +19,27 @@ pytestmark = pytest.mark.unit
 
 
 def test_torchvision_imports_on_this_cpu_host_through_the_shim():
-    """A fresh interpreter: plain `import torchvision` fails on this host (the public wheel's ops
-    link CUDA); after `import rlcore` the transforms the Qwen-VL processors use work."""
+    """Fresh interpreters of the venv. Without the shim `import torchvision` fails on this host (the
+    public wheel's ops link CUDA); with it (the venv's import hook from scripts/setup_env.sh, or
+    `import rlcore` first) vLLM and the transforms the Qwen-VL processors use import."""
     env = {**os.environ, "PYTHONPATH": REPO}
-    bare = subprocess.run([sys.executable, "-c", "import torchvision"], env=env, capture_output=True, text=True)
-    shimmed = subprocess.run(
-        [sys.executable, "-c", "import rlcore, torch, torchvision.transforms.v2.functional as F; "
-         "from rlcore import torchvision_shim as s; print(s.stubbed, F.resize(torch.ones(3, 4, 4), [2, 2]).shape)"],
-        env=env, capture_output=True, text=True)
-    assert shimmed.returncode == 0, shimmed.stderr[-2000:]
-    if bare.returncode == 0:  # a torchvision whose ops load (not this CPU host): the shim stays out
-        assert shimmed.stdout.split()[0] == "False"
-    else:
-        assert "torchvision::nms does not exist" in bare.stderr
-        assert shimmed.stdout.split()[0] == "True", shimmed.stdout
+    drop_hook = "import sys; sys.meta_path[:] = [f for f in sys.meta_path if type(f).__name__ != '_TorchvisionHook']; "
+
+    def run(code):
+        return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+
+    has_ops = run("import torchvision.extension as e; print(e._has_ops())")
+    assert has_ops.returncode == 0, has_ops.stderr[-2000:]  # through the venv's hook
+    via_vllm = run("from vllm import LLM; import torch, torchvision.transforms.v2.functional as F; "
+                   "print(F.resize(torch.ones(3, 4, 4), [2, 2]).shape)")
+    assert via_vllm.returncode == 0 and "[3, 2, 2]" in via_vllm.stdout, via_vllm.stderr[-2000:]
+    via_rlcore = run(drop_hook + "import rlcore, torchvision.transforms.v2")
+    assert via_rlcore.returncode == 0, via_rlcore.stderr[-2000:]
+    bare = run(drop_hook + "import torchvision")
+    if has_ops.stdout.strip() == "False":  # this CPU host: the ops do not load, the shim is what works
+        assert bare.returncode != 0 and "torchvision::nms does not exist" in bare.stderr
+    else:  # a torchvision whose ops load: nothing to fix, the shim stays out
+        assert bare.returncode == 0
 
 
 def _images():
