@@ -23,6 +23,8 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import gc
+import json
+import logging
 import mmap
 import os
 import random
@@ -34,27 +36,37 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from rlcore import torchvision_shim
 from rlcore.config import model_num_experts
 from rlcore.dist import DistInfo
 from rlcore.rollout_checks import (
     align_sampler_logprobs_mode,
     capture_load_weights,
     cpu_moe_repack_on_reload,
+    check_encoder_cache_reset,
     check_engine_kwargs,
+    check_prompt_images,
     check_sleep_level_supported,
     check_weight_load,
     describe_engine,
     detach_client_finalizer,
     disable_npu_nz,
+    image_token_id,
+    slot_token_ids,
+    is_multimodal_config,
+    multimodal_kwargs,
     pick_enforce_eager as _pick_enforce_eager,
     pick_sleep_level as _pick_sleep_level,
     pick_weight_load as _pick_weight_load,
+    registry_subprocess_with_shim,
     reload_weights_method,
     request_seed as _request_seed,
     require_all_loaded,
     speed_kwargs,
     unseeded_call_seed,
 )
+
+log = logging.getLogger("rlcore.rollout")
 
 # Env vars vLLM rewrites at engine build: LOCAL_WORLD_SIZE := tp_size (breaks anything that
 # reads torchrun's value later), LD_PRELOAD := tcmalloc (leaks into subprocesses we start).
@@ -63,6 +75,9 @@ _ENV_KEYS_TO_RESTORE = ("LOCAL_WORLD_SIZE", "LD_PRELOAD", "VLLM_CPU_KVCACHE_SPAC
 # Sampled-token logprob = log_softmax(logits / T) after top-k/top-p: what the trainer recomputes.
 # vLLM's default ("raw_logprobs") ignores the temperature.
 LOGPROBS_MODE = "processed_logprobs"
+# The folder holding the rlcore package: what vLLM's registry subprocess puts on sys.path to
+# import the torchvision shim (rollout_checks.registry_subprocess_command).
+_PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @dataclass
@@ -146,11 +161,19 @@ class ColocateRollout:
         max_num_seqs: int | None = None,
         max_num_batched_tokens: int | None = None,
         enable_prefix_caching: bool | None = None,
+        limit_mm_per_prompt: dict[str, int] | None = None,
+        mm_processor_cache_gb: float | None = None,
     ):
         """``enforce_eager`` None: eager on CPU, CUDA/ACL graphs on accelerators (they survive
         sleep/wake: see rollout_checks.pick_enforce_eager). ``max_num_seqs``,
         ``max_num_batched_tokens``, ``enable_prefix_caching`` (the n samples of a prompt share
-        its prefix blocks): None leaves vLLM's default; only set values reach ``LLM(...)``."""
+        its prefix blocks): None leaves vLLM's default; only set values reach ``LLM(...)``.
+
+        Vision-language models (images in prompts, see generate): ``limit_mm_per_prompt``, e.g.
+        {"image": 2, "video": 0}, the most items of each kind a prompt may have (None: vLLM's
+        default, 999); ``mm_processor_cache_gb`` None turns vLLM's cache of processed images off
+        for a multimodal model (new images every step: it would only fill host memory, see
+        rollout_checks.multimodal_kwargs). A text model gets neither unless they are given."""
         if tp_size < 1 or info.world_size % tp_size:
             raise ValueError(f"tp_size={tp_size} must divide world_size={info.world_size}")
         self.info = info
@@ -168,6 +191,7 @@ class ColocateRollout:
         self._full_names: frozenset[str] | None = None  # names of the last full update
         self._kv_storages: list[tuple[torch.UntypedStorage, int]] = []  # CPU release bookkeeping
         self._unseeded_calls = 0  # generate(seed=None) calls so far (see unseeded_call_seed)
+        multimodal_guess = is_multimodal_config(_model_config_json(model_path))
 
         saved = _ProcessState.capture(info.device_type)  # before _memory_kwargs edits the env
         engine_kwargs = dict(
@@ -177,6 +201,8 @@ class ColocateRollout:
                            enable_prefix_caching=enable_prefix_caching),
             # Before the build: vllm-ascend reads its NZ setting while the engine is made.
             **disable_npu_nz(info.device_type),
+            **multimodal_kwargs(multimodal_guess, limit_mm_per_prompt=limit_mm_per_prompt,
+                                mm_processor_cache_gb=mm_processor_cache_gb),
         )
         try:
             self.llm = self._build_engine(model_path, engine_kwargs)
@@ -188,6 +214,18 @@ class ColocateRollout:
         worker = self._worker()
         check_weight_load(self.weight_load, info.device_type, worker, worker.model_runner.get_model())
         align_sampler_logprobs_mode(worker.model_runner, LOGPROBS_MODE)  # vllm-ascend ignores the kwarg
+        # vLLM's own answer (it has a multimodal config for the model); decides the encoder-cache
+        # resets below. The config.json guess above only picked the build settings.
+        model_config = self.llm.llm_engine.vllm_config.model_config
+        self.multimodal = bool(getattr(model_config, "is_multimodal_model", False))
+        if self.multimodal and not multimodal_guess and mm_processor_cache_gb is None:
+            log.warning("vLLM treats %s as multimodal but its config.json has no vision/audio config: vLLM's "
+                        "processed-image cache keeps its default size", model_path)
+        self.image_token_id = image_token_id(getattr(model_config, "hf_config", None)) if self.multimodal else None
+        # Samples stop at a vision slot token (rollout_checks.slot_token_ids): sampled log-probs
+        # stay those of the full vocabulary, which is what the trainer computes.
+        self._slot_tokens = slot_token_ids(getattr(model_config, "hf_config", None)) if self.multimodal else []
+        check_encoder_cache_reset(self.llm.llm_engine, self.multimodal)
 
     def _memory_kwargs(self, kv_cache_gb: float, gpu_mem_util: float) -> dict:
         if self.info.device_type == "cpu":
@@ -205,6 +243,10 @@ class ColocateRollout:
         from vllm.engine.arg_utils import EngineArgs
 
         check_sleep_level_supported(LLM, self.info.device_type, self.sleep_level)
+        try:
+            from vllm.model_executor.models import registry
+        except ImportError:  # another vLLM layout: nothing to patch
+            registry = None
         kwargs = dict(
             model=model_path,
             tensor_parallel_size=self.tp_size,
@@ -217,7 +259,10 @@ class ColocateRollout:
             **engine_kwargs,
         )
         check_engine_kwargs((f.name for f in dataclasses.fields(EngineArgs)), kwargs)
-        return LLM(**kwargs)
+        # A model class vLLM has not inspected before is inspected in a fresh interpreter, which
+        # needs rlcore's torchvision shim too (rollout_checks.registry_subprocess_command).
+        with registry_subprocess_with_shim(registry, torchvision_shim.stubbed, _PACKAGE_ROOT):
+            return LLM(**kwargs)
 
     def describe(self) -> str:
         """The engine settings in effect, in one line (for the start-up log)."""
@@ -259,6 +304,7 @@ class ColocateRollout:
         self,
         prompts: list[list[int]],
         *,
+        images: list | None = None,
         n: int,
         temperature: float = 1.0,
         top_p: float = 1.0,
@@ -276,6 +322,14 @@ class ColocateRollout:
         global RNG, the trainer's per-rank state (see rollout_checks.unseeded_call_seed).
         ``temperature == 0`` is greedy: one decode per prompt, copied n times (vLLM refuses
         n > 1 with greedy); the logprobs are then of the unscaled logits.
+
+        ``images`` (vision-language models): None, or one entry per prompt, None or a list of PIL
+        images. A prompt with images holds ONE image token (``<|image_pad|>``) per image where the
+        image goes; vLLM runs the model folder's HF processor and expands each token to the
+        image's token count (``image_grid_thw.prod() // merge_size**2`` for Qwen-VL). vLLM's
+        ``RequestOutput.prompt_token_ids`` is that expanded sequence (checked in
+        tests/test_vl_rollout.py), so a trainer that expands with the same processor scores the
+        tokens vLLM generated from.
         """
         self._require_awake("generate", {"weights", "kv_cache"})
         if not self.weights_valid:
@@ -283,7 +337,9 @@ class ColocateRollout:
                                "vLLM's weights are garbage until every tensor is pushed again")
         if not prompts:
             return []
-        from vllm.inputs import TokensPrompt
+        # Before any request reaches vLLM: a wrong placeholder count fails inside the engine
+        # (or, for a stray image token in a text prompt, not at all).
+        check_prompt_images(prompts, images, self.image_token_id)
 
         greedy = temperature < 1e-5  # vLLM's own greedy threshold (_SAMPLING_EPS)
         if seed is None:
@@ -291,10 +347,10 @@ class ColocateRollout:
             self._unseeded_calls += 1
         sampling = dict(temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=max_tokens)
         params = [
-            self._sampling_params(j, 1 if greedy else n, seed, stop_token_ids, **sampling)
+            self._sampling_params(j, 1 if greedy else n, seed, [*(stop_token_ids or []), *self._slot_tokens], **sampling)
             for j in range(len(prompts))
         ]
-        inputs = [TokensPrompt(prompt_token_ids=[int(t) for t in p]) for p in prompts]
+        inputs = [_prompt_input(p, images[j] if images is not None else None) for j, p in enumerate(prompts)]
         with self._engine_rng_scope(), self._compile_stance():
             outputs = self.llm.generate(inputs, params, use_tqdm=False)  # in request order
         results = [[_to_sample(c) for c in out.outputs] for out in outputs]
@@ -345,8 +401,9 @@ class ColocateRollout:
             else:
                 with cpu_moe_repack_on_reload(model):
                     self._reload(weights_iterator=stream)
-        # Cached prefix KV blocks were computed with the old weights.
+        # Cached prefix KV blocks and vision-encoder outputs were computed with the old weights.
         self.llm.reset_prefix_cache()
+        self._reset_encoder_cache()
         if refill:
             require_all_loaded(model, loaded, "update_weights")
         if full:
@@ -361,9 +418,17 @@ class ColocateRollout:
         with capture_load_weights(model) as loaded, cpu_moe_repack_on_reload(model):
             self._reload(weights_path=path)
         self.llm.reset_prefix_cache()
+        self._reset_encoder_cache()
         if not self.weights_valid:
             require_all_loaded(model, loaded, "update_weights_from_path")
         self.weights_valid = True
+
+    def _reset_encoder_cache(self) -> None:
+        """Drop vLLM's cached vision-encoder outputs (multimodal models; see
+        rollout_checks.check_encoder_cache_reset): after new weights, an image seen before must be
+        encoded again, and on the CPU reload path the scheduler's record of it must go too."""
+        if self.multimodal:
+            self.llm.llm_engine.reset_encoder_cache()
 
     def _reload(self, **kwargs) -> None:
         method = reload_weights_method(self._worker())
@@ -396,6 +461,9 @@ class ColocateRollout:
         """
         if self._asleep:
             return
+        # Cached vision-encoder outputs (multimodal models) are plain device tensors outside
+        # the sleep-mode pools; drop them with the KV cache (the next push resets them anyway).
+        self._reset_encoder_cache()
         if self.info.device_type == "cpu":
             self._kv_storages = _release_cpu_kv(self._model_runner())
             self._asleep = {"kv_cache"}
@@ -483,6 +551,27 @@ class ColocateRollout:
 
 
 # ----------------------------------------------------------------------------- helpers
+
+
+def _model_config_json(path: str) -> dict:
+    """The model folder's config.json ({} when there is none to read, e.g. a hub id)."""
+    try:
+        with open(os.path.join(path, "config.json")) as f:
+            config = json.load(f)
+    except (OSError, ValueError):
+        return {}
+    return config if isinstance(config, dict) else {}
+
+
+def _prompt_input(ids: list[int], images: list | None):
+    """One request for vLLM: the token ids, plus the images when there are any (vLLM takes PIL
+    images under ``multi_modal_data["image"]`` and expands the image tokens itself)."""
+    from vllm.inputs import TokensPrompt
+
+    ids = [int(t) for t in ids]
+    if not images:
+        return TokensPrompt(prompt_token_ids=ids)
+    return TokensPrompt(prompt_token_ids=ids, multi_modal_data={"image": list(images)})
 
 
 def _to_sample(completion) -> Sample:

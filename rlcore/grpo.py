@@ -159,7 +159,10 @@ def pack(prompt_ids: list[list[int]], response_ids: list[list[int]], device, *, 
         for i in range(a, b):
             r = response_ids[i]
             start = len(ids)
-            ids += r
+            # A response's last token is only a label (nothing predicts from it). Image rows write
+            # the prompt's last token there instead: a sample that stopped at a vision slot token
+            # (rlcore.rollout_checks.slot_token_ids) would otherwise read as an image slot.
+            ids += r if vision is None or not r else r[:-1] + [p[-1]]
             pos += range(len(p), len(p) + len(r))
             seg += [i + 1] * len(r)
             if vision is not None:

@@ -88,6 +88,168 @@ def speed_kwargs(*, max_num_seqs: int | None = None, max_num_batched_tokens: int
     return {k: v for k, v in given.items() if v is not None}
 
 
+def is_multimodal_config(config: dict) -> bool:
+    """Whether an HF ``config.json`` (as a dict) describes a model that takes images (or audio):
+    Qwen2-VL, Qwen2.5-VL, Qwen3-VL(-MoE) and the other vision-language configs of transformers nest
+    a ``vision_config``; audio-language ones an ``audio_config``. Read before the engine exists, to
+    pick the multimodal engine settings (multimodal_kwargs); the built engine's own answer is
+    ``ModelConfig.is_multimodal_model`` (vllm 0.32.0 config/model.py:1980-1982)."""
+    return isinstance(config.get("vision_config"), dict) or isinstance(config.get("audio_config"), dict)
+
+
+def multimodal_kwargs(multimodal: bool, *, limit_mm_per_prompt: dict[str, int] | None = None,
+                      mm_processor_cache_gb: float | None = None) -> dict:
+    """The ``LLM(...)`` keywords for images in prompts; {} for a text model unless asked for.
+
+    ``limit_mm_per_prompt`` ({"image": 2, "video": 0}): set only when given (vLLM's default is
+    999 items of each modality, vllm 0.32.0 config/multimodal.py:307-325). vLLM refuses a prompt
+    with more items, and on accelerators sizes the encoder's profiling run by it; a 0 keeps that
+    modality out (no dummy videos profiled).
+
+    ``mm_processor_cache_gb``: None gives 0 on a multimodal model. vLLM's default, 4 GiB
+    (config/multimodal.py:357), is an LRU of the processed items, pixel tensors included, in host
+    memory: with the in-process engine (one API process, vLLM DP 1) the cache type is "lru"
+    (multimodal/cache/factories.py:23-46), whose engine-side half keeps every new item's
+    ``MultiModalKwargsItem`` until 4 GiB are full (multimodal/cache/lru.py:86-122, sized at
+    :99-107). A GRPO step brings new images every time (the n samples of a prompt are one request,
+    processed once), so the cache would only grow to its cap on every rank, beside the trainer,
+    and hit again at best once an epoch. With 0 nothing is cached (factories.py:31-33) and each image is processed
+    in its request (multimodal/processing/processor.py:1511-1512 -> _apply_hf_processor), which
+    still hashes it (processor.py:1480-1482): the prefix cache and the encoder cache keep telling
+    images apart.
+    """
+    kwargs: dict = {}
+    if limit_mm_per_prompt is not None:
+        bad = {k: v for k, v in limit_mm_per_prompt.items()
+               if not isinstance(k, str) or isinstance(v, bool) or not isinstance(v, int) or v < 0}
+        if bad:
+            raise ValueError(f"limit_mm_per_prompt must map a modality name to a count >= 0, got {bad}")
+        kwargs["limit_mm_per_prompt"] = dict(limit_mm_per_prompt)
+    if mm_processor_cache_gb is not None:
+        if mm_processor_cache_gb < 0:
+            raise ValueError(f"mm_processor_cache_gb must be >= 0, got {mm_processor_cache_gb}")
+        kwargs["mm_processor_cache_gb"] = float(mm_processor_cache_gb)
+    elif multimodal:
+        kwargs["mm_processor_cache_gb"] = 0.0
+    return kwargs
+
+
+def image_token_id(hf_config) -> int | None:
+    """The id of the placeholder token one image is written as in a prompt (``<|image_pad|>`` for
+    Qwen-VL: ``image_token_id``; ``image_token_index`` in LLaVA-style configs); None if none."""
+    for key in ("image_token_id", "image_token_index"):
+        value = getattr(hf_config, key, None)
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    return None
+
+
+def slot_token_ids(hf_config) -> list[int]:
+    """Token ids that mark image / video slots in a prompt (``<|image_pad|>``, ``<|video_pad|>``).
+    A response must not contain them: the policy's forward takes every such token of its packed
+    row for a slot to fill with vision features, so ``generate`` stops a sample at one (it ends
+    the response, and ``rlcore.grpo.pack`` never feeds a response's last token as an input)."""
+    ids = [image_token_id(hf_config)]
+    for key in ("video_token_id", "video_token_index"):
+        value = getattr(hf_config, key, None)
+        if isinstance(value, int) and not isinstance(value, bool):
+            ids.append(value)
+            break
+    return [i for i in ids if i is not None]
+
+
+def check_prompt_images(prompts: list[list[int]], images: list | None, image_token: int | None) -> None:
+    """Refuse, before vLLM sees them, image prompts that would be read wrong.
+
+    ``images`` is None or parallel to ``prompts``: per prompt None / [] (text) or its images. A
+    prompt with k images must hold exactly k image tokens, ONE per image: vLLM expands each to the
+    image's token count itself (vllm 0.32.0 model_executor/models/qwen3_vl.py:1740-1745, a
+    PromptReplacement of the single token by ``grid_thw.prod() // merge_size**2`` copies,
+    :1672-1678), so an already expanded prompt or a missing placeholder would not match. A prompt
+    without images must not hold the image token: vLLM would embed it as a plain word, silently.
+    """
+    if images is None:
+        return
+    if len(images) != len(prompts):
+        raise ValueError(f"images has {len(images)} entries for {len(prompts)} prompts; pass one per prompt "
+                         "(None for a text prompt)")
+    for i, (ids, imgs) in enumerate(zip(prompts, images)):
+        k = len(imgs) if imgs else 0
+        if k and image_token is None:
+            raise ValueError(f"prompt {i} has {k} images but the model takes none (no image token in its config)")
+        if image_token is None:
+            continue
+        found = sum(1 for t in ids if int(t) == image_token)
+        if found != k:
+            what = ("one per image (vLLM expands each itself; pass the unexpanded prompt)" if k else
+                    "none for a prompt without images")
+            raise ValueError(f"prompt {i} holds {found} image tokens (id {image_token}) for {k} images; "
+                             f"it needs {what}")
+
+
+def check_encoder_cache_reset(llm_engine, multimodal: bool) -> None:
+    """A multimodal engine must be able to drop its encoder cache after a weight push.
+
+    vLLM keeps the vision encoder's output of an image for later requests, keyed only by the
+    image's hash (vllm 0.32.0 v1/core/encoder_cache_manager.py:19-41: unreferenced entries stay
+    "freeable" until space is needed; the tensors sit in the runner's ``encoder_cache`` dict,
+    v1/worker/gpu_model_runner.py:579, :2784). After new vision weights, the same image would be
+    read through embeddings of the old ones. On the CPU reload path it fails loudly instead:
+    ``GPUModelRunner.reload_weights`` clears the runner's dict (gpu_model_runner.py:5287-5304)
+    but not the scheduler's ``EncoderCacheManager``, which still counts the image as encoded, so
+    the next request with it raises "Encoder cache miss" (gpu_model_runner.py:3052-3063; measured
+    on the tiny Qwen3-VL, and that engine did not recover). ``LLMEngine.reset_encoder_cache``
+    (v1/engine/llm_engine.py:410-416 -> v1/engine/core.py:878-896) resets both; vLLM itself calls
+    it on no weight-update path it offers to this rollout (direct ``load_weights`` touches
+    neither cache).
+    """
+    if multimodal and not callable(getattr(llm_engine, "reset_encoder_cache", None)):
+        raise RuntimeError(f"{type(llm_engine).__name__} has no reset_encoder_cache: after a weight update this vLLM "
+                           "would reuse vision embeddings of the old weights; install the vLLM of requirements-*.txt")
+
+
+def registry_subprocess_command(command: list[str], package_root: str) -> list[str] | None:
+    """vLLM's model-registry inspection command made to install rlcore's torchvision shim first;
+    None when ``command`` is not the ``[python, "-m", module]`` form it knows.
+
+    On a model whose class vLLM has not inspected before (no entry under
+    ``$VLLM_CACHE_ROOT/modelinfos``), vLLM builds its config by running ``python -m
+    vllm.model_executor.models.registry`` in a subprocess (vllm 0.32.0
+    model_executor/models/registry.py:797 _SUBPROCESS_COMMAND, :1077-1080 inspect_model_cls ->
+    _run_in_subprocess, :1562-1564). That fresh interpreter imports ``vllm.config`` ->
+    transformers' image utilities -> torchvision, which fails on a CPU host with the public
+    torchvision wheel unless rlcore's shim ran first (rlcore/torchvision_shim.py): "Model
+    architectures [...] failed to be inspected". It hits any cold cache, text models too; Qwen3-VL
+    is simply the first class this project's machines had not inspected yet.
+    """
+    if len(command) != 3 or command[1] != "-m":
+        return None
+    python, _, module = command
+    code = (f"import sys; sys.path.insert(0, {package_root!r}); import rlcore, runpy; "
+            f"runpy.run_module({module!r}, run_name='__main__', alter_sys=True)")
+    return [python, "-c", code]
+
+
+@contextmanager
+def registry_subprocess_with_shim(registry, needed: bool, package_root: str):
+    """While the engine builds, run vLLM's registry subprocess through registry_subprocess_command
+    (``registry``: the module ``vllm.model_executor.models.registry``, or None). Only when
+    ``needed`` (the shim was installed in this process); restored after."""
+    original = getattr(registry, "_SUBPROCESS_COMMAND", None) if needed and registry is not None else None
+    patched = registry_subprocess_command(list(original), package_root) if original is not None else None
+    if patched is None:
+        if original is not None:
+            log.warning("vLLM's registry subprocess command %r has an unknown form; a cold model-info cache may "
+                        "fail to import torchvision there", original)
+        yield
+        return
+    registry._SUBPROCESS_COMMAND = patched
+    try:
+        yield
+    finally:
+        registry._SUBPROCESS_COMMAND = original
+
+
 def disable_npu_nz(device_type: str, environ: MutableMapping[str, str] | None = None) -> dict:
     """On NPU turn vllm-ascend's FRACTAL_NZ weight format off before the engine builds; returns
     the extra ``LLM(...)`` kwargs that say the same. Other devices: nothing is touched.
@@ -291,11 +453,15 @@ def describe_engine(vllm_config, *, device_type: str, tp_size: int, dp_size: int
     dtype = str(getattr(mc, "dtype", "?")).replace("torch.", "")
     release = "KV buffer freed (CPU: no sleep mode)" if device_type == "cpu" else f"sleep level {sleep_level}"
     graphs = "eager" if mc.enforce_eager else "graphs"
+    mm = getattr(mc, "multimodal_config", None)  # None for a text model (vllm 0.32.0 config/model.py:1980-1982)
+    mm_part = "" if mm is None else (f" images/prompt<={mm.get_limit_per_prompt('image')} "
+                                     f"videos/prompt<={mm.get_limit_per_prompt('video')} "
+                                     f"mm_processor_cache_gb={mm.mm_processor_cache_gb:g}")
     return (f"vLLM on {device_type}: tp={tp_size} dp={dp_size} dtype={dtype} enforce_eager={mc.enforce_eager} "
             f"({graphs}) weight_load={weight_load} release={release} "
             f"prefix_caching={getattr(cc, 'enable_prefix_caching', None)} "
             f"max_num_seqs={getattr(sc, 'max_num_seqs', None)} "
-            f"max_num_batched_tokens={getattr(sc, 'max_num_batched_tokens', None)}")
+            f"max_num_batched_tokens={getattr(sc, 'max_num_batched_tokens', None)}{mm_part}")
 
 
 def _cpu_moe_methods(model) -> list:

@@ -188,6 +188,9 @@ def test_pack_with_images_lays_out_positions_pixels_and_runs():
     assert shared["position_ids"][0, 0, :6].tolist() == [0, 1, 2, 3, 3, 4]
     assert shared["attention_mask"].shape == (1, 1, 12, 12)
     assert torch.equal(flat["labels"], shared["labels"])
+    # a response's last token is a label only: image rows never feed it (it may be a vision slot token)
+    assert flat["input_ids"][0, 3].item() == prompt[-1] and flat["labels"][0, 0].item() == 30
+    assert flat["input_ids"][0, 7:9].tolist() == [31, prompt[-1]]
     text_only = pack(prompts, responses, "cpu")
     assert text_only["position_ids"].shape == (1, 18) and text_only["mm"] is None
 

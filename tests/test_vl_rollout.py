@@ -1,0 +1,260 @@
+"""ColocateRollout with image prompts: a tiny random Qwen3-VL in real vLLM under torchrun (gloo,
+fp32) against transformers' forward of the same weights and the same HF processor.
+
+Each layout is one torchrun launch (tests/workers/vl_rollout_worker.py) held by a module-scoped
+fixture: 1 rank, 2 ranks as two data-parallel engines (tp=1), 2 ranks sharding one engine (tp=2).
+The tests assert on what the ranks measured, so every property fails with its own message. The
+``unit`` tests check the pure helpers in rlcore/rollout_checks.py and the engine keywords
+against the fake vLLM of tests/test_rollout_accel.py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import types
+
+import pytest
+
+import test_rollout_accel as accel
+from conftest import REPO, run_torchrun
+from rlcore import rollout_checks as rc
+from test_rollout_accel import fake_vllm  # noqa: F401  (the fixture, for the unit test at the end)
+
+WORKER = os.path.join(REPO, "tests", "workers", "vl_rollout_worker.py")
+LOGPROB_TOL = 1e-4  # fp32 vLLM vs fp32 transformers; measured ~5e-7
+LAYOUTS = {"1rank": (1, 1), "dp2": (2, 1), "tp2": (2, 2)}  # name: (ranks, tensor_parallel_size)
+
+
+@pytest.fixture(scope="module")
+def vl_model(tmp_path_factory) -> str:
+    import rlcore.vl_task as vl
+
+    return vl.make_tiny_vl_model(str(tmp_path_factory.mktemp("tiny_vl")))
+
+
+@pytest.fixture(scope="module")
+def shared_vllm_cache(tmp_path_factory):
+    return tmp_path_factory.mktemp("vllm_cache_shared")
+
+
+@pytest.fixture(scope="module", params=list(LAYOUTS))
+def run(request, vl_model, shared_vllm_cache, tmp_path_factory) -> dict:
+    """Launch the worker in one layout; its per-rank results. The 1-rank launch starts from an
+    empty vLLM cache folder, so vLLM inspects Qwen3-VL in its registry subprocess (the path that
+    needs the torchvision shim there too); the others share a second folder."""
+    name = request.param
+    nproc, tp = LAYOUTS[name]
+    out = tmp_path_factory.mktemp(f"vl_rollout_{name}") / "result.json"
+    cache = tmp_path_factory.mktemp("vllm_cache_cold") if name == "1rank" else shared_vllm_cache
+    proc = run_torchrun(WORKER, nproc, vl_model, str(out), str(tp), env={"VLLM_CACHE_ROOT": str(cache)})
+    assert out.exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    result["layout"] = name
+    print(json.dumps([{k: v for k, v in r.items() if k != "samples"} for r in result["ranks"]]))
+    return result
+
+
+def test_engine_settings(run):
+    """limit_mm_per_prompt reaches vLLM; the processed-image cache is off for a multimodal model."""
+    for r in run["ranks"]:
+        e = r["engine"]
+        assert e["multimodal"] and e["image_token_id"] == 7
+        assert e["limits"] == {"image": 2, "video": 0}
+        assert e["mm_processor_cache_gb"] == 0.0
+        assert e["tp"] == run["tp"]
+        assert "images/prompt<=2" in e["describe"] and "mm_processor_cache_gb=0" in e["describe"]
+
+
+def test_cold_model_info_cache(run):
+    """vLLM inspects a model class it has not seen in a fresh interpreter; with the shim there too
+    the build succeeds and leaves the class's model info in the cache folder."""
+    if run["layout"] != "1rank":
+        pytest.skip("only the 1-rank launch starts from an empty vLLM cache folder")
+    r = run["ranks"][0]
+    assert not r["modelinfo_cached_before"] and r["modelinfo_cached_after"]
+
+
+def test_logprobs_match_transformers(run):
+    """Sampled-token logprobs (T=1) of 1-image, 2-image and text prompts in one call."""
+    for r in run["ranks"]:
+        assert r["n_per_prompt"] == [2, 2, 2, 2]
+        assert r["lp_diff"] < LOGPROB_TOL, f"image prompts: {r['lp_diff']:.2e}"
+        assert r["lp_diff_two_images"] < LOGPROB_TOL, f"2-image prompt: {r['lp_diff_two_images']:.2e}"
+        assert r["lp_diff_text"] < LOGPROB_TOL, f"text prompt: {r['lp_diff_text']:.2e}"
+
+
+def test_prompt_ids_are_expanded_like_the_trainer(run):
+    """vLLM's RequestOutput.prompt_token_ids is the expanded prompt (one <|image_pad|> per merged
+    patch), equal to the expansion by grid_thw.prod() // merge_size**2 of the HF processor."""
+    for r in run["ranks"]:
+        assert r["image_tokens"] == [9, 9, 18, 0]  # 96x96: (6*6 patches) / 2**2
+        assert [v - s for v, s in zip(r["vllm_prompt_lens"], r["sent_prompt_lens"])] == [8, 8, 16, 0]
+        assert r["expansion_equal"], "vLLM's expanded prompt differs from the processor-based expansion"
+        if isinstance(r["rlcore_vision_expansion_equal"], bool):  # rlcore.vision, when importable
+            assert r["rlcore_vision_expansion_equal"], "rlcore.vision.VisionProcessor.prepare differs from vLLM"
+
+
+def test_one_pixel_reaches_the_engine(run):
+    """One pixel changed: vLLM matches transformers on the new image, and is far from the old one."""
+    for r in run["ranks"]:
+        assert r["pixel_lp_diff"] < LOGPROB_TOL, f"{r['pixel_lp_diff']:.2e}"
+        assert r["pixel_shift_hf"] > 2 * LOGPROB_TOL, f"one pixel moved logprobs by only {r['pixel_shift_hf']:.2e}"
+        if r["pixel_same_tokens"]:
+            assert r["pixel_shift_vllm"] > 2 * LOGPROB_TOL, r["pixel_shift_vllm"]
+
+
+def test_vision_weight_sync(run):
+    """Perturbed model.visual.* pushed with the full HF-named set: vLLM follows (the same images,
+    so stale encoder-cache entries would show); the original weights pushed back: the first
+    samples come back exactly."""
+    for r in run["ranks"]:
+        assert r["pushed"] == 64 and r["perturbed"] == r["pushed_visual_names"] == 39
+        assert r["vllm_params_missed"] == [], "HF names that vLLM's loader did not map onto its parameters"
+        assert r["lp_shift_vision"] > 100 * LOGPROB_TOL, "the vision noise barely moved the logprobs"
+        assert r["lp_diff_vision_updated"] < LOGPROB_TOL, f"after the push: {r['lp_diff_vision_updated']:.2e}"
+        assert r["text_prompt_unchanged"], "a text prompt changed with only the vision tower pushed"
+        assert r["lp_diff_restored"] < LOGPROB_TOL, f"after pushing the original back: {r['lp_diff_restored']:.2e}"
+        assert r["restored_equals_first"]
+
+
+def test_encoder_cache_dropped_on_every_path(run):
+    """Same images after a reload from the model folder and after release/resume: the first
+    samples again (stale image encodings would change them, or fail on the CPU reload path)."""
+    for r in run["ranks"]:
+        assert r["moved_before_path_reload"], "the pushed vision noise did not change the samples"
+        assert r["path_reload_equals_first"], "update_weights_from_path left other weights' image encodings"
+        assert r["release_resume_equals_first"]
+
+
+def test_refusals(run):
+    for r in run["ranks"]:
+        assert "At most 2 image(s)" in r["over_limit"], r["over_limit"]
+        assert r["wrong_placeholders"].startswith("ValueError: prompt 0 holds 1 image tokens"), r["wrong_placeholders"]
+        assert r["after_refusals"] == 1
+
+
+def test_data_parallel_engines_see_their_own_images(run):
+    if run["layout"] == "1rank":
+        pytest.skip("one engine")
+    r0, r1 = run["ranks"]
+    if run["tp"] == 1:
+        assert r0["engine"]["dp_rank"] != r1["engine"]["dp_rank"]
+        assert r0["samples"] != r1["samples"], "DP replicas sampled identical completions"
+    else:
+        assert r0["samples"] == r1["samples"], "TP ranks returned different outputs"
+
+
+# ----------------------------------------------------------------------------- unit
+
+
+@pytest.mark.unit
+def test_multimodal_kwargs_only_for_multimodal_or_when_asked():
+    assert rc.multimodal_kwargs(False) == {}
+    assert rc.multimodal_kwargs(True) == {"mm_processor_cache_gb": 0.0}
+    assert rc.multimodal_kwargs(True, limit_mm_per_prompt={"image": 2, "video": 0}, mm_processor_cache_gb=1) == {
+        "limit_mm_per_prompt": {"image": 2, "video": 0}, "mm_processor_cache_gb": 1.0}
+    assert rc.multimodal_kwargs(False, limit_mm_per_prompt={"image": 1}) == {"limit_mm_per_prompt": {"image": 1}}
+    for bad in ({"image": -1}, {"image": 1.5}, {"image": True}, {3: 1}):
+        with pytest.raises(ValueError, match="limit_mm_per_prompt"):
+            rc.multimodal_kwargs(True, limit_mm_per_prompt=bad)
+    with pytest.raises(ValueError, match="mm_processor_cache_gb"):
+        rc.multimodal_kwargs(True, mm_processor_cache_gb=-1)
+
+
+@pytest.mark.unit
+def test_multimodal_config_detection():
+    assert rc.is_multimodal_config({"model_type": "qwen3_vl", "vision_config": {"depth": 2}})
+    assert rc.is_multimodal_config({"audio_config": {}})
+    assert not rc.is_multimodal_config({"model_type": "qwen3"})
+    assert not rc.is_multimodal_config({})
+    ns = types.SimpleNamespace
+    assert rc.image_token_id(ns(image_token_id=7)) == 7
+    assert rc.image_token_id(ns(image_token_index=32000)) == 32000
+    assert rc.image_token_id(ns()) is None and rc.image_token_id(None) is None
+
+
+@pytest.mark.unit
+def test_prompt_images_checked():
+    pad, im = 7, object()
+    rc.check_prompt_images([[1, pad, 2], [1, 2]], None, pad)
+    rc.check_prompt_images([[1, pad, 2], [1, 2], [pad, pad]], [[im], None, [im, im]], pad)
+    rc.check_prompt_images([[1, 2]], [[]], pad)  # an empty list is a text prompt
+    rc.check_prompt_images([[1, 2]], [None], None)  # text model, no images
+    with pytest.raises(ValueError, match="2 entries for 1 prompts"):
+        rc.check_prompt_images([[1]], [None, None], pad)
+    with pytest.raises(ValueError, match="holds 1 image tokens .* for 2 images"):
+        rc.check_prompt_images([[1, pad]], [[im, im]], pad)
+    with pytest.raises(ValueError, match="holds 9 image tokens .* pass the unexpanded prompt"):
+        rc.check_prompt_images([[1] + [pad] * 9], [[im]], pad)
+    with pytest.raises(ValueError, match="holds 1 image tokens .* for 0 images"):
+        rc.check_prompt_images([[1, pad]], [None], pad)
+    with pytest.raises(ValueError, match="the model takes none"):
+        rc.check_prompt_images([[1]], [[im]], None)
+
+
+@pytest.mark.unit
+def test_registry_subprocess_runs_the_shim_first(tmp_path):
+    import subprocess
+
+    registry = types.SimpleNamespace(_SUBPROCESS_COMMAND=[sys.executable, "-m", "some.module"])
+    with rc.registry_subprocess_with_shim(registry, False, REPO):
+        assert registry._SUBPROCESS_COMMAND == [sys.executable, "-m", "some.module"]  # shim not needed
+    with rc.registry_subprocess_with_shim(registry, True, REPO):
+        cmd = registry._SUBPROCESS_COMMAND
+        assert cmd[:2] == [sys.executable, "-c"] and "import rlcore" in cmd[2] and "'some.module'" in cmd[2]
+    assert registry._SUBPROCESS_COMMAND == [sys.executable, "-m", "some.module"]  # restored
+    with rc.registry_subprocess_with_shim(None, True, REPO):  # no registry module: nothing to do
+        pass
+    assert rc.registry_subprocess_command(["python", "script.py"], REPO) is None
+    # The command works from any directory: it runs the module as __main__ after importing rlcore.
+    mod = tmp_path / "probe_mod.py"
+    mod.write_text("import sys\nif __name__ == '__main__':\n    print('torchvision' in sys.modules or 'ok', "
+                   "sys.modules['rlcore'].__name__)\n")
+    cmd = rc.registry_subprocess_command([sys.executable, "-m", "probe_mod"], REPO)
+    env = {**os.environ, "PYTHONPATH": str(tmp_path)}
+    out = subprocess.run(cmd, cwd=str(tmp_path), env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.split() == ["ok", "rlcore"], out.stderr[-2000:]
+
+
+@pytest.mark.unit
+def test_registry_command_form_of_installed_vllm():
+    """The installed vLLM's registry command has the form the shim rewrites (else the rollout
+    warns and a cold model-info cache may fail on a CPU host)."""
+    registry = pytest.importorskip("vllm.model_executor.models.registry")
+    assert rc.registry_subprocess_command(list(registry._SUBPROCESS_COMMAND), REPO) is not None, \
+        registry._SUBPROCESS_COMMAND
+
+
+@pytest.mark.unit
+def test_encoder_cache_reset_required_for_multimodal():
+    rc.check_encoder_cache_reset(object(), multimodal=False)
+    rc.check_encoder_cache_reset(types.SimpleNamespace(reset_encoder_cache=lambda: None), multimodal=True)
+    with pytest.raises(RuntimeError, match="reset_encoder_cache"):
+        rc.check_encoder_cache_reset(object(), multimodal=True)
+
+
+@pytest.mark.unit
+def test_engine_kwargs_for_text_and_vl_folders(fake_vllm, tmp_path, monkeypatch):
+    """Through ColocateRollout with the fake vLLM of tests/test_rollout_accel.py: a folder whose
+    config.json has a vision_config gets the cache turned off and the limits; a text folder gets
+    no multimodal keyword at all (its engine is built as before)."""
+    import dataclasses
+
+    import rlcore.colocate_rollout as cr
+    from rlcore.dist import DistInfo
+
+    mm_keys = ["limit_mm_per_prompt", "mm_processor_cache_gb"]  # vllm 0.32.0 engine/arg_utils.py:634, :643
+    monkeypatch.setattr(sys.modules["vllm.engine.arg_utils"], "EngineArgs", dataclasses.make_dataclass(
+        "EngineArgs", [(k, object, None) for k in accel.ENGINE_ARGS + mm_keys]))
+    info = DistInfo(rank=0, world_size=1, local_rank=0, local_world_size=1, device_type="cpu", backend="gloo")
+    text, vl = tmp_path / "text", tmp_path / "vl"
+    for folder, config in ((text, {"model_type": "qwen3"}), (vl, {"model_type": "qwen3_vl", "vision_config": {}})):
+        folder.mkdir()
+        (folder / "config.json").write_text(json.dumps(config))
+    cr.ColocateRollout(str(text), info)
+    assert not set(mm_keys) & set(accel.FakeLLM.built[-1])
+    cr.ColocateRollout(str(vl), info, limit_mm_per_prompt={"image": 2, "video": 0})
+    built = accel.FakeLLM.built[-1]
+    assert built["mm_processor_cache_gb"] == 0.0 and built["limit_mm_per_prompt"] == {"image": 2, "video": 0}
