@@ -48,6 +48,7 @@ from rlcore.rollout_checks import (
     check_prompt_images,
     check_sleep_level_supported,
     check_weight_load,
+    cpu_prefill_kwargs,
     describe_engine,
     detach_client_finalizer,
     disable_npu_nz,
@@ -201,6 +202,7 @@ class ColocateRollout:
                            enable_prefix_caching=enable_prefix_caching),
             # Before the build: vllm-ascend reads its NZ setting while the engine is made.
             **disable_npu_nz(info.device_type),
+            **cpu_prefill_kwargs(info.device_type),
             **multimodal_kwargs(multimodal_guess, limit_mm_per_prompt=limit_mm_per_prompt,
                                 mm_processor_cache_gb=mm_processor_cache_gb),
         )

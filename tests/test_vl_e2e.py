@@ -28,7 +28,10 @@ def args(model, data, out, *extra):
     return ["--config", os.path.join(REPO, "configs", "demo_vl_cpu.yaml"), "--model.path", model,
             "--data.train_files", json.dumps([data]), "--data.val_files", "[]", "--trainer.output_dir", out,
             "--trainer.total_steps", str(STEPS), "--trainer.prompts_per_step", "4", "--rollout.n", "4",
-            "--checkpoint.keep_last", "10", "--checkpoint.save_hf_final", "false", *extra]
+            "--checkpoint.keep_last", "10", "--checkpoint.save_hf_final", "false",
+            # 16 prompts of ~27 tokens per rank and step against a 64-token scheduler budget: vLLM
+            # would chunk them, which kills seeded requests on CPU (rollout_checks.cpu_prefill_kwargs)
+            "--rollout.max_num_batched_tokens", "64", *extra]
 
 
 @pytest.fixture(scope="module")
