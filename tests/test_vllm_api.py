@@ -37,14 +37,17 @@ NAMES = [
     ("vllm.v1.engine.core", "EngineCore.shutdown", "replayed minus the PG teardown by ColocateRollout.shutdown"),
     ("vllm.v1.engine.core_client", "InprocClient", "ColocateRollout.shutdown (llm_engine.engine_core)"),
     ("vllm.v1.core.sched.scheduler", "Scheduler.shutdown", "ColocateRollout.shutdown"),
+    ("vllm.v1.engine.llm_engine", "LLMEngine.reset_encoder_cache", "ColocateRollout._reset_encoder_cache (image prompts)"),
+    ("vllm.model_executor.models.registry", "_SUBPROCESS_COMMAND", "rollout_checks.registry_subprocess_with_shim"),
 ]
 
 # Every keyword ColocateRollout may pass to LLM(...): rlcore/colocate_rollout.py _build_engine,
-# _memory_kwargs, rollout_checks.speed_kwargs and disable_npu_nz.
+# _memory_kwargs, rollout_checks.speed_kwargs, disable_npu_nz, cpu_prefill_kwargs, multimodal_kwargs.
 LLM_KWARGS = [
     "model", "tensor_parallel_size", "distributed_executor_backend", "seed", "dtype", "max_model_len",
     "enforce_eager", "logprobs_mode", "use_tqdm_on_load", "kv_cache_memory_bytes", "gpu_memory_utilization",
     "enable_sleep_mode", "max_num_seqs", "max_num_batched_tokens", "enable_prefix_caching", "additional_config",
+    "enable_chunked_prefill", "limit_mm_per_prompt", "mm_processor_cache_gb",
 ]
 
 
