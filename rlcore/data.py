@@ -154,7 +154,7 @@ def read_rows(path: str, cfg: DataConfig) -> tuple[list[dict], int]:
     return rows, bad
 
 
-def render_prompt(row: dict, cfg: DataConfig, tokenizer) -> str:
+def render_prompt(row: dict, cfg: DataConfig, tokenizer, processor=None) -> str:
     prompt = get_key(row, cfg.prompt_key)
     if not cfg.apply_chat_template:
         if isinstance(prompt, list):
@@ -167,10 +167,14 @@ def render_prompt(row: dict, cfg: DataConfig, tokenizer) -> str:
                     for m in messages]
     if cfg.system_prompt and messages[0]["role"] != "system":
         messages = [{"role": "system", "content": cfg.system_prompt}] + messages
-    if getattr(tokenizer, "chat_template", None) is None:
+    # A vision-language folder may keep its template with the processor only (chat_template.json)
+    owner = tokenizer
+    if getattr(tokenizer, "chat_template", None) is None and processor is not None:
+        owner = processor.processor
+    if getattr(owner, "chat_template", None) is None:
         raise ConfigError("data.apply_chat_template=true but the tokenizer has no chat template; "
                           "set data.apply_chat_template=false or use a chat model")
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return owner.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 
 
 def load_prompts(files: list[str], cfg: DataConfig, tokenizer, processor=None) -> tuple[list[Prompt], dict]:
@@ -182,7 +186,7 @@ def load_prompts(files: list[str], cfg: DataConfig, tokenizer, processor=None) -
         bad += nbad
         base_dir = os.path.dirname(os.path.abspath(path))
         for row in rows:
-            text = render_prompt(row, cfg, tokenizer)
+            text = render_prompt(row, cfg, tokenizer, processor)
             # The chat template already holds the special tokens (BOS etc.).
             ids = tokenizer(text, add_special_tokens=not cfg.apply_chat_template)["input_ids"]
             images = [vision.open_image(e, base_dir) for e in image_entries(row, cfg)]
