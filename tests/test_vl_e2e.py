@@ -63,8 +63,8 @@ def test_image_prompts_train_and_vllm_matches_the_trainer(runs):
     assert "train data: 16 prompts with 16 images" in out, out[-3000:]
     assert "vision tower" in out, out[-3000:]  # the policy's start-up line says trained or frozen
     assert any(r["actor/grad_norm"] > 0 for r in rows)
-    # fp32 on both sides: vLLM's log-probs of its own samples equal the trainer's within kernel noise
-    assert all(r["rollout/mismatch_max"] < 1e-3 and 0 <= r["rollout/mismatch_kl"] < 1e-6 for r in rows), \
+    # fp32 on both sides, after every sync: vLLM's log-probs of its own samples equal the trainer's within 1e-4
+    assert all(r["rollout/mismatch_max"] < 1e-4 and 0 <= r["rollout/mismatch_kl"] < 1e-6 for r in rows), \
         [(r["rollout/mismatch_max"], r["rollout/mismatch_kl"]) for r in rows]
 
 
@@ -80,3 +80,12 @@ def test_kill9_then_resume_with_images_is_exact(runs, tmp_path):
     assert sa["model"].keys() == sb["model"].keys()
     assert any("visual" in k for k in sa["model"])  # the vision tower is part of the trained state
     assert same(sa["model"], sb["model"]) and same(sa["optimizer"], sb["optimizer"])
+
+
+def test_one_rank_image_training_agrees_with_vllm(tiny_vl_model, shapes_data, tmp_path):
+    """The same agreement on a single rank (one FSDP2 shard, one vLLM engine)."""
+    out = str(tmp_path / "one")
+    run_torchrun(TRAIN, 1, *args(tiny_vl_model, shapes_data[0], out, "--trainer.total_steps", "2"))
+    rows = read_rows(out)
+    assert [r["step"] for r in rows] == [1, 2]
+    assert all(r["rollout/mismatch_max"] < 1e-4 for r in rows), [r["rollout/mismatch_max"] for r in rows]
