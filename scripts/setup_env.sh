@@ -11,6 +11,14 @@ if [ ! -x .venv/bin/python ]; then
   echo "[setup] creating .venv"
   "$python" -m venv .venv
 fi
+# Any process of this venv (not only those importing rlcore) can import torchvision: see
+# rlcore/torchvision_shim.py. Refreshed every time: the module may change without the requirements.
+install_torchvision_hook() {
+  local site
+  site=$(.venv/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+  cp rlcore/torchvision_shim.py "$site/rlcore_torchvision_shim.py"
+  echo "import rlcore_torchvision_shim; rlcore_torchvision_shim.install_import_hook()" > "$site/rlcore_torchvision_shim.pth"
+}
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   echo "[setup] installing requirements into .venv (first time: a few minutes)"
   .venv/bin/pip install -q --disable-pip-version-check -r requirements-cpu.txt -r requirements-test.txt 2>&1 \
@@ -19,15 +27,12 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   # `import transformers`; nothing here uses them. torchvision stays (pinned in
   # requirements-cpu.txt; rlcore/torchvision_shim.py makes it importable): the VL processors need it.
   .venv/bin/pip uninstall -y -q torchaudio torchcodec 2>/dev/null || true
+  install_torchvision_hook
   VEOMNI_VERBOSITY=ERROR VLLM_LOGGING_LEVEL=ERROR .venv/bin/python -c "import torch, vllm, veomni, transformers, jsonargparse, safetensors, tensorboard, math_verify" \
     2>&1 | grep -v -i warning || true
-  .venv/bin/python -c "import rlcore, torch, vllm, veomni, transformers, torchvision.transforms.v2" >/dev/null 2>&1 \
+  .venv/bin/python -c "import torch, vllm, veomni, transformers, torchvision.transforms.v2" >/dev/null 2>&1 \
     || { echo "[setup] the installed stack does not import; see above" >&2; exit 1; }
   echo "$want" > "$stamp"
 fi
-# Any process of this venv (not only those importing rlcore) can import torchvision: see
-# rlcore/torchvision_shim.py. Refreshed every time: the module may change without the requirements.
-site=$(.venv/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
-cp rlcore/torchvision_shim.py "$site/rlcore_torchvision_shim.py"
-echo "import rlcore_torchvision_shim; rlcore_torchvision_shim.install_import_hook()" > "$site/rlcore_torchvision_shim.pth"
+install_torchvision_hook
 echo "[setup] .venv ready ($(.venv/bin/python -c 'import torch, vllm; print("torch", torch.__version__, "vllm", vllm.__version__)' 2>/dev/null))"
