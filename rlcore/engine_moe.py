@@ -12,6 +12,14 @@ experts ``[r E/ep, (r+1) E/ep)``), then FSDP2 shards each rank's ``[E/ep, ...]``
 over ``ep_fsdp`` (veomni/distributed/torch_parallelize.py:523-562, 590-617); the rest of the
 model is FSDP2 over all ranks as for a dense model.
 
+Qwen3-VL-MoE (veomni/models/transformers/qwen3_vl_moe/, transformers 5.19) is the same inside:
+its plan cuts ``model.language_model.layers.*.mlp.experts.{gate_up_proj,down_proj}`` on dim 0
+(qwen3_vl_moe/parallel_plan.py:8-9); the patched experts hold ``gate_up_proj`` ``[E, 2I, H]``
+and ``down_proj`` ``[E, H, I]`` and call the same ``moe_experts``/``standard`` OpSlot with the
+same arguments (generated/patched_modeling_qwen3_vl_moe_gpu.py:133, 427-428, 439-440); its
+router returns ``(logits, scores, indices)`` (:471-479) as RouterStats reads them. What differs
+is the checkpoint: fused expert tensors, transposed, instead of per-expert ones (``ExpertLayout``).
+
 Experts kernel: VeOmni's EP dispatch exists only inside its fused kernels (Triton / NPU), and
 ``veomni.distributed.moe`` does not even import on a CPU-only torch (moe_layer.py:28 imports the
 Triton group GEMM, which queries CUDA at import). Its eager experts index the expert tensors with
@@ -26,6 +34,7 @@ names it does not know), so the engine builds with ``eager`` and binds the slot 
 from __future__ import annotations
 
 import sys
+from dataclasses import dataclass
 from typing import Iterator
 
 import torch
@@ -217,21 +226,121 @@ def gather_ep(full_local: torch.Tensor, dim: int) -> torch.Tensor:
     return DTensor.from_local(full_local, ps.ep_mesh, [Shard(dim)], run_check=False).full_tensor()
 
 
-def split_experts(name: str, full: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
-    """VeOmni's fused expert tensors under the per-expert names transformers saves and vLLM's MoE
-    loader takes (gate rows first in gate_up_proj, as qwen3_moe/checkpoint_tensor_converter.py:49-126
-    concatenates them); any other parameter unchanged."""
-    if name.endswith(".mlp.experts.gate_up_proj"):
+@dataclass(frozen=True)
+class ExpertLayout:
+    """How the model folder's checkpoint stores the routed experts, which is how they go out again
+    (weight sync, HF export): vLLM reloads them with the loader that read that folder at start-up.
+
+    * ``per_expert`` (Qwen3-MoE): ``...mlp.experts.{e}.{gate,up,down}_proj.weight``, as
+      transformers 5.19 saves Qwen3-MoE and VeOmni stacks at load (qwen3_moe/
+      checkpoint_tensor_converter.py:21-28, 86-104: gate rows first in ``gate_up_proj``).
+    * fused (Qwen3-VL-MoE): ``...mlp.experts.gate_up_proj`` and ``...mlp.experts.down_proj``, one
+      tensor each per layer; ``transposed``: ``[E, H, 2I]`` / ``[E, I, H]``, the released
+      checkpoints' layout (qwen3_vl_moe/checkpoint_tensor_converter.py:23-29), which VeOmni
+      transposes at load (:86-96) into the modeling's ``[E, 2I, H]`` / ``[E, H, I]``
+      (generated/patched_modeling_qwen3_vl_moe_gpu.py:427-428) and vLLM 0.32 transposes back at
+      load (``is_fused_checkpoint_transposed=True``, vllm/model_executor/models/qwen3_vl_moe.py:76;
+      fused_moe/routed_experts.py:478-486, 1040-1053). Not transposed: transformers 5.19's own
+      ``save_pretrained`` (its ``Transpose(1, 2, check_dims=True)``, conversion_mapping.py:1110-1120,
+      is skipped when the shape already fits, core_model_loading.py:333-340), which vLLM 0.32
+      cannot load (it always transposes a fused tensor).
+    """
+    per_expert: bool = True
+    transposed: bool = False
+
+    def describe(self) -> str:
+        if self.per_expert:
+            return "per-expert tensors"
+        return "fused " + ("[E, H, 2I] / [E, I, H]" if self.transposed else "[E, 2I, H] / [E, H, I]")
+
+
+PER_EXPERT = ExpertLayout()
+
+
+def _checkpoint_shapes(model_path: str) -> dict[str, tuple[int, ...]]:
+    """Tensor names -> shapes of the safetensors checkpoint in ``model_path`` (headers only)."""
+    import json
+    import os
+
+    from safetensors import safe_open
+
+    index = os.path.join(model_path, "model.safetensors.index.json")
+    if os.path.exists(index):
+        with open(index) as f:
+            files = sorted(set(json.load(f)["weight_map"].values()))
+    else:
+        files = sorted(f for f in os.listdir(model_path) if f.endswith(".safetensors"))
+    shapes = {}
+    for fname in files:
+        with safe_open(os.path.join(model_path, fname), "pt") as f:
+            for key in f.keys():
+                shapes[key] = tuple(f.get_slice(key).get_shape())
+    return shapes
+
+
+def checkpoint_expert_layout(model_path: str) -> ExpertLayout:
+    """The ``ExpertLayout`` of the checkpoint in ``model_path`` (PER_EXPERT for a dense model or
+    a folder without safetensors). A fused layer's orientation comes from the pair of its tensors:
+    one of them is square only when H = I or H = 2I, never both. Raises ValueError for a fused
+    checkpoint VeOmni would load wrong: in the modeling's own layout with a square tensor, which
+    VeOmni's Qwen3-VL-MoE converter takes for the released layout and transposes
+    (qwen3_vl_moe/checkpoint_tensor_converter.py:91-92 test the released shape first)."""
+    import json
+    import os
+
+    try:
+        with open(os.path.join(model_path, "config.json")) as f:
+            config = json.load(f)
+    except (OSError, ValueError):
+        return PER_EXPERT
+    if not num_experts(config):
+        return PER_EXPERT
+    shapes = _checkpoint_shapes(model_path)
+    if not any(k.endswith(".mlp.experts.gate_up_proj") for k in shapes):
+        return PER_EXPERT  # per-expert names (or none: VeOmni's loader then reports what is missing)
+    text = config.get("text_config", config)
+    h, i = int(text["hidden_size"]), int(text["moe_intermediate_size"])
+    layouts = set()
+    for name, gate_up in shapes.items():
+        if not name.endswith(".mlp.experts.gate_up_proj"):
+            continue
+        down = shapes.get(name[: -len("gate_up_proj")] + "down_proj")
+        plain = gate_up[1:] == (2 * i, h) and down is not None and down[1:] == (h, i)
+        flipped = gate_up[1:] == (h, 2 * i) and down is not None and down[1:] == (i, h)
+        if plain == flipped:
+            raise ValueError(f"{model_path}: {name} {gate_up} and its down_proj {down} fit neither expert layout "
+                             f"for hidden_size {h}, moe_intermediate_size {i}")
+        layouts.add(flipped)
+    if len(layouts) != 1:
+        raise ValueError(f"{model_path}: the layers' fused experts are stored in different layouts")
+    transposed = layouts.pop()
+    if not transposed and h in (i, 2 * i):
+        raise ValueError(f"{model_path}: fused experts stored as [E, 2I, H] / [E, H, I] (transformers' "
+                         f"save_pretrained) with hidden_size {h} and moe_intermediate_size {i}: a square expert "
+                         f"tensor, which VeOmni's loader transposes by mistake. Store them as released, "
+                         f"[E, H, 2I] / [E, I, H], which vLLM needs anyway")
+    return ExpertLayout(per_expert=False, transposed=transposed)
+
+
+def split_experts(name: str, full: torch.Tensor, layout: ExpertLayout = PER_EXPERT
+                  ) -> Iterator[tuple[str, torch.Tensor]]:
+    """VeOmni's fused expert tensors (``[E, 2I, H]`` / ``[E, H, I]``) in the checkpoint's
+    ``layout``: per-expert names (gate rows first in gate_up_proj), or the fused tensor under its
+    own name, transposed when the checkpoint is; any other parameter unchanged."""
+    is_gate_up, is_down = name.endswith(".mlp.experts.gate_up_proj"), name.endswith(".mlp.experts.down_proj")
+    if not (is_gate_up or is_down):
+        yield name, full
+    elif not layout.per_expert:
+        yield name, full.transpose(1, 2).contiguous() if layout.transposed else full
+    elif is_gate_up:
         prefix, inter = name[: -len("gate_up_proj")], full.shape[1] // 2
         for e in range(full.shape[0]):
             yield f"{prefix}{e}.gate_proj.weight", full[e, :inter]
             yield f"{prefix}{e}.up_proj.weight", full[e, inter:]
-    elif name.endswith(".mlp.experts.down_proj"):
+    else:
         prefix = name[: -len("down_proj")]
         for e in range(full.shape[0]):
             yield f"{prefix}{e}.down_proj.weight", full[e]
-    else:
-        yield name, full
 
 
 # ---------------------------------------------------------------------------------------------

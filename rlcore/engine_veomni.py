@@ -217,6 +217,7 @@ class VeOmniPolicy:
         _ensure_parallel_state(info, ep_size)
         self.ep_size = ep_size
         self.moe_implementation = engine_moe.pick_moe_implementation(moe_implementation, info.device_type, ep_size)
+        self.expert_layout = engine_moe.checkpoint_expert_layout(model_path)  # how experts go out again
         self.model = _build_sharded_model(
             model_path, info,
             master_dtype="float32" if trainable else dtype,
@@ -407,7 +408,7 @@ class VeOmniPolicy:
         with self._resident(params=True):
             self._reshard()
             for name, param in self.model.named_parameters():
-                yield from engine_moe.split_experts(hf_name(name), self._whole(name, param, dtype))
+                yield from engine_moe.split_experts(hf_name(name), self._whole(name, param, dtype), self.expert_layout)
 
     @torch.no_grad()
     def named_hf_weights_bucketed(self, dtype: str | torch.dtype | None = None, bucket_mb: float = 64.0
@@ -440,7 +441,7 @@ class VeOmniPolicy:
             buffers = plan.kept_buffers if self.info.device_type == "cpu" else SyncBuffers(keep=False)
             for name, tensor in plan.run(lambda n: params[n].to_local(), lambda n: self._whole(n, params[n], dtype),
                                          self.device, buffers):
-                yield from engine_moe.split_experts(name, tensor)
+                yield from engine_moe.split_experts(name, tensor, self.expert_layout)
 
     def _whole(self, name: str, param, dtype: torch.dtype | None) -> torch.Tensor:
         """One parameter whole (collective): gathered over FSDP2, and over EP for experts."""
