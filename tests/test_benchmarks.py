@@ -70,3 +70,19 @@ def test_bench_train_small():
     assert r["max_grad_rel_diff"] <= 1e-5
     # the shared prompt is packed once per group: fewer tokens through the decoder
     assert r["variants"]["+shared_prompt"]["packed_tokens"] < r["variants"]["+response_only"]["packed_tokens"]
+
+
+def test_bench_vl_small():
+    # image+text demo at a tiny size: 1 warm-up + 1 measured step, 4 prompts x 2 samples
+    r = run_bench("bench_vl.py", "--steps", "1", "--warmup", "1", "--prompts_per_step", "4", "--n", "2",
+                  "--nproc", "2")
+    for key in ("generate_s", "train_s", "vision_fwd_s", "vision_bwd_s", "text_s", "sync_s", "step_s",
+                "vision_share_of_train"):
+        assert key in r and r[key] > 0, (key, r.get(key))
+    assert r["vision_fwd_s"] + r["vision_bwd_s"] < r["train_s"] < r["step_s"]
+    assert 0 < r["vision_share_of_train"] < 1
+    # the trained tower's backward was timed, every started interval ended, the hooks left the numbers alone
+    assert r["vision_backward"] is True and r["vision_backward_complete"] is True
+    assert r["vision_calls_per_step"] >= 1 and r["mismatch_max"] < 1e-3
+    assert len(r["peak_rss_gb"]) == 2 and all(0 < gb < 64 for gb in r["peak_rss_gb"])
+    assert r["ranks"] == 2 and r["steps"] == 1 and r["freeze_vision_tower"] is False
