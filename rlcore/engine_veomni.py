@@ -133,6 +133,7 @@ def _build_sharded_model(model_path: str, info: DistInfo, *, master_dtype: str, 
             "moe_implementation": "eager" if moe_implementation == engine_moe.TORCH_EP else moe_implementation,
             **(ops_overrides or {})}),
     )
+    engine_vl.apply_checkpoint_key_mapping(model)  # released Qwen2.5-VL names, before the weights load
     if moe_implementation == engine_moe.TORCH_EP:  # bound after the build, which binds every slot
         engine_moe.bind_experts(model, moe_implementation)
     # FSDP2 mixed precision only when compute and master dtypes differ: the all-gather then

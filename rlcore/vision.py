@@ -147,7 +147,11 @@ def mrope_positions(ids: list[int], grid_thw: torch.Tensor, image_token_id: int,
     coordinates offset by the position where the image starts, and the text after it continues
     at start + max(h, w) / merge (images have t = 1). This is the image case of transformers'
     ``Qwen3VLModel.get_rope_index`` (models/qwen3_vl/modeling_qwen3_vl.py:929-1034) and of
-    Qwen2-VL's; tests/test_vl_data.py checks it against that function."""
+    ``Qwen2_5_VLModel.get_rope_index`` (models/qwen2_5_vl/modeling_qwen2_5_vl.py:945-1059: an
+    image's t/h/w rows are ``get_vision_position_ids`` :930-943 with time_interval 1 for images
+    :1043-1046, so t = start, h/w = start + grid; the text after it continues at
+    start + max(h, w) / merge, :1051; Qwen2.5-VL's tokens_per_second spacing applies to videos
+    only); tests/test_vl_data.py checks both families against those functions."""
     pos = torch.zeros(3, len(ids), dtype=torch.long)
     cur, i, k = 0, 0, 0
     while i < len(ids):

@@ -1,9 +1,9 @@
 """Offline assets for the vision-language demo and tests: a word-level tokenizer with Qwen-VL's
-special tokens and chat template, a tiny random Qwen3-VL saved with its processor, and the
-"shapes" task (small images of coloured shapes with questions whose answers are exact).
+special tokens and chat template, a tiny random Qwen3-VL or Qwen2.5-VL saved with its processor,
+and the "shapes" task (small images of coloured shapes with questions whose answers are exact).
 
-The model is Qwen3-VL with every size shrunk (vision depth 2, hidden 64, head_dim 32, M-RoPE
-sections [6, 5, 5] summing to head_dim / 2); the folder holds what vLLM and VeOmni load: config,
+The model is Qwen3-VL (or Qwen2.5-VL) with every size shrunk (vision depth 2, hidden 64, head_dim
+32, M-RoPE sections summing to head_dim / 2); the folder holds what vLLM and VeOmni load: config,
 safetensors, tokenizer, chat template, preprocessor and video-processor configs.
 """
 
@@ -53,41 +53,86 @@ def make_vl_tokenizer(out_dir: str):
     return fast
 
 
-def make_tiny_vl_model(out_dir: str, *, hidden_size: int = 64, num_layers: int = 2, head_dim: int = 32,
-                       vision_depth: int = 2, vision_hidden: int = 64, image_pixels: tuple[int, int] = (32 * 32, 128 * 128),
-                       seed: int = 0) -> str:
-    """A randomly initialised Qwen3-VL with its processor as an HF folder (fp32 safetensors).
-    ``image_pixels``: the processor's (min, max) pixels, so that a 96x96 image is 9 image tokens."""
+VL_FAMILIES = ("qwen3_vl", "qwen2_5_vl")
+# The processor's (min, max) pixels per family: a 96x96 shapes image is 9 image tokens in both
+# (Qwen3-VL: patch 16, 96 -> 96 = 6 patches; Qwen2.5-VL: patch 14, 96 -> 84 = 6 patches).
+DEFAULT_IMAGE_PIXELS = {"qwen3_vl": (32 * 32, 128 * 128), "qwen2_5_vl": (56 * 56, 112 * 112)}
+
+
+def make_tiny_vl_model(out_dir: str, *, family: str = "qwen3_vl", hidden_size: int = 64, num_layers: int = 2,
+                       head_dim: int = 32, vision_depth: int = 2, vision_hidden: int = 64,
+                       image_pixels: tuple[int, int] | None = None, seed: int = 0,
+                       original_layout: bool = False) -> str:
+    """A randomly initialised Qwen-VL with its processor as an HF folder (fp32 safetensors).
+
+    ``family``: "qwen3_vl" (Qwen3-VL: patch 16, interleaved M-RoPE [6, 5, 5], deepstack merger on
+    the last ViT block) or "qwen2_5_vl" (Qwen2.5-VL: patch 14, M-RoPE sections [4, 6, 6] in
+    blocks, window attention in ViT block 0 with 56-pixel windows = 2 x 2 merged tokens, full
+    attention in the last block). ``image_pixels``: the processor's (min, max) pixels
+    (``DEFAULT_IMAGE_PIXELS``: a 96x96 image is 9 image tokens in both families).
+
+    Weight names: Qwen3-VL's are its module names (``model.visual.*``, ``model.language_model.*``,
+    ``lm_head.*``). transformers 5.19 saves Qwen2.5-VL in the layout of the released checkpoints
+    (``visual.*``, ``model.layers.*``, ``lm_head.*``: transformers/conversion_mapping.py:826-831,
+    reversed on save) unless told otherwise; VeOmni 0.1.12 does not rename those on load (see
+    ``rlcore.engine_vl.checkpoint_key_mapping``). ``original_layout=False`` (the default) saves the
+    module names for both families; True gives the released Qwen2.5-VL layout."""
+    if family not in VL_FAMILIES:
+        raise ValueError(f"family must be one of {VL_FAMILIES}, got {family!r}")
+    if family == "qwen2_5_vl" and hidden_size // 2 != head_dim:
+        raise ValueError(f"Qwen2.5-VL's text head_dim is hidden_size / heads (2 heads): {hidden_size // 2} != {head_dim}")
     import torch
-    from transformers import (Qwen2VLImageProcessor, Qwen3VLConfig, Qwen3VLForConditionalGeneration,
-                              Qwen3VLProcessor, Qwen3VLVideoProcessor)
+    from transformers import Qwen2VLImageProcessor
 
     os.makedirs(out_dir, exist_ok=True)
     tokenizer = make_vl_tokenizer(out_dir)
     ids = {t: VOCAB.index(t) for t in SPECIAL}
     text = dict(vocab_size=len(VOCAB), hidden_size=hidden_size, intermediate_size=2 * hidden_size,
-                num_hidden_layers=num_layers, num_attention_heads=2, num_key_value_heads=1, head_dim=head_dim,
+                num_hidden_layers=num_layers, num_attention_heads=2, num_key_value_heads=1,
                 max_position_embeddings=1024, tie_word_embeddings=False,
-                rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
-                                 "mrope_section": [6, 5, 5], "mrope_interleaved": True},  # sums to head_dim / 2
                 pad_token_id=ids["<pad>"], eos_token_id=ids["<|im_end|>"], bos_token_id=None, dtype="float32")
-    vision = dict(depth=vision_depth, hidden_size=vision_hidden, intermediate_size=2 * vision_hidden, num_heads=2,
-                  out_hidden_size=hidden_size, patch_size=16, spatial_merge_size=2, temporal_patch_size=2,
-                  num_position_embeddings=64, deepstack_visual_indexes=[vision_depth - 1])
-    config = Qwen3VLConfig(text_config=text, vision_config=vision, image_token_id=ids["<|image_pad|>"],
-                           video_token_id=ids["<|video_pad|>"], vision_start_token_id=ids["<|vision_start|>"],
-                           vision_end_token_id=ids["<|vision_end|>"], tie_word_embeddings=False, dtype="float32")
+    tokens = dict(image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
+                  vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
+                  tie_word_embeddings=False, dtype="float32")
+    lo, hi = image_pixels or DEFAULT_IMAGE_PIXELS[family]
+    if family == "qwen3_vl":
+        from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration, Qwen3VLProcessor, Qwen3VLVideoProcessor
+
+        text.update(head_dim=head_dim, rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                                        "mrope_section": [6, 5, 5], "mrope_interleaved": True})
+        patch = 16
+        vision = dict(depth=vision_depth, hidden_size=vision_hidden, intermediate_size=2 * vision_hidden, num_heads=2,
+                      out_hidden_size=hidden_size, patch_size=patch, spatial_merge_size=2, temporal_patch_size=2,
+                      num_position_embeddings=64, deepstack_visual_indexes=[vision_depth - 1])
+        config = Qwen3VLConfig(text_config=text, vision_config=vision, **tokens)
+        model_cls, processor_cls, video_proc = (Qwen3VLForConditionalGeneration, Qwen3VLProcessor,
+                                                Qwen3VLVideoProcessor(patch_size=patch, merge_size=2, temporal_patch_size=2))
+    else:
+        from transformers import (Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2_5_VLProcessor,
+                                  Qwen2VLVideoProcessor)
+
+        # head_dim = hidden_size / heads (Qwen2.5-VL has no head_dim field); sections sum to head_dim / 2
+        text.update(use_sliding_window=False, rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                                                "mrope_section": [4, 6, 6]})
+        patch = 14
+        vision = dict(depth=vision_depth, hidden_size=vision_hidden, intermediate_size=2 * vision_hidden, num_heads=2,
+                      out_hidden_size=hidden_size, patch_size=patch, spatial_merge_size=2, temporal_patch_size=2,
+                      window_size=56, fullatt_block_indexes=[vision_depth - 1], tokens_per_second=2)
+        config = Qwen2_5_VLConfig(text_config=text, vision_config=vision, **tokens)
+        model_cls, processor_cls, video_proc = (Qwen2_5_VLForConditionalGeneration, Qwen2_5_VLProcessor,
+                                                Qwen2VLVideoProcessor(patch_size=patch, merge_size=2, temporal_patch_size=2))
     torch.manual_seed(seed)
-    model = Qwen3VLForConditionalGeneration(config).to(torch.float32)
+    model = model_cls(config).to(torch.float32)
     model.generation_config.eos_token_id = ids["<|im_end|>"]
     model.generation_config.pad_token_id = ids["<pad>"]
-    model.save_pretrained(out_dir, safe_serialization=True)
-    lo, hi = image_pixels
-    image_proc = Qwen2VLImageProcessor(patch_size=16, merge_size=2, temporal_patch_size=2,
+    if family == "qwen3_vl":  # no renaming either way (the folder stays byte-identical to before)
+        model.save_pretrained(out_dir, safe_serialization=True)
+    else:
+        model.save_pretrained(out_dir, safe_serialization=True, save_original_format=original_layout)
+    image_proc = Qwen2VLImageProcessor(patch_size=patch, merge_size=2, temporal_patch_size=2,
                                        min_pixels=lo, max_pixels=hi, size={"shortest_edge": lo, "longest_edge": hi})
-    video_proc = Qwen3VLVideoProcessor(patch_size=16, merge_size=2, temporal_patch_size=2)
-    Qwen3VLProcessor(image_processor=image_proc, tokenizer=tokenizer, video_processor=video_proc,
-                     chat_template=CHAT_TEMPLATE).save_pretrained(out_dir)
+    processor_cls(image_processor=image_proc, tokenizer=tokenizer, video_processor=video_proc,
+                  chat_template=CHAT_TEMPLATE).save_pretrained(out_dir)
     return out_dir
 
 

@@ -97,6 +97,16 @@ def tiny_vl_model(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="session")
+def tiny_vl25_model(tmp_path_factory) -> str:
+    """A tiny random Qwen2.5-VL with its processor (rlcore.vl_task, module-name weight layout)."""
+    from rlcore import quiet
+    from rlcore.vl_task import make_tiny_vl_model
+
+    with quiet.filtered_output():
+        return make_tiny_vl_model(str(tmp_path_factory.mktemp("tiny_vl25_model")), family="qwen2_5_vl")
+
+
+@pytest.fixture(scope="session")
 def shapes_data(tmp_path_factory) -> tuple[str, str]:
     """The shapes task as JSONL + PNG files (train 64 rows, val 16)."""
     from rlcore.vl_task import make_shapes_data

@@ -55,14 +55,19 @@ def _two_image_ids(tokenizer):
     return text, tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
-def test_expansion_pixels_and_mrope_positions_equal_transformers(tiny_vl_model):
+@pytest.mark.parametrize("family", ["qwen3_vl", "qwen2_5_vl"])
+def test_expansion_pixels_and_mrope_positions_equal_transformers(family, request):
     """Independent computation: the HF processor's expanded ids and pixel values, and
-    ``Qwen3VLModel.get_rope_index`` (transformers 5.19) for the positions, on a two-image prompt."""
-    from transformers import Qwen3VLForConditionalGeneration
+    ``Qwen3VLModel.get_rope_index`` / ``Qwen2_5_VLModel.get_rope_index`` (transformers 5.19) for
+    the positions, on a two-image prompt (images with h != w merged patches)."""
+    from transformers import Qwen2_5_VLForConditionalGeneration, Qwen3VLForConditionalGeneration
 
     from rlcore.vision import VisionProcessor
 
-    vp = VisionProcessor(tiny_vl_model)
+    model_dir = request.getfixturevalue({"qwen3_vl": "tiny_vl_model", "qwen2_5_vl": "tiny_vl25_model"}[family])
+    model_cls = {"qwen3_vl": Qwen3VLForConditionalGeneration, "qwen2_5_vl": Qwen2_5_VLForConditionalGeneration}[family]
+    vp = VisionProcessor(model_dir)
+    assert vp.patch == {"qwen3_vl": 16, "qwen2_5_vl": 14}[family] and vp.merge == 2
     text, ids = _two_image_ids(vp.processor.tokenizer)
     images = _images()
     expanded, inputs = vp.prepare(ids, images)
@@ -71,7 +76,10 @@ def test_expansion_pixels_and_mrope_positions_equal_transformers(tiny_vl_model):
     assert torch.equal(ref["pixel_values"], inputs.pixel_values)
     assert torch.equal(ref["image_grid_thw"], inputs.image_grid_thw)
     assert [vp.num_tokens(im) for im in images] == (inputs.image_grid_thw.prod(-1) // 4).tolist()
-    model = Qwen3VLForConditionalGeneration.from_pretrained(tiny_vl_model)
+    grids = inputs.image_grid_thw[:, 1:] // 2
+    assert (grids[:, 0] != grids[:, 1]).all()  # the text after an image advances by max(h, w)
+    model = model_cls.from_pretrained(model_dir)
+    assert model.config.model_type == family
     positions, _ = model.model.get_rope_index(ref["input_ids"], ref["mm_token_type_ids"], ref["image_grid_thw"])
     assert torch.equal(positions[:, 0], inputs.positions)
     assert inputs.next_position == int(positions.max()) + 1

@@ -1,10 +1,13 @@
-"""Vision-language policy (tiny Qwen3-VL) through the real engine: VeOmni's patched Qwen3-VL,
-FSDP2 on gloo, 1 and 2 ranks.
+"""Vision-language policy (tiny Qwen3-VL and Qwen2.5-VL) through the real engine: VeOmni's patched
+Qwen3-VL / Qwen2.5-VL, FSDP2 on gloo, 1 and 2 ranks.
 
 This process never imports VeOmni (transformers stays unpatched): it builds the packed inputs
 (processor output, transformers' own M-RoPE positions per sample, concatenated) and the
-reference log-probs (transformers' ``Qwen3VLForConditionalGeneration`` on each sample alone);
-one torchrun launch per world size (tests/workers/vl_policy.py) runs the engine on them.
+reference log-probs (transformers' ``Qwen3VLForConditionalGeneration`` /
+``Qwen2_5_VLForConditionalGeneration`` on each sample alone); one torchrun launch per world size
+(tests/workers/vl_policy.py) runs the engine on them, both models in turn (Qwen2.5-VL: the log-prob,
+shared-prompt, text-only-row and export checks; the training/freeze/checkpoint/bf16 paths are
+model-independent and run on Qwen3-VL only).
 
 Packed row layout, as ``VeOmniPolicy.forward_logprobs`` takes it: ``position_ids`` (4, 1, L) =
 [text positions restarting per sample; M-RoPE t; h; w of each sample], ``mm`` = the samples'
@@ -54,6 +57,7 @@ class Sample:
         self.input_ids = torch.cat([enc["input_ids"], torch.tensor([response])], dim=1)  # (1, n)
         self.mm_token_type_ids = torch.cat([enc["mm_token_type_ids"], torch.zeros(1, len(response), dtype=torch.long)],
                                            dim=1)
+        self.images = images
         self.pixel_values, self.image_grid_thw = enc["pixel_values"], enc["image_grid_thw"]
         # transformers' own M-RoPE positions for prompt + response (3, 1, n)
         self.rope, _ = model.model.get_rope_index(self.input_ids, self.mm_token_type_ids,
@@ -111,38 +115,55 @@ def pack_shared(samples: list[Sample]) -> dict:
             "mm": {"pixel_values": first.pixel_values, "image_grid_thw": first.image_grid_thw}}
 
 
-@pytest.fixture(scope="module")
-def vl_inputs(tiny_vl, tmp_path_factory):
-    """Packed rows and transformers' reference log-probs, saved for the worker."""
-    from transformers import AutoProcessor, Qwen3VLForConditionalGeneration
-
+def _responses():
     from rlcore.vl_task import VOCAB
 
-    processor = AutoProcessor.from_pretrained(tiny_vl)
-    model = Qwen3VLForConditionalGeneration.from_pretrained(tiny_vl, dtype=torch.float32, attn_implementation="eager")
-    model.eval()
     words = [VOCAB.index(w) for w in ("red", "circle", "one", "2", "blue", "square", "the", "7", "shape")]
     g = torch.Generator().manual_seed(0)
-    resp = lambda n: [words[int(i)] for i in torch.randint(len(words), (n,), generator=g)]  # noqa: E731
+    return lambda n: [words[int(i)] for i in torch.randint(len(words), (n,), generator=g)]  # noqa: E731
+
+
+def _text_only(model) -> tuple[dict, torch.Tensor]:
+    """A row of two text sequences, no image, and transformers' log-probs of it."""
+    row = {"input_ids": torch.tensor([[3, 20, 25, 26, 27, 3, 21, 28, 29]]),
+           "position_ids": torch.tensor([[0, 1, 2, 3, 4, 0, 1, 2, 3]]),
+           "select": torch.tensor([2, 3, 6, 7]), "labels": torch.tensor([[26, 27, 28, 29]]),
+           "attention_mask": None, "mm": None}
+    with torch.no_grad():
+        seqs = (([3, 20, 25, 26, 27], [2, 3], [26, 27]), ([3, 21, 28, 29], [1, 2], [28, 29]))  # ids, rows, targets
+        ref = [torch.log_softmax(model(input_ids=torch.tensor([ids])).logits[0], -1)[rows, targets]
+               for ids, rows, targets in seqs]
+    return row, torch.cat(ref)
+
+
+def _main_samples(processor, model, resp) -> tuple[list, list]:
+    """A packed row of 3 samples (one with 2 images, images of different shapes) and 3 samples of
+    one prompt (for the shared-prompt layout)."""
     img_a, img_b, img_c, img_d = image(0, 96, 96), image(1, 96, 96), image(2, 64, 128), image(3, 128, 64)
     samples = [Sample(processor, model, "what colour is the shape ?", [img_a], resp(5)),
                Sample(processor, model, "how many shapes are there ?", [img_b, img_c], resp(3)),
                Sample(processor, model, "which shape is larger ?", [img_d], resp(8))]
     shared = [Sample(processor, model, "what colour is the shape ?", [img_a], resp(n)) for n in (4, 6, 2)]
-    changed_img = img_a.copy()
+    return samples, shared
+
+
+@pytest.fixture(scope="module")
+def vl_inputs(tiny_vl, tmp_path_factory):
+    """Packed rows and transformers' reference log-probs, saved for the worker."""
+    from transformers import AutoProcessor, Qwen3VLForConditionalGeneration
+
+    processor = AutoProcessor.from_pretrained(tiny_vl)
+    model = Qwen3VLForConditionalGeneration.from_pretrained(tiny_vl, dtype=torch.float32, attn_implementation="eager")
+    model.eval()
+    resp = _responses()
+    samples, shared = _main_samples(processor, model, resp)
+    changed_img = samples[0].images[0].copy()
     changed_img.putpixel((40, 50), (255, 255, 255))
     changed = [Sample(processor, model, "what colour is the shape ?", [changed_img], samples[0].response)] + samples[1:]
+    text_row, text_ref = _text_only(model)
     data = {"packed": pack(samples), "unshared": pack(shared), "shared": pack_shared(shared),
-            "changed": pack(changed),
-            "text_only": {"input_ids": torch.tensor([[3, 20, 25, 26, 27, 3, 21, 28, 29]]),
-                          "position_ids": torch.tensor([[0, 1, 2, 3, 4, 0, 1, 2, 3]]),
-                          "select": torch.tensor([2, 3, 6, 7]), "labels": torch.tensor([[26, 27, 28, 29]]),
-                          "attention_mask": None, "mm": None}}
-    with torch.no_grad():  # the text-only row: two sequences, no image
-        seqs = (([3, 20, 25, 26, 27], [2, 3], [26, 27]), ([3, 21, 28, 29], [1, 2], [28, 29]))  # ids, rows, targets
-        text = [torch.log_softmax(model(input_ids=torch.tensor([ids])).logits[0], -1)[rows, targets]
-                for ids, rows, targets in seqs]
-    ref = {"text_only": torch.cat(text),
+            "changed": pack(changed), "text_only": text_row}
+    ref = {"text_only": text_ref,
            "packed": torch.cat([s.reference_logprobs(model) for s in samples]),
            "shared": torch.cat([s.reference_logprobs(model) for s in shared]),
            "changed": torch.cat([s.reference_logprobs(model) for s in changed])}
@@ -152,13 +173,46 @@ def vl_inputs(tiny_vl, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def vl_run(tiny_vl, vl_inputs, tmp_path_factory):
+def tiny_vl25_legacy(tmp_path_factory) -> str:
+    """The same Qwen2.5-VL as ``tiny_vl25_model`` (same seed), saved in the released checkpoints'
+    layout (``visual.*``, ``model.layers.*``)."""
+    from rlcore.vl_task import make_tiny_vl_model
+
+    return make_tiny_vl_model(str(tmp_path_factory.mktemp("tiny_vl25_legacy")), family="qwen2_5_vl",
+                              original_layout=True)
+
+
+@pytest.fixture(scope="module")
+def vl25_inputs(tiny_vl25_model, tmp_path_factory):
+    """Qwen2.5-VL: the packed, shared-prompt and text-only rows and transformers' log-probs."""
+    from transformers import AutoProcessor, Qwen2_5_VLForConditionalGeneration
+
+    processor = AutoProcessor.from_pretrained(tiny_vl25_model)
+    model = Qwen2_5_VLForConditionalGeneration.from_pretrained(tiny_vl25_model, dtype=torch.float32,
+                                                               attn_implementation="eager").eval()
+    samples, shared = _main_samples(processor, model, _responses())
+    # 96x96 -> 84x84 (patch 14): 3x3 merged tokens in 2x2 ViT windows; 64x128 -> 56x140: 2x5
+    assert [g.tolist() for s in samples for g in s.image_grid_thw] == [[1, 6, 6], [1, 6, 6], [1, 4, 10], [1, 10, 4]]
+    text_row, text_ref = _text_only(model)
+    data = {"packed": pack(samples), "unshared": pack(shared), "shared": pack_shared(shared), "text_only": text_row}
+    ref = {"text_only": text_ref,
+           "packed": torch.cat([s.reference_logprobs(model) for s in samples]),
+           "shared": torch.cat([s.reference_logprobs(model) for s in shared])}
+    path = str(tmp_path_factory.mktemp("vl25_inputs") / "inputs.pt")
+    torch.save(data, path)
+    return path, ref
+
+
+@pytest.fixture(scope="module")
+def vl_run(tiny_vl, vl_inputs, tiny_vl25_model, vl25_inputs, tiny_vl25_legacy, tmp_path_factory):
+    """One launch per world size runs both models: Qwen3-VL's full sequence, then Qwen2.5-VL's."""
     cache: dict[int, dict] = {}
 
     def get(nproc: int) -> dict:
         if nproc not in cache:
             out = tmp_path_factory.mktemp(f"vl_ws{nproc}")
-            proc = run_torchrun(WORKER, nproc, tiny_vl, vl_inputs[0], str(out))
+            proc = run_torchrun(WORKER, nproc, tiny_vl, vl_inputs[0], str(out), tiny_vl25_model, vl25_inputs[0],
+                                tiny_vl25_legacy)
             with open(out / "results.json") as f:
                 results = json.load(f)
             cache[nproc] = {"out": str(out), "results": results, "stdout": proc.stdout,
@@ -235,3 +289,39 @@ def test_vl_freeze_vision_tower_export_and_checkpoint(vl_run, tiny_vl, nproc):
     assert "vision tower frozen" in r["describe_frozen"] and "vision tower trained" in r["describe_trained"]
     # DCP save after the frozen step, load into a fresh frozen engine: same weights, same next step
     assert r["resume_weights_equal"] and r["resume_next_step_equal"]
+
+
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_vl25_logprobs_and_export(vl_run, vl25_inputs, tiny_vl25_model, nproc):
+    """Qwen2.5-VL (window-attention ViT, patch 14, M-RoPE sections [4, 6, 6]): the packed row of 3
+    samples (one with 2 images) and the shared-prompt row equal transformers per sample, shared
+    equals unshared with the same gradient, a text-only row (on 2 ranks next to rank 0's image row:
+    VeOmni's dummy ViT forward) too; export = the checkpoint's names and values. A folder in the
+    released checkpoints' layout (``visual.*``, ``model.layers.*``) loads the same weights once
+    ``engine_vl.apply_checkpoint_key_mapping`` runs before VeOmni's weight load."""
+    from safetensors.torch import load_file
+
+    run, (_, ref) = vl_run(nproc), vl25_inputs
+    t, r = run["tensors"], run["results"]
+    for name, other in (("packed", ref["packed"]), ("shared", ref["shared"]), ("unshared", ref["shared"]),
+                        ("text_only", ref["text_only"]), ("legacy_packed", ref["packed"])):
+        print(f"ws{nproc}: qwen2.5-vl max |{name} - transformers| = {maxdiff(t['q25_' + name], other):.2e}")
+    print(f"ws{nproc}: qwen2.5-vl grad rel diff shared vs unshared {r['q25_grad_rel_diff_shared_vs_unshared']:.2e}, "
+          f"times {r['q25_times_s']}")
+    assert maxdiff(t["q25_packed"], ref["packed"]) <= TOL
+    assert maxdiff(t["q25_shared"], ref["shared"]) <= TOL and maxdiff(t["q25_unshared"], ref["shared"]) <= TOL
+    assert maxdiff(t["q25_shared"], t["q25_unshared"]) <= TOL
+    assert r["q25_grad_rel_diff_shared_vs_unshared"] < 1e-5 and r["q25_grad_norm_unshared"] > 0
+    assert r["q25_visual_grad_norm"] > 0
+    assert maxdiff(t["q25_text_only"], ref["text_only"]) <= TOL
+    assert r["q25_input_errors"] == r["input_errors"]  # the same refusals as Qwen3-VL
+    assert "vision tower trained" in r["q25_describe"]
+    ckpt = load_file(os.path.join(tiny_vl25_model, "model.safetensors"))
+    exported = t["q25_exported"]
+    assert set(exported) == set(ckpt) and all(torch.equal(exported[n], ckpt[n]) for n in ckpt)
+    assert any(n.startswith("model.visual.") for n in ckpt) and any(n.startswith("model.language_model.") for n in ckpt)
+    # the released layout: mapped onto the same module names, bit-identical weights, same log-probs
+    assert r["q25_legacy_mapping_set"]
+    legacy = t["q25_legacy_exported"]
+    assert set(legacy) == set(ckpt) and all(torch.equal(legacy[n], ckpt[n]) for n in ckpt)
+    assert maxdiff(t["q25_legacy_packed"], ref["packed"]) <= TOL

@@ -1,8 +1,10 @@
-"""ColocateRollout with image prompts: a tiny random Qwen3-VL in real vLLM under torchrun (gloo,
-fp32) against transformers' forward of the same weights and the same HF processor.
+"""ColocateRollout with image prompts: a tiny random Qwen3-VL (and Qwen2.5-VL) in real vLLM under
+torchrun (gloo, fp32) against transformers' forward of the same weights and the same HF processor.
 
 Each layout is one torchrun launch (tests/workers/vl_rollout_worker.py) held by a module-scoped
 fixture: 1 rank, 2 ranks as two data-parallel engines (tp=1), 2 ranks sharding one engine (tp=2).
+The 1-rank and tp=2 launches also build a second engine on a tiny Qwen2.5-VL after the Qwen3-VL
+one (the family-dependent checks: log-probs, expansion, vision-weight push).
 The tests assert on what the ranks measured, so every property fails with its own message. The
 ``unit`` tests check the pure helpers in rlcore/rollout_checks.py and the engine keywords
 against the fake vLLM of tests/test_rollout_accel.py.
@@ -25,6 +27,7 @@ from test_rollout_accel import fake_vllm  # noqa: F401  (the fixture, for the un
 WORKER = os.path.join(REPO, "tests", "workers", "vl_rollout_worker.py")
 LOGPROB_TOL = 1e-4  # fp32 vLLM vs fp32 transformers; measured ~5e-7
 LAYOUTS = {"1rank": (1, 1), "dp2": (2, 1), "tp2": (2, 2)}  # name: (ranks, tensor_parallel_size)
+QWEN25_LAYOUTS = ("1rank", "tp2")  # launches that run Qwen2.5-VL too (dp=2 is two 1-rank engines)
 
 
 @pytest.fixture(scope="module")
@@ -35,12 +38,21 @@ def vl_model(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="module")
+def vl25_model(tmp_path_factory) -> str:
+    """A tiny Qwen2.5-VL in the released checkpoints' layout (``visual.*``, ``model.layers.*``),
+    which vLLM loads through its mapper (vllm 0.32.0 model_executor/models/qwen2_5_vl.py:1313-1322)."""
+    import rlcore.vl_task as vl
+
+    return vl.make_tiny_vl_model(str(tmp_path_factory.mktemp("tiny_vl25")), family="qwen2_5_vl", original_layout=True)
+
+
+@pytest.fixture(scope="module")
 def shared_vllm_cache(tmp_path_factory):
     return tmp_path_factory.mktemp("vllm_cache_shared")
 
 
 @pytest.fixture(scope="module", params=list(LAYOUTS))
-def run(request, vl_model, shared_vllm_cache, tmp_path_factory) -> dict:
+def run(request, vl_model, vl25_model, shared_vllm_cache, tmp_path_factory) -> dict:
     """Launch the worker in one layout; its per-rank results. The 1-rank launch starts from an
     empty vLLM cache folder, so vLLM inspects Qwen3-VL in its registry subprocess (the path that
     needs the torchvision shim there too); the others share a second folder."""
@@ -48,11 +60,12 @@ def run(request, vl_model, shared_vllm_cache, tmp_path_factory) -> dict:
     nproc, tp = LAYOUTS[name]
     out = tmp_path_factory.mktemp(f"vl_rollout_{name}") / "result.json"
     cache = tmp_path_factory.mktemp("vllm_cache_cold") if name == "1rank" else shared_vllm_cache
-    proc = run_torchrun(WORKER, nproc, vl_model, str(out), str(tp), env={"VLLM_CACHE_ROOT": str(cache)})
+    extra = [vl25_model] if name in QWEN25_LAYOUTS else []
+    proc = run_torchrun(WORKER, nproc, vl_model, str(out), str(tp), *extra, env={"VLLM_CACHE_ROOT": str(cache)})
     assert out.exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads(out.read_text())
     result["layout"] = name
-    print(json.dumps([{k: v for k, v in r.items() if k != "samples"} for r in result["ranks"]]))
+    print(json.dumps([{k: v for k, v in r.items() if k not in ("samples", "qwen25")} for r in result["ranks"]]))
     return result
 
 
@@ -144,6 +157,39 @@ def test_data_parallel_engines_see_their_own_images(run):
         assert r0["samples"] != r1["samples"], "DP replicas sampled identical completions"
     else:
         assert r0["samples"] == r1["samples"], "TP ranks returned different outputs"
+
+
+def test_qwen25_vl_logprobs_expansion_and_vision_push(run):
+    """Qwen2.5-VL (patch 14, window-attention ViT, M-RoPE [4, 6, 6]) in a second engine of the same
+    launch, loaded from the released layout (``visual.*``, ``model.layers.*``): sampled log-probs
+    equal transformers' on 1-image, 2-image and text prompts; vLLM's expanded prompt equals the
+    processor-based one; perturbed vision weights pushed under the module names the policy exports
+    (``model.visual.*``, ``model.language_model.*``, ``lm_head``; vLLM's mapper maps both layouts,
+    qwen2_5_vl.py:1313-1322) reach every vLLM parameter, move the log-probs and match
+    transformers; the originals pushed back give the first samples again."""
+    if run["layout"] not in QWEN25_LAYOUTS:
+        pytest.skip(f"Qwen2.5-VL runs in the {', '.join(QWEN25_LAYOUTS)} launches")
+    for r in run["ranks"]:
+        q = r["qwen25"]
+        print(f"{run['layout']} rank {r['rank']}: qwen2.5-vl lp_diff {q['lp_diff']:.2e} (2 images "
+              f"{q['lp_diff_two_images']:.2e}, text {q['lp_diff_text']:.2e}), after the vision push "
+              f"{q['lp_diff_vision_updated']:.2e} (moved {q['lp_shift_vision']:.2e}), restored {q['lp_diff_restored']:.2e}; "
+              f"engine {q['init_s']:.1f} s, all {q['total_s']:.1f} s")
+        assert q["model_type"] == "qwen2_5_vl" and q["image_token_id"] == 7
+        assert q["n_per_prompt"] == [2, 2, 2, 2]
+        assert q["lp_diff"] < LOGPROB_TOL and q["lp_diff_two_images"] < LOGPROB_TOL and q["lp_diff_text"] < LOGPROB_TOL
+        assert q["image_tokens"] == [9, 9, 18, 0]  # 96x96 -> 84x84: (6*6 patches) / 2**2
+        assert q["expansion_equal"] and q["rlcore_vision_expansion_equal"] is True
+        assert q["pushed_names"] == ["lm_head.weight", "model.language_model", "model.visual"]
+        assert q["pushed"] == 57 and q["perturbed"] == q["pushed_visual_names"] == 30
+        assert q["vllm_params_missed"] == []
+        assert q["lp_shift_vision"] > 100 * LOGPROB_TOL and q["lp_diff_vision_updated"] < LOGPROB_TOL
+        assert q["text_prompt_unchanged"]
+        assert q["lp_diff_restored"] < LOGPROB_TOL and q["restored_equals_first"]
+        if run["layout"] == "1rank":  # an empty vLLM cache: Qwen2.5-VL inspected in the registry subprocess
+            assert not q["modelinfo_cached_before"] and q["modelinfo_cached_after"]
+    if run["tp"] == 2:
+        assert run["ranks"][0]["qwen25"]["samples"] == run["ranks"][1]["qwen25"]["samples"]
 
 
 # ----------------------------------------------------------------------------- unit

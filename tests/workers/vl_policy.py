@@ -1,7 +1,8 @@
-"""torchrun worker for tests/test_vl_policy.py: a tiny Qwen3-VL through VeOmniPolicy (FSDP2 on
-gloo), on the packed rows the test built (inputs.pt).
+"""torchrun worker for tests/test_vl_policy.py: a tiny Qwen3-VL, then a tiny Qwen2.5-VL, through
+VeOmniPolicy (FSDP2 on gloo), on the packed rows the test built (inputs.pt).
 
 Usage: torchrun --nproc_per_node=N vl_policy.py MODEL_DIR INPUTS_PT OUT_DIR
+                                                [QWEN25_DIR QWEN25_INPUTS_PT QWEN25_LEGACY_DIR]
 
 Every rank runs the same rows (except where a text-only row meets an image row across ranks);
 rank 0 writes OUT_DIR/results.json (scalars, flags), OUT_DIR/tensors.pt (log-probs, exported
@@ -79,6 +80,66 @@ def input_errors(policy: VeOmniPolicy, row: dict, text_row: dict) -> list[str]:
     return caught
 
 
+def shared_vs_unshared_grads(policy: VeOmniPolicy, data: dict) -> dict:
+    """Relative difference of the gradients of sum(log-probs) of the shared-prompt and unshared
+    rows, and the norms (all, vision tower)."""
+    gs = {}
+    for name in ("unshared", "shared"):
+        policy.backward(logprobs(policy, data[name], grad=True).sum())
+        gs[name] = grads(policy)
+        policy.optimizer.zero_grad(set_to_none=True)
+    num = sum((gs["shared"][n] - g).norm() ** 2 for n, g in gs["unshared"].items()) ** 0.5
+    den = sum(g.norm() ** 2 for g in gs["unshared"].values()) ** 0.5
+    return {"grad_rel_diff_shared_vs_unshared": float(num / den), "grad_norm_unshared": float(den),
+            "visual_grad_norm": float(sum(g.norm() ** 2 for n, g in gs["unshared"].items()
+                                          if n.startswith("model.visual.")) ** 0.5)}
+
+
+def text_only_logprobs(policy: VeOmniPolicy, data: dict, W: int, rank: int) -> torch.Tensor:
+    """A text-only row through the VL model; on 2 ranks the last rank's row meets rank 0's image
+    row in the same FSDP forward/backward (VeOmni's dummy ViT forward keeps the collectives equal).
+    Returns the last rank's log-probs of the text row."""
+    mixed = data["text_only"] if (W > 1 and rank == W - 1) else data["packed"]
+    logp = logprobs(policy, mixed, grad=True)
+    policy.backward(logp.sum())
+    policy.optimizer.zero_grad(set_to_none=True)
+    text_only = logp.detach() if W > 1 else logprobs(policy, data["text_only"])
+    gathered = [None] * W
+    dist.all_gather_object(gathered, text_only)
+    return gathered[-1]
+
+
+def qwen25_checks(model_dir: str, inputs: str, legacy_dir: str, info, results: dict, tensors: dict) -> None:
+    """Qwen2.5-VL: export, log-probs of the packed / shared / unshared / text-only rows, shared vs
+    unshared gradients, the input refusals; then the released-layout folder, loaded with
+    ``engine_vl.apply_checkpoint_key_mapping`` (set where engine_veomni builds the model: the
+    wrapper below stands in for that call), exported and run on the packed row."""
+    from rlcore import engine_vl
+
+    W, rank = info.world_size, info.rank
+    data = torch.load(inputs, weights_only=False)
+    times, clock = {}, time.perf_counter()
+    policy = VeOmniPolicy(model_dir, info, lr=LR, grad_clip=None)
+    results["q25_describe"] = policy.describe()
+    tensors["q25_exported"] = weights(policy)
+    for name in ("packed", "shared", "unshared"):
+        tensors[f"q25_{name}"] = logprobs(policy, data[name])
+    results["q25_input_errors"] = input_errors(policy, data["packed"], data["text_only"])
+    results.update({f"q25_{k}": v for k, v in shared_vs_unshared_grads(policy, data).items()})
+    tensors["q25_text_only"] = text_only_logprobs(policy, data, W, rank)
+    del policy
+    times["policy"] = round(time.perf_counter() - clock, 2)
+
+    legacy = VeOmniPolicy(legacy_dir, info, trainable=False)  # released names: the engine maps them
+    results["q25_legacy_mapping_set"] = bool(engine_vl.checkpoint_key_mapping(legacy.model)) and \
+        getattr(legacy.model, "_checkpoint_conversion_mapping", None) is not None
+    tensors["q25_legacy_exported"] = weights(legacy)
+    tensors["q25_legacy_packed"] = logprobs(legacy, data["packed"])
+    del legacy
+    times["legacy"] = round(time.perf_counter() - clock - times["policy"], 2)
+    results["q25_times_s"] = times
+
+
 def main() -> None:
     model_dir, inputs, out = sys.argv[1], sys.argv[2], sys.argv[3]
     info = init_distributed("cpu")
@@ -109,29 +170,11 @@ def main() -> None:
     results["input_errors"] = input_errors(policy, data["packed"], data["text_only"])
 
     # shared-prompt vs unshared gradient of sum(log-probs)
-    gs = {}
-    for name in ("unshared", "shared"):
-        policy.backward(logprobs(policy, data[name], grad=True).sum())
-        gs[name] = grads(policy)
-        policy.optimizer.zero_grad(set_to_none=True)
-    num = sum((gs["shared"][n] - g).norm() ** 2 for n, g in gs["unshared"].items()) ** 0.5
-    den = sum(g.norm() ** 2 for g in gs["unshared"].values()) ** 0.5
-    results["grad_rel_diff_shared_vs_unshared"] = float(num / den)
-    results["grad_norm_unshared"] = float(den)
-    results["visual_grad_norm"] = float(sum(g.norm() ** 2 for n, g in gs["unshared"].items()
-                                            if n.startswith("model.visual.")) ** 0.5)
+    results.update(shared_vs_unshared_grads(policy, data))
     lap("shared/unshared grads")
 
-    # a text-only row through the VL model; on 2 ranks the last rank's row meets rank 0's image
-    # row in the same FSDP forward/backward (VeOmni's dummy ViT forward keeps the collectives equal)
-    mixed = data["text_only"] if (W > 1 and rank == W - 1) else data["packed"]
-    logp = logprobs(policy, mixed, grad=True)
-    policy.backward(logp.sum())
-    policy.optimizer.zero_grad(set_to_none=True)
-    text_only = logp.detach() if W > 1 else logprobs(policy, data["text_only"])
-    gathered = [None] * W
-    dist.all_gather_object(gathered, text_only)
-    tensors["text_only"] = gathered[-1]
+    # a text-only row through the VL model (next to rank 0's image row on 2 ranks)
+    tensors["text_only"] = text_only_logprobs(policy, data, W, rank)
     lap("text-only row")
 
     # one step without freezing: every tensor, the vision tower's included, moves
@@ -183,6 +226,10 @@ def main() -> None:
         not metrics["actor/skipped"]
     del bf16
     lap("bf16 step")
+
+    if len(sys.argv) > 4:  # --- Qwen2.5-VL ---------------------------------------------------------
+        qwen25_checks(sys.argv[4], sys.argv[5], sys.argv[6], info, results, tensors)
+        lap("qwen2.5-vl")
 
     results["times_s"] = times
     if rank == 0:

@@ -1,13 +1,16 @@
 """torchrun worker for tests/test_vl_rollout.py: ColocateRollout with image prompts on a tiny
-Qwen3-VL, against transformers' forward of the same model (fp32).
+Qwen3-VL (and, when given, a tiny Qwen2.5-VL after it in the same launch), against transformers'
+forward of the same model (fp32).
 
-usage: vl_rollout_worker.py MODEL_DIR OUT_JSON TP_SIZE
+usage: vl_rollout_worker.py MODEL_DIR OUT_JSON TP_SIZE [QWEN25_DIR]
 
 Every rank measures; rank 0 writes all ranks' measurements to OUT_JSON and the pytest side
 asserts on them. Order: build (cold model-info cache), sample and compare (1- and 2-image prompts
 and a text prompt in one call), placeholder expansion, a one-pixel change, a push of perturbed
 vision weights, a push of the original weights, a reload from the folder, a release/resume,
-the refusals, shutdown.
+the refusals, shutdown. Qwen2.5-VL then gets a fresh engine in the same process: sample and
+compare, expansion, the vision-weight push and the push back (the other checks do not depend on
+the model family), shutdown.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ LIMITS = {"image": 2, "video": 0}
 QUESTION = "<|im_start|> user {images} what colour is the shape ? <|im_end|> <|im_start|> assistant"
 IMAGE = "<|vision_start|> <|image_pad|> <|vision_end|>"
 MODELINFO = "modelinfos/vllm-model_executor-models-qwen3_vl-Qwen3VLForConditionalGeneration.json"
+MODELINFO25 = "modelinfos/vllm-model_executor-models-qwen2_5_vl-Qwen2_5_VLForConditionalGeneration.json"
 
 
 # ----------------------------------------------------------------------------- inputs
@@ -68,12 +72,16 @@ def inputs(rank: int) -> tuple[list[list[int]], list]:
 
 
 class Reference:
-    """transformers' Qwen3-VL in fp32 and the model folder's image processor: the trainer side."""
+    """transformers' Qwen3-VL / Qwen2.5-VL in fp32 and the model folder's image processor: the
+    trainer side."""
 
     def __init__(self, model_dir: str):
-        from transformers import AutoProcessor, Qwen3VLForConditionalGeneration
+        from transformers import AutoConfig, AutoProcessor, Qwen2_5_VLForConditionalGeneration, \
+            Qwen3VLForConditionalGeneration
 
-        self.model = Qwen3VLForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32).eval()
+        model_cls = {"qwen3_vl": Qwen3VLForConditionalGeneration,
+                     "qwen2_5_vl": Qwen2_5_VLForConditionalGeneration}[AutoConfig.from_pretrained(model_dir).model_type]
+        self.model = model_cls.from_pretrained(model_dir, dtype=torch.float32).eval()
         self.image_processor = AutoProcessor.from_pretrained(model_dir).image_processor
         self.image_token = int(self.model.config.image_token_id)
         self.merge = int(self.model.config.vision_config.spatial_merge_size)
@@ -274,6 +282,33 @@ def refusal_checks(ro, prompts, images, m: dict) -> None:
     m["after_refusals"] = len(ro.generate(prompts[:1], images=images[:1], n=1, max_tokens=1, seed=SEED)[0])
 
 
+def qwen25_checks(model_dir: str, info, tp: int) -> dict:
+    """A fresh engine on the Qwen2.5-VL folder (the released checkpoints' layout: ``visual.*``,
+    ``model.layers.*``): sampled log-probs against transformers, the placeholder expansion, then
+    perturbed vision weights pushed under the module names the policy exports (``model.visual.*``,
+    ``model.language_model.*``), and the originals pushed back."""
+    cache_root = os.environ.get("VLLM_CACHE_ROOT")
+    m: dict = {"modelinfo_cached_before": bool(cache_root) and os.path.exists(os.path.join(cache_root, MODELINFO25))}
+    dist.barrier()  # every rank looked before any rank builds
+    t0 = time.perf_counter()
+    ref = Reference(model_dir)
+    ro = ColocateRollout(model_dir, info, tp_size=tp, seed=0, kv_cache_gb=0.0625, max_model_len=256,
+                         limit_mm_per_prompt=LIMITS)
+    m["init_s"] = time.perf_counter() - t0
+    m["modelinfo_cached_after"] = bool(cache_root) and os.path.exists(os.path.join(cache_root, MODELINFO25))
+    m["model_type"] = ro.llm.llm_engine.vllm_config.model_config.hf_config.model_type
+    m["image_token_id"] = ro.image_token_id
+    seen = spy_prompt_ids(ro)
+    prompts, images = inputs(info.rank // tp)
+    first = sampling_checks(ro, ref, model_dir, prompts, images, seen, m)
+    vision_sync_checks(ro, ref, prompts, images, first, m)
+    m["pushed_names"] = sorted({n.split(".")[0] + "." + n.split(".")[1] for n, _ in ref.model.named_parameters()})
+    m["samples"] = as_plain(first)
+    ro.shutdown()
+    m["total_s"] = time.perf_counter() - t0
+    return m
+
+
 def main() -> None:
     model_dir, out_json, tp = sys.argv[1], sys.argv[2], int(sys.argv[3])
     info = init_distributed("cpu")
@@ -305,6 +340,8 @@ def main() -> None:
     refusal_checks(ro, prompts, images, m)
     m["samples"] = as_plain(first)
     ro.shutdown()
+    if len(sys.argv) > 4:
+        m["qwen25"] = qwen25_checks(sys.argv[4], info, tp)
     gathered = [None] * info.world_size
     dist.all_gather_object(gathered, m)
     if info.rank == 0:
