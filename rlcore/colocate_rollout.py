@@ -20,15 +20,12 @@ docs/accelerators.md lists what each accelerator-only path was checked against.
 
 from __future__ import annotations
 
-import ctypes
 import dataclasses
 import gc
 import json
 import logging
-import mmap
 import os
 import random
-import sys
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
@@ -38,6 +35,7 @@ import torch
 
 from rlcore import torchvision_shim
 from rlcore.config import model_num_experts
+from rlcore.cpu_kv import release_cpu_kv as _release_cpu_kv, resume_cpu_kv as _resume_cpu_kv
 from rlcore.dist import DistInfo
 from rlcore.rollout_checks import (
     align_sampler_logprobs_mode,
@@ -592,63 +590,3 @@ def _detached(weights: Iterable[tuple[str, torch.Tensor]], names: list[str]) -> 
     for name, tensor in weights:
         names.append(name)
         yield name, tensor.detach()
-
-
-def _cpu_kv_storages(model_runner) -> list[torch.UntypedStorage]:
-    """Distinct storages behind the per-layer KV tensors (on CPU: one buffer viewed by all)."""
-    seen, storages = set(), []
-    for kv in model_runner.kv_caches:
-        st = kv.untyped_storage()
-        if st.data_ptr() not in seen:
-            seen.add(st.data_ptr())
-            storages.append(st)
-    return storages
-
-
-def _release_cpu_kv(model_runner) -> list[tuple[torch.UntypedStorage, int]]:
-    # resize_(0) frees the allocation while every view (layers, attention metadata) keeps
-    # pointing at the same storage object, so resize_(nbytes) later restores them all.
-    released = []
-    for st in _cpu_kv_storages(model_runner):
-        released.append((st, st.nbytes()))
-        st.resize_(0)
-    return released
-
-
-def _resume_cpu_kv(released: list[tuple[torch.UntypedStorage, int]]) -> None:
-    for st, nbytes in released:
-        st.resize_(nbytes)
-        # Fresh memory is uninitialised; NaN garbage in not-yet-written slots of a block
-        # could leak through masked attention (0 * NaN), so start from zeros like at build.
-        _zero_lazily(st)
-
-
-_MADV_DONTNEED = 4
-
-
-def _zero_lazily(st: torch.UntypedStorage) -> None:
-    """Zero a CPU storage without touching most of it.
-
-    ``fill_(0)`` would fault in every page of the buffer at once (0.3 s for 256 MiB here) though
-    a generation touches only the blocks it uses. ``madvise(MADV_DONTNEED)`` drops the whole pages
-    instead: private anonymous memory (what the CPU allocator hands out) reads back as zeros on
-    first touch. The partial pages at both ends are zeroed by hand; anything else falls back to
-    ``fill_(0)``.
-    """
-    ptr, nbytes, page = st.data_ptr(), st.nbytes(), mmap.PAGESIZE
-    start = min(-(-ptr // page) * page, ptr + nbytes)  # first whole page
-    end = max((ptr + nbytes) // page * page, start)  # end of the last whole page
-    raw = torch.empty(0, dtype=torch.uint8).set_(st)  # (nbytes,) byte view of the storage
-    if end > start and _madvise(start, end - start, _MADV_DONTNEED):
-        raw[: start - ptr].zero_()
-        raw[end - ptr:].zero_()
-    else:
-        raw.zero_()
-
-
-def _madvise(addr: int, length: int, advice: int) -> bool:
-    if not sys.platform.startswith("linux"):
-        return False
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    return libc.madvise(addr, length, advice) == 0

@@ -168,7 +168,7 @@ def test_sleep_level_and_weight_load_choices():
 def test_kv_buffer_zeroed_without_touching_it():
     """Resume of the CPU KV buffer: reads back all zeros, and the whole pages were dropped rather
     than written (RSS falls by about the buffer size instead of staying)."""
-    from rlcore.colocate_rollout import _zero_lazily
+    from rlcore.cpu_kv import _zero_lazily
     from rlcore.dist import memory_stats
 
     n = 64 * 2**20 + 123  # not a whole number of pages: the partial tail page is zeroed by hand
