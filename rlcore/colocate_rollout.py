@@ -214,17 +214,22 @@ class ColocateRollout:
         worker = self._worker()
         check_weight_load(self.weight_load, info.device_type, worker, worker.model_runner.get_model())
         align_sampler_logprobs_mode(worker.model_runner, LOGPROBS_MODE)  # vllm-ascend ignores the kwarg
-        # vLLM's own answer (it has a multimodal config for the model); decides the encoder-cache
-        # resets below. The config.json guess above only picked the build settings.
+        self._init_multimodal(model_path, multimodal_guess, mm_processor_cache_gb)
+
+    def _init_multimodal(self, model_path: str, multimodal_guess: bool, mm_processor_cache_gb: float | None) -> None:
+        """What the built engine says about images: ``multimodal`` (vLLM's own answer, from its
+        multimodal config; decides the encoder-cache resets; the config.json guess only picked the
+        build settings), the image token, and the slot tokens a sample stops at."""
         model_config = self.llm.llm_engine.vllm_config.model_config
+        hf_config = getattr(model_config, "hf_config", None)
         self.multimodal = bool(getattr(model_config, "is_multimodal_model", False))
         if self.multimodal and not multimodal_guess and mm_processor_cache_gb is None:
             log.warning("vLLM treats %s as multimodal but its config.json has no vision/audio config: vLLM's "
                         "processed-image cache keeps its default size", model_path)
-        self.image_token_id = image_token_id(getattr(model_config, "hf_config", None)) if self.multimodal else None
+        self.image_token_id = image_token_id(hf_config) if self.multimodal else None
         # Samples stop at a vision slot token (rollout_checks.slot_token_ids): sampled log-probs
         # stay those of the full vocabulary, which is what the trainer computes.
-        self._slot_tokens = slot_token_ids(getattr(model_config, "hf_config", None)) if self.multimodal else []
+        self._slot_tokens = slot_token_ids(hf_config) if self.multimodal else []
         check_encoder_cache_reset(self.llm.llm_engine, self.multimodal)
 
     def _memory_kwargs(self, kv_cache_gb: float, gpu_mem_util: float) -> dict:

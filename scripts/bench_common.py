@@ -15,6 +15,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 QUIET_ENV = {
@@ -110,3 +111,24 @@ def peak_rss_mb() -> float:
             if line.startswith("VmHWM:"):
                 return int(line.split()[1]) / 1024
     return float("nan")
+
+
+def cpu_timed(timer) -> None:
+    """Make the trainer's ``rlcore.metrics.Timer`` also sum this process's CPU time per name (in
+    ``timer.cpu``): on a shared, overloaded host wall time also measures waiting for a core, CPU
+    time the work. Changes the object in place, as the sampler and the phase switch hold it."""
+    from contextlib import contextmanager
+
+    from rlcore.metrics import Timer
+
+    class CpuTimer(Timer):
+        @contextmanager
+        def __call__(self, name):
+            start = time.process_time()
+            try:
+                with Timer.__call__(self, name):
+                    yield
+            finally:
+                self.cpu[name] = self.cpu.get(name, 0.0) + time.process_time() - start
+
+    timer.__class__, timer.cpu = CpuTimer, {}

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-from contextlib import contextmanager
 import os
 import sys
 import tempfile
@@ -63,7 +62,6 @@ class Recorder:
 def instrument(rec: Recorder) -> None:
     """Wrap the trainer's logger, build() (module attributes of train_grpo) and timer."""
     import train_grpo
-    from rlcore.metrics import Timer
 
     base_logger, base_build = train_grpo.MetricsLogger, train_grpo.build
 
@@ -73,21 +71,9 @@ def instrument(rec: Recorder) -> None:
             rec.rows.append((time.perf_counter(), time.process_time(), step, dict(metrics), cpu))
             super().log(step, metrics)
 
-    class CpuTimer(Timer):
-        """The trainer's timer, also summing process CPU time per name (in ``cpu``)."""
-
-        @contextmanager
-        def __call__(self, name):
-            start = time.process_time()
-            try:
-                with Timer.__call__(self, name):
-                    yield
-            finally:
-                self.cpu[name] = self.cpu.get(name, 0.0) + time.process_time() - start
-
     def build(*args):
         run = base_build(*args)
-        run.timer.__class__, run.timer.cpu = CpuTimer, {}  # the switch shares this object
+        bc.cpu_timed(run.timer)
         wrap_generate(run.engines.rollout, rec)
         rec.run = run
         return run

@@ -56,7 +56,6 @@ import shutil
 import sys
 import tempfile
 import time
-from contextlib import contextmanager
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -277,26 +276,12 @@ def _window(rec: Recorder, phase: str, fn):
 def instrument(rec: Recorder) -> None:
     """Wrap the trainer's build(), logger and teardown (module attributes of train_grpo)."""
     import train_grpo
-    from rlcore.metrics import Timer
 
     base_build, base_logger, base_teardown = train_grpo.build, train_grpo.MetricsLogger, train_grpo.teardown
 
-    class CpuTimer(Timer):
-        """The trainer's timer, also summing this process's CPU time per name (in ``cpu``): on a
-        shared, overloaded host wall time also measures waiting for a core; CPU time the work."""
-
-        @contextmanager
-        def __call__(self, name):
-            start = time.process_time()
-            try:
-                with Timer.__call__(self, name):
-                    yield
-            finally:
-                self.cpu[name] = self.cpu.get(name, 0.0) + time.process_time() - start
-
     def build(*args):
         run = base_build(*args)
-        run.timer.__class__, run.timer.cpu = CpuTimer, {}  # the sampler and the switch share this object
+        bc.cpu_timed(run.timer)
         rec.last_cpu = time.process_time()
         policy, switch = run.engines.policy, run.engines.switch
         rec.clock = VisionClock(policy.model.model.visual, run.timer, policy.device)

@@ -18,12 +18,12 @@ from __future__ import annotations
 import json
 import os
 
-import numpy as np
 import pytest
 import torch
 
 import rlcore  # noqa: F401  (torchvision shim before transformers' Qwen-VL processor)
 from conftest import REPO, run_torchrun
+from test_vl_policy import Sample, image, pack  # the same reference rows (processor, transformers' positions)
 
 WORKER = os.path.join(REPO, "tests", "workers", "vl_moe.py")
 TOL = 1e-4  # fp32 policy vs transformers (measured ~1e-6)
@@ -36,54 +36,6 @@ def tiny_vl_moe(tmp_path_factory) -> str:
     from workers.vl_moe import make_tiny_vl_moe_model
 
     return make_tiny_vl_moe_model(str(tmp_path_factory.mktemp("tiny_vl_moe")))
-
-
-def image(seed: int, h: int, w: int):
-    from PIL import Image
-
-    return Image.fromarray((np.random.RandomState(seed).rand(h, w, 3) * 255).astype("uint8"))
-
-
-class Sample:
-    """One prompt (text + images, through the processor and the chat template) + a response."""
-
-    def __init__(self, processor, model, text: str, images: list, response: list[int]):
-        content = [{"type": "image"} for _ in images] + [{"type": "text", "text": text}]
-        prompt = processor.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True,
-                                               tokenize=False)
-        enc = processor(text=[prompt], images=images, return_tensors="pt")
-        self.prompt_len = enc["input_ids"].shape[1]
-        self.response = response
-        self.input_ids = torch.cat([enc["input_ids"], torch.tensor([response])], dim=1)  # (1, n)
-        self.mm_token_type_ids = torch.cat([enc["mm_token_type_ids"], torch.zeros(1, len(response), dtype=torch.long)],
-                                           dim=1)
-        self.pixel_values, self.image_grid_thw = enc["pixel_values"], enc["image_grid_thw"]
-        self.rope, _ = model.model.get_rope_index(self.input_ids, self.mm_token_type_ids,
-                                                  image_grid_thw=self.image_grid_thw)  # (3, 1, n)
-
-    def reference_logprobs(self, model) -> torch.Tensor:
-        """transformers on this sample alone (positions from mm_token_type_ids, as in generation)."""
-        logits = model(input_ids=self.input_ids, pixel_values=self.pixel_values, image_grid_thw=self.image_grid_thw,
-                       mm_token_type_ids=self.mm_token_type_ids).logits[0].float()
-        rows = torch.arange(self.prompt_len - 1, self.input_ids.shape[1] - 1)
-        return torch.log_softmax(logits, dim=-1)[rows, torch.tensor(self.response)]
-
-
-def pack(samples: list[Sample]) -> dict:
-    """One packed row: text positions restart per sample, (4, 1, L) positions, no mask."""
-    ids, pos, sel, labels = [], [], [], []
-    offset = 0
-    for s in samples:
-        n = s.input_ids.shape[1]
-        ids.append(s.input_ids[0])
-        pos.append(torch.cat([torch.arange(n)[None], s.rope[:, 0]], dim=0))  # (4, n)
-        sel += range(offset + s.prompt_len - 1, offset + n - 1)
-        labels += s.response
-        offset += n
-    return {"input_ids": torch.cat(ids)[None], "position_ids": torch.cat(pos, dim=1)[:, None],
-            "select": torch.tensor(sel), "labels": torch.tensor([labels]),
-            "mm": {"pixel_values": torch.cat([s.pixel_values for s in samples]),
-                   "image_grid_thw": torch.cat([s.image_grid_thw for s in samples])}}
 
 
 def loss_weights(k: int) -> torch.Tensor:

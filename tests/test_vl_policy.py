@@ -63,7 +63,6 @@ class Sample:
         self.rope, _ = model.model.get_rope_index(self.input_ids, self.mm_token_type_ids,
                                                   image_grid_thw=self.image_grid_thw)
 
-    @torch.no_grad()
     def reference_logprobs(self, model) -> torch.Tensor:
         """transformers on this sample alone (positions from mm_token_type_ids, as in generation)."""
         logits = model(input_ids=self.input_ids, pixel_values=self.pixel_values, image_grid_thw=self.image_grid_thw,
@@ -163,10 +162,11 @@ def vl_inputs(tiny_vl, tmp_path_factory):
     text_row, text_ref = _text_only(model)
     data = {"packed": pack(samples), "unshared": pack(shared), "shared": pack_shared(shared),
             "changed": pack(changed), "text_only": text_row}
-    ref = {"text_only": text_ref,
-           "packed": torch.cat([s.reference_logprobs(model) for s in samples]),
-           "shared": torch.cat([s.reference_logprobs(model) for s in shared]),
-           "changed": torch.cat([s.reference_logprobs(model) for s in changed])}
+    with torch.no_grad():
+        ref = {"text_only": text_ref,
+               "packed": torch.cat([s.reference_logprobs(model) for s in samples]),
+               "shared": torch.cat([s.reference_logprobs(model) for s in shared]),
+               "changed": torch.cat([s.reference_logprobs(model) for s in changed])}
     path = str(tmp_path_factory.mktemp("vl_inputs") / "inputs.pt")
     torch.save(data, path)
     return path, ref, [len(s.response) for s in samples]
@@ -195,9 +195,10 @@ def vl25_inputs(tiny_vl25_model, tmp_path_factory):
     assert [g.tolist() for s in samples for g in s.image_grid_thw] == [[1, 6, 6], [1, 6, 6], [1, 4, 10], [1, 10, 4]]
     text_row, text_ref = _text_only(model)
     data = {"packed": pack(samples), "unshared": pack(shared), "shared": pack_shared(shared), "text_only": text_row}
-    ref = {"text_only": text_ref,
-           "packed": torch.cat([s.reference_logprobs(model) for s in samples]),
-           "shared": torch.cat([s.reference_logprobs(model) for s in shared])}
+    with torch.no_grad():
+        ref = {"text_only": text_ref,
+               "packed": torch.cat([s.reference_logprobs(model) for s in samples]),
+               "shared": torch.cat([s.reference_logprobs(model) for s in shared])}
     path = str(tmp_path_factory.mktemp("vl25_inputs") / "inputs.pt")
     torch.save(data, path)
     return path, ref
