@@ -18,7 +18,7 @@ from rlcore.build import build_engines  # noqa: E402
 from rlcore.cli import parse_config  # noqa: E402
 from rlcore.config import Config, ConfigError, fail  # noqa: E402
 from rlcore.data import PromptSampler  # noqa: E402
-from rlcore.dist import DistInfo, init_distributed  # noqa: E402
+from rlcore.dist import DistInfo, init_distributed, run_then_exit  # noqa: E402
 from rlcore.lifecycle import (  # noqa: E402
     Run, count_skips, maybe_save, resume, step_snapshot, stop_if_diverged, stop_preempted, teardown,
 )
@@ -132,8 +132,12 @@ def validate(run: Run) -> None:
     run.logger.log(step, metrics)
 
 
-if __name__ == "__main__":
+def entry() -> None:
     try:
         main(sys.argv[1:])
     except ConfigError as err:
         fail(str(err))
+
+
+if __name__ == "__main__":
+    run_then_exit(entry)  # ends without the interpreter's finalization, where gloo can abort a finished run

@@ -262,4 +262,6 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    from rlcore.dist import run_then_exit
+
+    run_then_exit(lambda: main(sys.argv[1:]))

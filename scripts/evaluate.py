@@ -131,4 +131,6 @@ def report(args, metrics: dict, examples: list[dict], stats: dict) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from rlcore.dist import run_then_exit
+
+    run_then_exit(main)

@@ -147,4 +147,6 @@ def check_offload_and_nan_skip(actor: VeOmniPolicy, mb: dict, final: dict, resul
 
 
 if __name__ == "__main__":
-    main()
+    from rlcore.dist import run_then_exit
+
+    run_then_exit(main)

@@ -47,4 +47,6 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    from rlcore.dist import run_then_exit
+
+    run_then_exit(main)

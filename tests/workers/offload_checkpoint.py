@@ -185,4 +185,6 @@ def _load_hf(path: str) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    from rlcore.dist import run_then_exit
+
+    run_then_exit(main)

@@ -136,4 +136,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from rlcore.dist import run_then_exit
+
+    run_then_exit(main)

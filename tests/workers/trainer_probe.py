@@ -39,15 +39,25 @@ def _audit(event: str, args) -> None:
         remote.append(f"getaddrinfo:{args[0]}")
 
 
+def _report(code: int) -> None:
+    engines = sorted(m for m in ("vllm", "veomni") if m in sys.modules)
+    print(f"probe: rank {os.environ.get('RANK', '0')} exit {code} engines_imported={engines} "
+          f"remote_network={sorted(set(remote))}", file=sys.stderr, flush=True)
+
+
 sys.addaudithook(_audit)
 sys.path.insert(0, REPO)
 sys.argv = [TRAIN, *sys.argv[1:]]
-code = 0
-try:
-    runpy.run_path(TRAIN, run_name="__main__")
-except SystemExit as e:
-    code = e.code if isinstance(e.code, int) else 1
-engines = sorted(m for m in ("vllm", "veomni") if m in sys.modules)
-print(f"probe: rank {os.environ.get('RANK', '0')} exit {code} engines_imported={engines} "
-      f"remote_network={sorted(set(remote))}", file=sys.stderr, flush=True)
-sys.exit(code)
+# train_grpo.py ends through rlcore.dist.exit_process (os._exit): report on the way out.
+from rlcore import dist  # noqa: E402
+
+_exit_process = dist.exit_process
+
+
+def _exit_with_report(code: int = 0):
+    _report(code)
+    _exit_process(code)
+
+
+dist.exit_process = _exit_with_report
+runpy.run_path(TRAIN, run_name="__main__")

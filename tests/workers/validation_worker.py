@@ -84,4 +84,6 @@ def main(model: str, val_file: str, out: str) -> None:
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:4])
+    from rlcore.dist import run_then_exit
+
+    run_then_exit(lambda: main(*sys.argv[1:4]))
