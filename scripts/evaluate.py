@@ -4,6 +4,7 @@ and mean@n / pass@n of sampled answers with --n > 1. The last line printed is JS
 
     python scripts/evaluate.py --model demo_assets/smollm2-135m-instruct --data data/arith_val.jsonl
     python scripts/evaluate.py --model outputs/smollm2_arith/hf_final --data data/arith_val.jsonl
+    python scripts/evaluate.py --model outputs/demo_vl/hf_final --data data/shapes/val.jsonl --image-key images
 
 Prompts are rendered and scored exactly as the trainer does (rlcore.data, rlcore.rewards,
 rlcore.validation). Under ``torchrun --nproc_per_node=N`` each rank scores a slice.
@@ -30,6 +31,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--data", required=True, nargs="+", help="JSONL or Parquet file(s)")
     ap.add_argument("--prompt-key", default="prompt")
     ap.add_argument("--answer-key", default="answer")
+    ap.add_argument("--image-key", default=None,
+                    help="row key of the prompt's images (vision-language model), as data.image_key in training")
     ap.add_argument("--chat-template", choices=["auto", "on", "off"], default="auto",
                     help="render prompts with the tokenizer's chat template (auto: when it has one)")
     ap.add_argument("--system-prompt", default=None)
@@ -61,7 +64,7 @@ def build_configs(args):
         components[name] = float(weight or 1.0)
     try:
         reward = RewardConfig(components=components, fn=args.reward_fn)
-        data = DataConfig(prompt_key=args.prompt_key, answer_key=args.answer_key,
+        data = DataConfig(prompt_key=args.prompt_key, answer_key=args.answer_key, image_key=args.image_key,
                           system_prompt=args.system_prompt, max_prompt_length=args.max_prompt_length)
     except ConfigError as e:
         fail(str(e))
@@ -71,17 +74,19 @@ def build_configs(args):
 def main(argv=None) -> None:
     args = parse_args(argv)
     data_cfg, reward_cfg = build_configs(args)
-    from transformers import AutoTokenizer
-
-    from rlcore.config import ConfigError
+    from rlcore.config import Config, ConfigError, ModelConfig
     from rlcore.data import load_prompts
+    from rlcore.preflight import load_tokenizer, load_vision
     from rlcore.rewards import Scorer
 
-    tokenizer = AutoTokenizer.from_pretrained(args.model)
-    has_template = getattr(tokenizer, "chat_template", None) is not None
-    data_cfg.apply_chat_template = args.chat_template == "on" or (args.chat_template == "auto" and has_template)
     try:
-        prompts, stats = load_prompts(args.data, data_cfg, tokenizer)
+        tokenizer = load_tokenizer(args.model)
+        # The trainer's checks: a vision-language model with its image processor, or an error here.
+        processor = load_vision(Config(model=ModelConfig(path=args.model), data=data_cfg)) if args.image_key else None
+        owners = [tokenizer] + ([processor.processor] if processor else [])  # VL: the template may be the processor's
+        has_template = any(getattr(o, "chat_template", None) is not None for o in owners)
+        data_cfg.apply_chat_template = args.chat_template == "on" or (args.chat_template == "auto" and has_template)
+        prompts, stats = load_prompts(args.data, data_cfg, tokenizer, processor)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         raise SystemExit(2)
@@ -92,16 +97,20 @@ def main(argv=None) -> None:
 
 def run_eval(args, prompts, tokenizer, scorer):
     from rlcore.build import build_rollout
-    from rlcore.config import Config, ModelConfig, RolloutConfig, resolve
+    from rlcore.config import Config, DataConfig, ModelConfig, RolloutConfig, resolve
     from rlcore.dist import init_distributed
+    from rlcore.preflight import resolve_image_limit
     from rlcore.validation import ValSettings, validate
 
     info = init_distributed("auto")
-    longest = max(len(p.ids) for p in prompts)
+    # Image rows hold one placeholder per image here; vLLM expands it (load_prompts checked the
+    # expanded length against --max-prompt-length).
+    longest = args.max_prompt_length if args.image_key else max(len(p.ids) for p in prompts)
     # The trainer's builder and defaults for this device (dtype, sleep level, eager mode, ...).
     cfg = resolve(Config(model=ModelConfig(path=args.model), rollout=RolloutConfig(
         max_model_len=longest + args.max_tokens + 1, max_response_length=args.max_tokens,
-        kv_cache_gb=args.kv_cache_gb)), info.device_type)
+        kv_cache_gb=args.kv_cache_gb), data=DataConfig(image_key=args.image_key)), info.device_type)
+    cfg = resolve_image_limit(cfg, prompts)
     with quiet.filtered_output():
         rollout = build_rollout(cfg.model, cfg.rollout, info, seed=args.seed)
     settings = ValSettings(n=args.n, temperature=args.temperature, max_tokens=args.max_tokens,
