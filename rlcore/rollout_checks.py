@@ -201,7 +201,9 @@ def check_encoder_cache_reset(llm_engine, multimodal: bool) -> None:
     on the tiny Qwen3-VL, and that engine did not recover). ``LLMEngine.reset_encoder_cache``
     (v1/engine/llm_engine.py:410-416 -> v1/engine/core.py:878-896) resets both; vLLM itself calls
     it on no weight-update path it offers to this rollout (direct ``load_weights`` touches
-    neither cache).
+    neither cache). The NPU pin has the same chain down to vllm-ascend's worker (vllm 0.23.0
+    v1/engine/llm_engine.py:344-350; vllm-ascend 0.23.0 worker/worker.py:982-983; see
+    docs/accelerators.md).
     """
     if multimodal and not callable(getattr(llm_engine, "reset_encoder_cache", None)):
         raise RuntimeError(f"{type(llm_engine).__name__} has no reset_encoder_cache: after a weight update this vLLM "
