@@ -7,6 +7,7 @@ initialises the default process group for every world size, 1 included.
 from __future__ import annotations
 
 import atexit
+import ctypes
 import datetime
 import importlib.util
 import os
@@ -118,18 +119,22 @@ def run_then_exit(main: Callable[[], object]) -> NoReturn:
 
 
 def exit_process(code: int = 0) -> NoReturn:
-    """End this rank after its work is done: atexit handlers, flushed streams, then ``os._exit``.
+    """End this rank after its work is done: atexit handlers, flushed streams, then the C library's
+    ``exit``, which skips the interpreter's finalization, where gloo can abort a finished run.
 
-    What is skipped is the interpreter's finalization, where gloo can abort a finished run.
-    ``destroy_process_group()`` unregisters gloo's groups, but their C++ objects and worker
-    threads live on while anything holds them (VeOmni's parallel state, torch's caches). A worker
-    that has just finished a collective frees its tensors, which needs the GIL; once the main
-    thread is finalizing, CPython ends such a thread with ``pthread_exit`` inside a noexcept C++
-    destructor: "terminate called without an active exception", SIGABRT, and torchrun reports
-    the run failed after it wrote everything (about 1 exit in 30 on 2 CPU ranks here; a gdb
-    backtrace: ``~AsyncAllgatherCoalescedWork`` -> ``take_gil`` -> ``PyThread_exit_thread``;
-    pytorch/pytorch#190489 is the open upstream report). ``atexit`` handlers (logging, tensorboard,
-    tempfile) still run, while the interpreter is whole; no finalizer of ours matters after them.
+    ``destroy_process_group()`` unregisters gloo's groups, but their C++ objects and worker threads
+    live on while anything holds them (VeOmni's parallel state, torch's caches). A worker that has
+    just finished a collective frees its tensors, which needs the GIL; if the main thread has
+    begun finalizing, CPython ends that thread with ``pthread_exit`` inside a noexcept C++
+    destructor: "terminate called without an active exception", SIGABRT, and torchrun reports the
+    run failed after it wrote everything (about 1 exit in 30 on 2 CPU ranks here; gdb:
+    ``~AsyncAllgatherCoalescedWork`` -> ``take_gil`` -> ``PyThread_exit_thread``; the open upstream
+    report is pytorch/pytorch#190489). ``atexit`` handlers (logging, tensorboard, tempfile) run
+    first, while the interpreter is whole. ``exit`` is called through ``PyDLL`` so the GIL stays
+    held: C++ static destructors still run (vLLM's CPU tensor-parallel communicator unlinks its
+    /dev/shm files there; ``os._exit`` would leave them, and the next tp=2 engine on the host
+    fails with "create shm in SHMManager failed. errno: 17"), and a gloo thread waiting for the
+    GIL just waits until the process is gone.
     """
     atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):
@@ -137,7 +142,8 @@ def exit_process(code: int = 0) -> NoReturn:
             stream.flush()
         except (OSError, ValueError):  # closed or broken pipe: nothing left to save
             pass
-    os._exit(code)
+    ctypes.PyDLL(None).exit(code)
+    os._exit(code)  # not reached
 
 
 def _free_port() -> int:

@@ -370,6 +370,15 @@ def ranks(tiny_model):
     return accel_results(tiny_model)
 
 
+def test_tp_engine_leaves_no_shm_files(ranks, tiny_model):
+    """vLLM's CPU tensor-parallel communicator unlinks its /dev/shm files in C++ destructors at
+    exit; a rank that ended with os._exit left them, and the next tp=2 engine on the host failed
+    ("create shm in SHMManager failed. errno: 17"). rlcore.dist.exit_process keeps them running."""
+    from workers.accel_launch import SHM_LEFT
+
+    assert SHM_LEFT[tiny_model] == set()
+
+
 def test_tp_ranks_agree_on_unseeded_samples(ranks):
     """Real engine, tp=2, seed=None, a different numpy/torch/python RNG state on each rank."""
     r0, r1 = ranks
