@@ -118,7 +118,7 @@ def run_then_exit(main: Callable[[], object]) -> NoReturn:
     exit_process(code)
 
 
-def exit_process(code: int = 0) -> NoReturn:
+def exit_process(code: int = 0, run_atexit: bool = True) -> NoReturn:
     """End this rank after its work is done: atexit handlers, flushed streams, then the C library's
     ``exit``, which skips the interpreter's finalization, where gloo can abort a finished run.
 
@@ -134,9 +134,11 @@ def exit_process(code: int = 0) -> NoReturn:
     held: C++ static destructors still run (vLLM's CPU tensor-parallel communicator unlinks its
     /dev/shm files there; ``os._exit`` would leave them, and the next tp=2 engine on the host
     fails with "create shm in SHMManager failed. errno: 17"), and a gloo thread waiting for the
-    GIL just waits until the process is gone.
+    GIL just waits until the process is gone. ``run_atexit=False``: a preempted rank with little
+    time left skips the handlers, as it skips the engines' shutdown.
     """
-    atexit._run_exitfuncs()
+    if run_atexit:
+        atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()

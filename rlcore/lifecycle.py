@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from rlcore import checkpoint, preempt
 from rlcore.build import Engines
 from rlcore.config import Config
-from rlcore.dist import DistInfo
+from rlcore.dist import DistInfo, exit_process
 from rlcore.exit_codes import Exit
 from rlcore.metrics import MetricsLogger, Timer, format_duration
 from rlcore.sampling import StepSampler
@@ -100,11 +100,12 @@ def stop_preempted(run: Run, at_start: dict | None) -> None:
     print(f"rank {run.info.rank}: preempted at step {step} ({origin}); {saved}; exiting with code "
           f"{int(Exit.PREEMPTED)} (resume with checkpoint.resume=auto)", file=sys.stderr, flush=True)
     # The grace period is short: skip the engine shutdown and interpreter teardown (~10 s on CPU).
-    # The checkpoint ended with a barrier, logs are flushed, and no collective follows.
+    # The checkpoint ended with a barrier, logs are flushed, and no collective follows. C++
+    # destructors still run (exit_process): on CPU they remove vLLM's tensor-parallel shm files,
+    # which a resume on this host needs gone.
     run.watchdog.close()
     run.logger.close()
-    sys.stdout.flush()
-    os._exit(Exit.PREEMPTED)
+    exit_process(Exit.PREEMPTED, run_atexit=False)
 
 
 def count_skips(run: Run, metrics: dict) -> dict:

@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import signal
@@ -42,8 +43,12 @@ def latest(out: str) -> int:
 
 def test_signal_one_rank_stops_all_then_resume_and_sigterm_torchrun(tiny_model, toy_data, tmp_path):
     out = str(tmp_path / "run")
+    # tp=2: vLLM's CPU tensor-parallel communicator keeps /dev/shm files with fixed names, which a
+    # preempted rank must remove on its way out, or the resume's engine fails (errno 17).
+    tp = ("--rollout.tensor_parallel_size", "2")
+    shm_before = set(glob.glob("/dev/shm/*cpushm*"))
     # 1) SIGUSR1 to rank 1 only; a 2 s watchdog threshold makes the slow start-up report itself.
-    first = Launch(2, args(tiny_model, toy_data[0], out, 500, "--trainer.watchdog_s", "2"),
+    first = Launch(2, args(tiny_model, toy_data[0], out, 500, "--trainer.watchdog_s", "2", *tp),
                    launcher_args=("--monitor-interval=5",))
     try:
         first.wait_for(r"^step +2/")
@@ -65,7 +70,7 @@ def test_signal_one_rank_stops_all_then_resume_and_sigterm_torchrun(tiny_model, 
     assert usr1_s < GRACE_S
 
     # 2) Resume, then SIGTERM to torchrun, which forwards it to both ranks.
-    second = Launch(2, args(tiny_model, toy_data[0], out, 500))
+    second = Launch(2, args(tiny_model, toy_data[0], out, 500, *tp))
     try:
         second.wait_for(rf"resumed from .*step_{step} at step {step}")
         second.wait_for(rf"^step +{step + 2}/")
@@ -85,6 +90,7 @@ def test_signal_one_rank_stops_all_then_resume_and_sigterm_torchrun(tiny_model, 
         assert f"rank {rank}: preempted at step {step2} " in text and "exiting with code 75" in text, text[-4000:]
     assert [r["step"] for r in read_rows(out)] == list(range(1, step2 + 1))
     assert term_s < GRACE_S
+    assert set(glob.glob("/dev/shm/*cpushm*")) <= shm_before
     print(f"\nsignal -> both ranks exited: SIGUSR1 to one worker {usr1_s:.2f} s (checkpoint step_{step}); "
           f"SIGTERM to torchrun {term_s:.2f} s (checkpoint step_{step2}; torchrun itself gone after "
           f"{torchrun_s:.2f} s); grace {GRACE_S} s")
