@@ -4,7 +4,8 @@ and mean@n / pass@n of sampled answers with --n > 1. The last line printed is JS
 
     python scripts/evaluate.py --model demo_assets/smollm2-135m-instruct --data data/arith_val.jsonl
     python scripts/evaluate.py --model outputs/smollm2_arith/hf_final --data data/arith_val.jsonl
-    python scripts/evaluate.py --model outputs/demo_vl/hf_final --data data/shapes/val.jsonl --image-key images
+    python scripts/evaluate.py --model outputs/demo_vl_cpu/hf_final --data demo_assets/shapes/shapes_val.jsonl \
+        --image-key images --max-prompt-length 40 --max-tokens 4 --reward first_word_match
 
 Prompts are rendered and scored exactly as the trainer does (rlcore.data, rlcore.rewards,
 rlcore.validation). Under ``torchrun --nproc_per_node=N`` each rank scores a slice.
