@@ -175,25 +175,38 @@ def test_report_keeps_the_last_row_of_a_repeated_step(tmp_path):
 # ---------------------------------------------------------------------------------------------
 
 
+def recipe_config(tmp_path, recipe: str, model_name: str, model_config: str | dict, device: str):
+    """``configs/<recipe>.yaml`` parsed for ``device`` against a stand-in model folder (its
+    config.json: a fixture file under tests/fixtures or a dict; empty weights) and empty data
+    files at the recipe's paths. Returns (config, recipe path)."""
+    from rlcore.cli import parse_config
+
+    model = tmp_path / model_name
+    model.mkdir()
+    if isinstance(model_config, dict):
+        (model / "config.json").write_text(json.dumps(model_config))
+    else:
+        shutil.copy(os.path.join(REPO, "tests", "fixtures", model_config, "config.json"), model)
+    (model / "model.safetensors").write_bytes(b"")
+    data = [str(tmp_path / "train.parquet"), str(tmp_path / "test.parquet")]
+    for f in data:
+        open(f, "w").close()
+    path = os.path.join(REPO, "configs", f"{recipe}.yaml")
+    cfg = parse_config(["--config", path, "--model.path", str(model), "--data.train_files", json.dumps(data[:1]),
+                        "--data.val_files", json.dumps(data[1:]), "--trainer.output_dir", str(tmp_path / "out")],
+                       device_type=device)
+    return cfg, path
+
+
 @pytest.mark.unit
 @pytest.mark.parametrize("recipe,device", [("qwen3_8b_math_16gpu", "cuda"), ("qwen3_8b_math_16npu", "npu")])
 def test_cluster_recipe_is_valid_for_16_ranks(recipe, device, tmp_path):
     """Every key of the recipe exists and its sizes fit a world of 16 (a stand-in Qwen3-8B folder
     and data files at the recipe's paths)."""
-    from rlcore.cli import parse_config
     from rlcore.preflight import validate_against_world
 
-    model = tmp_path / "Qwen3-8B"
-    model.mkdir()
-    (model / "config.json").write_text(json.dumps({"model_type": "qwen3", "max_position_embeddings": 40960}))
-    (model / "model.safetensors").write_bytes(b"")
-    path = os.path.join(REPO, "configs", f"{recipe}.yaml")
-    data = [str(tmp_path / "train.parquet"), str(tmp_path / "test.parquet")]
-    for f in data:
-        open(f, "w").close()
-    cfg = parse_config(["--config", path, "--model.path", str(model), "--data.train_files", json.dumps(data[:1]),
-                        "--data.val_files", json.dumps(data[1:]), "--trainer.output_dir", str(tmp_path / "out")],
-                       device_type=device)
+    cfg, path = recipe_config(tmp_path, recipe, "Qwen3-8B", {"model_type": "qwen3", "max_position_embeddings": 40960},
+                              device)
     validate_against_world(cfg, 16)
     assert cfg.model.dtype == "bfloat16" and cfg.offload.params and cfg.offload.optimizer
     assert cfg.reward.components == {"math": 1.0} and cfg.rollout.tensor_parallel_size == 2
@@ -206,23 +219,10 @@ def test_cluster_recipe_is_valid_for_16_ranks(recipe, device, tmp_path):
 def test_moe_recipe_is_valid_for_16_ranks_and_fits(tmp_path):
     """configs/qwen3_30b_a3b_math_16gpu.yaml: keys exist, EP 8 divides the 16 ranks and the 128
     experts of Qwen3-30B-A3B (its public config.json, tests/fixtures), and the memory plan fits 80 GB."""
-    import shutil
-
-    from rlcore.cli import parse_config
     from rlcore.memory_plan import plan_from_config
     from rlcore.preflight import validate_against_world
 
-    model = tmp_path / "Qwen3-30B-A3B"
-    model.mkdir()
-    shutil.copy(os.path.join(REPO, "tests", "fixtures", "qwen3_30b_a3b", "config.json"), model)
-    (model / "model.safetensors").write_bytes(b"")
-    data = [str(tmp_path / "train.parquet"), str(tmp_path / "test.parquet")]
-    for f in data:
-        open(f, "w").close()
-    path = os.path.join(REPO, "configs", "qwen3_30b_a3b_math_16gpu.yaml")
-    cfg = parse_config(["--config", path, "--model.path", str(model), "--data.train_files", json.dumps(data[:1]),
-                        "--data.val_files", json.dumps(data[1:]), "--trainer.output_dir", str(tmp_path / "out")],
-                       device_type="cuda")
+    cfg, _ = recipe_config(tmp_path, "qwen3_30b_a3b_math_16gpu", "Qwen3-30B-A3B", "qwen3_30b_a3b", "cuda")
     validate_against_world(cfg, 16)
     assert cfg.parallel.ep_size == 8 and cfg.model.moe_implementation == "triton"
     assert cfg.rollout.weight_load == "reload"  # auto, for an MoE model
@@ -235,24 +235,11 @@ def test_vl_recipe_is_valid_for_16_ranks_and_fits(tmp_path):
     """configs/qwen3_vl_8b_geo3k_16gpu.yaml: keys exist, sizes fit a world of 16, the image settings
     are the geo3k ones, and the memory plan (vision tower included) fits 80 GB, the GPUs of the dense
     recipe, with the whole batch in one wave. Qwen3-VL-8B-Instruct's public config.json: tests/fixtures."""
-    import shutil
-
-    from rlcore.cli import parse_config
     from rlcore.config import resolve
     from rlcore.memory_plan import plan_from_config
     from rlcore.preflight import validate_against_world
 
-    model = tmp_path / "Qwen3-VL-8B-Instruct"
-    model.mkdir()
-    shutil.copy(os.path.join(REPO, "tests", "fixtures", "qwen3_vl_8b", "config.json"), model)
-    (model / "model.safetensors").write_bytes(b"")
-    data = [str(tmp_path / "train.parquet"), str(tmp_path / "test.parquet")]
-    for f in data:
-        open(f, "w").close()
-    path = os.path.join(REPO, "configs", "qwen3_vl_8b_geo3k_16gpu.yaml")
-    cfg = parse_config(["--config", path, "--model.path", str(model), "--data.train_files", json.dumps(data[:1]),
-                        "--data.val_files", json.dumps(data[1:]), "--trainer.output_dir", str(tmp_path / "out")],
-                       device_type="cuda")
+    cfg, path = recipe_config(tmp_path, "qwen3_vl_8b_geo3k_16gpu", "Qwen3-VL-8B-Instruct", "qwen3_vl_8b", "cuda")
     validate_against_world(cfg, 16)
     assert cfg.model.dtype == "bfloat16" and cfg.offload.params and cfg.offload.optimizer
     assert cfg.data.image_key == "images" and cfg.data.apply_chat_template

@@ -88,7 +88,8 @@ class Reference:
 
     def expand(self, ids: list[int], images: list | None) -> tuple[list[int], dict]:
         """(expanded ids, processor outputs): each image token repeated
-        ``image_grid_thw.prod() // merge_size**2`` times, the trainer's expansion."""
+        ``image_grid_thw.prod() // merge_size**2`` times, the trainer's expansion. Written here, not
+        taken from rlcore.vision, so that the comparison with vLLM's ids stays independent."""
         if not images:
             return list(ids), {}
         out = self.image_processor(images=images, return_tensors="pt")
