@@ -17,18 +17,22 @@ from rlcore import grpo, preempt, validation  # noqa: E402
 from rlcore.build import build_engines  # noqa: E402
 from rlcore.cli import parse_config  # noqa: E402
 from rlcore.config import Config, ConfigError, fail  # noqa: E402
+from rlcore.exit_codes import Exit  # noqa: E402
 from rlcore.data import PromptSampler  # noqa: E402
-from rlcore.dist import DistInfo, init_distributed, run_then_exit  # noqa: E402
+from rlcore.dist import DistInfo, init_distributed, run_then_exit, torchrun_env  # noqa: E402
 from rlcore.lifecycle import (  # noqa: E402
     Run, count_skips, maybe_save, resume, step_snapshot, stop_if_diverged, stop_preempted, teardown,
 )
 from rlcore.metrics import MetricsLogger, Timer  # noqa: E402
+from rlcore.ownership import tie_to_launcher  # noqa: E402
 from rlcore.preflight import prepare_scoring, preflight, resolve_image_limit  # noqa: E402
 from rlcore.sampling import StepSampler, generation_seed, shard_for_training  # noqa: E402
+from rlcore.sync_check import SyncMismatchError  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> None:
     started = time.perf_counter()
+    tie_to_launcher(torchrun_env()[0])  # under torchrun: this rank ends when torchrun ends, however killed
     cfg = parse_config(argv)
     stop = preempt.StopRequest(cfg.trainer.preempt_grace_s).install()  # before the slow start-up
     info = init_distributed(cfg.parallel.device, cfg.parallel.timeout_s)
@@ -86,7 +90,7 @@ def build(cfg: Config, info: DistInfo, stop, watchdog) -> Run:
     scorer, val_prompts = prepare_scoring(cfg, tokenizer, info.rank, processor)
     cfg = resolve_image_limit(cfg, prompts, val_prompts)
     timer = Timer()
-    engines = build_engines(cfg, info, timer)
+    engines = build_engines(cfg, info, timer, probe_prompts=[p.ids for p in prompts[:64]])
     if info.is_main:
         described = [engines.policy, engines.ref, engines.rollout, engines.switch]
         print(*(x.describe() for x in described if x is not None), grpo.describe_train_phase(cfg.algorithm),
@@ -137,6 +141,8 @@ def entry() -> None:
         main(sys.argv[1:])
     except ConfigError as err:
         fail(str(err))
+    except SyncMismatchError as err:  # rollout.check_sync=strict; every rank raises it together
+        fail(str(err), Exit.SYNC_MISMATCH)
 
 
 if __name__ == "__main__":

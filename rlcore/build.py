@@ -106,17 +106,26 @@ def build_rollout(model: ModelConfig, rollout: RolloutConfig, info: DistInfo, se
 
 
 def build_switch(policy: Policy, rollout: Rollout, model: ModelConfig, r: RolloutConfig, offload: OffloadConfig,
-                 info: DistInfo, timer: Timer):
+                 info: DistInfo, timer: Timer, probe_prompts: list[list[int]] | None = None):
+    """The phase switch; with ``probe_prompts`` (token ids, e.g. the training prompts) and
+    ``rollout.check_sync`` on, it checks every sync (rlcore.sync_check)."""
     from rlcore.switch import PhaseSwitcher
+    from rlcore.sync_check import SyncCheck, probe_sequences
 
+    checker = None
+    if probe_prompts and r.check_sync != "off":
+        probe = probe_sequences(probe_prompts, skip_ids=getattr(rollout, "vision_token_ids", ()))
+        checker = SyncCheck(r.check_sync, model.dtype, probe, info.device, tol=r.check_sync_tol,
+                            is_main=info.is_main, every=r.check_sync_every)
     return PhaseSwitcher(policy, rollout, timer, info.device_type, offload_params=offload.params,
                          offload_optimizer=offload.optimizer, free_kv_cache=r.free_kv_cache,
-                         rollout_dtype=model.dtype, sync_bucket_mb=r.sync_bucket_mb, rank=info.rank)
+                         rollout_dtype=model.dtype, sync_bucket_mb=r.sync_bucket_mb, rank=info.rank, checker=checker)
 
 
-def build_engines(cfg: Config, info: DistInfo, timer: Timer) -> Engines:
+def build_engines(cfg: Config, info: DistInfo, timer: Timer, probe_prompts: list[list[int]] | None = None) -> Engines:
     """The policy, the reference (when the KL loss is on), the vLLM engine and the phase switch,
-    for a resolved config (``rlcore.config.resolve``); third-party start-up noise filtered."""
+    for a resolved config (``rlcore.config.resolve``); third-party start-up noise filtered.
+    ``probe_prompts``: token ids for the sync check (``build_switch``)."""
     torch.manual_seed(cfg.trainer.seed)
     if info.is_main and info.device_type != "cpu":  # before anything large lands on the device
         from rlcore.memory_plan import device_total_gb, format_plan, plan_from_config
@@ -133,7 +142,7 @@ def build_engines(cfg: Config, info: DistInfo, timer: Timer) -> Engines:
             # vLLM sizes its KV cache from the memory generation really has.
             policy.offload(params=cfg.offload.params, optimizer=cfg.offload.optimizer)
         rollout = build_rollout(cfg.model, cfg.rollout, info, cfg.trainer.seed)
-    switch = build_switch(policy, rollout, cfg.model, cfg.rollout, cfg.offload, info, timer)
+    switch = build_switch(policy, rollout, cfg.model, cfg.rollout, cfg.offload, info, timer, probe_prompts)
     if cfg.logging.switch_trace:
         switch.trace_to_stderr()
     return Engines(policy, ref, rollout, switch)

@@ -4,7 +4,9 @@ pointer updated; older ones pruned only after that. A half-written checkpoint is
 Layout: {output_dir}/checkpoints/step_{N}/ holds the policy's DCP state (model, optimizer, and in
 VeOmni's per-rank extra-state files the LR scheduler and the trainer state: step, data position,
 skip counters), rng_rank{r}.pt per rank (torch, numpy and python RNG, as plain tensors) and
-meta.json (step, world size); {output_dir}/checkpoints/latest names the newest complete one.
+meta.json (step, world size) and manifest.json (every file's size, written last: a folder whose
+files do not match it is incomplete, e.g. truncated by a full disk or cut by a second run on the
+same directory); {output_dir}/checkpoints/latest names the newest complete one.
 The vLLM sampling seeds need no state: they are derived from (trainer.seed, step).
 
 Unpickling: rng files are read with ``torch.load(weights_only=True)``. VeOmni reads its extra-state
@@ -90,12 +92,28 @@ def save(policy, output_dir: str, step: int, trainer_state: dict, rank: int, kee
         world = dist.get_world_size() if dist.is_initialized() else 1
         with open(os.path.join(tmp, "meta.json"), "w") as f:
             json.dump({"step": step, "world_size": world}, f)
+        _write_manifest(tmp)
         _remove(final)  # a same-step folder from an earlier attempt of this run
         os.replace(tmp, final)
         _write_latest(root, f"step_{step}")
         _prune(root, keep_last)
     barrier()
     return final
+
+
+MANIFEST = "manifest.json"
+
+
+def _write_manifest(folder: str) -> None:
+    sizes = {}
+    for dirpath, _, files in os.walk(folder):
+        for name in files:
+            full = os.path.join(dirpath, name)
+            sizes[os.path.relpath(full, folder)] = os.path.getsize(full)
+    with open(os.path.join(folder, MANIFEST), "w") as f:
+        json.dump({"files": sizes}, f)
+        f.flush()
+        os.fsync(f.fileno())
 
 
 def _write_latest(root: str, name: str) -> None:
@@ -148,23 +166,53 @@ def latest_step(output_dir: str) -> int | None:
 # ---------------------------------------------------------------------------------------------
 
 
+def problems(path: str) -> list[str]:
+    """What keeps ``path`` from being a complete checkpoint, [] when nothing: a temp folder, DCP
+    metadata or extra state missing, and (checkpoints with a manifest) every file missing or of
+    another size than the save wrote."""
+    if os.path.basename(os.path.normpath(path)).startswith("."):
+        return ["a temporary folder of an unfinished save"]
+    manifest = os.path.join(path, MANIFEST)
+    if not os.path.isfile(manifest):  # written before manifests existed
+        return [f"{name} is missing" for name in (".metadata", "extra_state")
+                if not os.path.exists(os.path.join(path, name))]
+    try:
+        with open(manifest) as f:
+            sizes = json.load(f)["files"]
+    except (OSError, ValueError, KeyError) as e:
+        return [f"{MANIFEST} is unreadable ({type(e).__name__})"]
+    out = []
+    for name, size in sorted(sizes.items()):
+        full = os.path.join(path, name)
+        if not os.path.isfile(full):
+            out.append(f"{name} is missing")
+        elif os.path.getsize(full) != size:
+            out.append(f"{name} is truncated ({os.path.getsize(full)} of {size} bytes)")
+    return out
+
+
 def is_complete(path: str) -> bool:
-    """A folder the save above finished: DCP metadata and extra state present, not a temp folder."""
-    return (os.path.isfile(os.path.join(path, ".metadata")) and os.path.isdir(os.path.join(path, "extra_state"))
-            and not os.path.basename(os.path.normpath(path)).startswith("."))
+    """A folder the save above finished, with every file as it wrote it."""
+    return not problems(path)
 
 
-def find_resume(output_dir: str, resume: str) -> str | None:
+def find_resume(output_dir: str, resume: str, report=None) -> str | None:
     """The checkpoint folder to resume from: ``never`` -> None; ``auto`` -> the newest complete one
-    in {output_dir}/checkpoints or None; else PATH (a step folder, a checkpoints folder or a run's
-    output_dir, resolved to its newest complete checkpoint). ConfigError when PATH has none."""
+    in {output_dir}/checkpoints or None (newer incomplete ones are skipped, each named through
+    ``report``, e.g. print); else PATH (a step folder, a checkpoints folder or a run's output_dir,
+    resolved to its newest complete checkpoint). ConfigError when PATH has none, or when PATH is a
+    step folder that is incomplete (naming the step and the file)."""
     if resume == "never":
         return None
     if resume == "auto":
-        return _newest(checkpoint_root(output_dir))
+        return _newest(checkpoint_root(output_dir), report)
     if is_complete(resume):
         return resume
-    found = _newest(resume) or _newest(checkpoint_root(resume))
+    if STEP_DIR.match(os.path.basename(os.path.normpath(resume))) and os.path.isdir(resume):
+        raise ConfigError(f"checkpoint.resume={resume!r} is incomplete: {'; '.join(problems(resume))}. It was cut "
+                          f"short (a killed save, a full disk, or two runs writing one directory); resume from an "
+                          f"earlier step_N folder, or use auto, which takes the newest complete one")
+    found = _newest(resume, report) or _newest(checkpoint_root(resume), report)
     if found is None:
         raise ConfigError(
             f"checkpoint.resume={resume!r} is invalid: no complete checkpoint there (a step_N folder with "
@@ -173,9 +221,10 @@ def find_resume(output_dir: str, resume: str) -> str | None:
     return found
 
 
-def _newest(root: str) -> str | None:
+def _newest(root: str, report=None) -> str | None:
     """``latest`` when it names a complete folder, else the highest complete step_N (a run killed
-    between the rename and the pointer update), else None."""
+    between the rename and the pointer update, or a damaged newest checkpoint: named through
+    ``report``), else None."""
     if not os.path.isdir(root):
         return None
     latest = os.path.join(root, "latest")
@@ -185,9 +234,17 @@ def _newest(root: str) -> str | None:
         if is_complete(path):
             return path
     steps = sorted((int(m.group(1)), d) for d in os.listdir(root) if (m := STEP_DIR.match(d)))
+    skipped = []
     for _, d in reversed(steps):
-        if is_complete(os.path.join(root, d)):
-            return os.path.join(root, d)
+        path = os.path.join(root, d)
+        wrong = problems(path)
+        if not wrong:
+            if skipped and report is not None:
+                report(f"checkpoint.resume: skipping incomplete {'; '.join(skipped)}; resuming from {d}")
+            return path
+        skipped.append(f"{d} ({'; '.join(wrong)})")
+    if skipped and report is not None:
+        report(f"checkpoint.resume: no complete checkpoint; skipping incomplete {'; '.join(skipped)}")
     return None
 
 
@@ -229,7 +286,20 @@ def verify_plain(path: str) -> None:
         _refuse(metadata, e)
 
 
+# What a safe-unpickling refusal says (torch's weights_only loader, _DcpMetadataUnpickler): only these
+# mean foreign content; any other failure is a file that is missing, cut short or damaged.
+_UNSAFE = ("Weights only load failed", "is not part of DCP metadata")
+
+
 def _refuse(f: str, e: Exception) -> None:
+    step = os.path.basename(os.path.dirname(f.replace(os.sep + "extra_state" + os.sep, os.sep)))
+    if isinstance(e, FileNotFoundError):
+        raise ConfigError(f"checkpoint.resume: {step} is incomplete: {f} is missing (a killed save, or two runs "
+                          f"writing one directory); resume from an earlier checkpoint or use auto") from e
+    if not any(text in str(e) for text in _UNSAFE):
+        raise ConfigError(f"checkpoint.resume: {step} is damaged: {f} cannot be read ({type(e).__name__}: {e}), "
+                          f"e.g. truncated by a full disk or a killed write; resume from an earlier checkpoint "
+                          f"or use auto") from e
     raise ConfigError(f"checkpoint.resume: {f} holds more than this trainer's checkpoint data ({type(e).__name__}: "
                       f"{e}); refusing to unpickle it. Resume only from checkpoints this trainer wrote.") from e
 

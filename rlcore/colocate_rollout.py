@@ -36,11 +36,11 @@ import torch
 from rlcore import torchvision_shim
 from rlcore.config import model_num_experts
 from rlcore.cpu_kv import release_cpu_kv as _release_cpu_kv, resume_cpu_kv as _resume_cpu_kv
+from rlcore.cpu_repack import cpu_repack_on_reload
 from rlcore.dist import DistInfo
 from rlcore.rollout_checks import (
     align_sampler_logprobs_mode,
     capture_load_weights,
-    cpu_moe_repack_on_reload,
     check_encoder_cache_reset,
     check_engine_kwargs,
     check_prompt_images,
@@ -230,6 +230,7 @@ class ColocateRollout:
         # Samples stop at a vision slot token (rollout_checks.slot_token_ids): sampled log-probs
         # stay those of the full vocabulary, which is what the trainer computes.
         self._slot_tokens = slot_token_ids(hf_config) if self.multimodal else []
+        self.vision_token_ids = [*self._slot_tokens, *([self.image_token_id] if self.image_token_id is not None else [])]
         check_encoder_cache_reset(self.llm.llm_engine, self.multimodal)
 
     def _memory_kwargs(self, kv_cache_gb: float, gpu_mem_util: float) -> dict:
@@ -363,6 +364,23 @@ class ColocateRollout:
             results = [[_copy_sample(r[0]) for _ in range(n)] for r in results]
         return results
 
+    def score(self, sequences: list[list[int]]) -> list[list[float]]:
+        """Teacher-forced log-probs: for each sequence, the log-prob of every token after the
+        first given the tokens before it (vLLM's ``prompt_logprobs``: raw log-softmax whatever the
+        logprobs mode, gpu_model_runner.py:5381-5387 in vllm 0.32; temperature 1 on the trainer's
+        side). Text tokens only. Used by rlcore.sync_check."""
+        from vllm import SamplingParams
+
+        self._require_awake("score", {"weights", "kv_cache"})
+        params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0, detokenize=False)
+        with self._engine_rng_scope(), self._compile_stance():
+            outputs = self.llm.generate([_prompt_input(s, None) for s in sequences], params, use_tqdm=False)
+        return [[d[t].logprob for t, d in zip(s[1:], out.prompt_logprobs[1:])] for s, out in zip(sequences, outputs)]
+
+    def probe_module(self):
+        """vLLM's model on this rank (for rlcore.sync_check's hooks)."""
+        return self._model_runner().get_model()
+
     def _sampling_params(self, prompt_idx: int, n: int, seed: int | str, stop_token_ids, **sampling):
         from vllm import SamplingParams
 
@@ -404,7 +422,7 @@ class ColocateRollout:
             if self.weight_load == "direct":
                 self._load_direct(model, stream)
             else:
-                with cpu_moe_repack_on_reload(model):
+                with cpu_repack_on_reload(model):
                     self._reload(weights_iterator=stream)
         # Cached prefix KV blocks and vision-encoder outputs were computed with the old weights.
         self.llm.reset_prefix_cache()
@@ -420,7 +438,7 @@ class ColocateRollout:
         round trip; kept as the baseline of scripts/bench_weight_sync.py and to reset an engine)."""
         self._require_awake("update_weights_from_path", {"weights"})
         model = self._model_runner().get_model()
-        with capture_load_weights(model) as loaded, cpu_moe_repack_on_reload(model):
+        with capture_load_weights(model) as loaded, cpu_repack_on_reload(model):
             self._reload(weights_path=path)
         self.llm.reset_prefix_cache()
         self._reset_encoder_cache()

@@ -140,10 +140,21 @@ class RolloutConfig:
     limit_mm_per_prompt: Optional[dict[str, int]] = None
     """Vision-language models: most items of each kind per prompt vLLM accepts (and budgets its
     encoder cache for), e.g. {image: 2, video: 0}. null = the most images a data row has, no video."""
+    check_sync: Literal["off", "warn", "strict"] = "warn"
+    """After every weight sync the trainer and vLLM score a fixed probe (two training prompts);
+    above check_sync_tol the run names the first parameter group that differs and warns (warn) or
+    stops with exit code 4 (strict). Logged as rollout/sync_probe_max. See rlcore/sync_check.py."""
+    check_sync_tol: Optional[float] = None
+    """Largest |trainer - vLLM| log-prob of a probe token that passes; null = per model.dtype:
+    1e-3 float32, 0.1 bfloat16, 0.05 float16."""
+    check_sync_every: int = 1
+    """Check the first sync and every N-th after it. Each check costs one trainer forward of the
+    probe (an FSDP all-gather of the weights, like a training forward) and one small vLLM prefill:
+    measured 1.0 s per check for SmolLM2-135M on 2 CPU ranks, 3% of its step."""
 
     def __post_init__(self):
         _check_positive("rollout", self, "n", "max_response_length", "tensor_parallel_size", "max_model_len",
-                        "max_num_seqs", "max_num_batched_tokens")
+                        "max_num_seqs", "max_num_batched_tokens", "check_sync_every")
         check(self.temperature > 0, "rollout.temperature", self.temperature,
               "GRPO needs sampling: use a temperature > 0 (e.g. 1.0)")
         check(0 < self.top_p <= 1, "rollout.top_p", self.top_p, "it must be in (0, 1]")
@@ -153,6 +164,8 @@ class RolloutConfig:
               "it must be > 0 MiB (e.g. 64; smaller buckets cost more collectives, larger more memory)")
         check(0 < self.gpu_memory_utilization < 1, "rollout.gpu_memory_utilization", self.gpu_memory_utilization,
               "it must be in (0, 1), e.g. 0.5; the trainer's state needs the rest while vLLM is awake")
+        check(self.check_sync_tol is None or self.check_sync_tol > 0, "rollout.check_sync_tol", self.check_sync_tol,
+              "it must be > 0 (a log-prob difference, e.g. 1e-3 in float32), or null for the dtype's default")
         check(self.max_num_batched_tokens is None or self.max_num_batched_tokens >= self.max_model_len,
               "rollout.max_num_batched_tokens", self.max_num_batched_tokens,
               f"it must be >= rollout.max_model_len={self.max_model_len} (or null for vLLM's default)")

@@ -14,8 +14,10 @@ class Exit(IntEnum):
     OK = 0  # trainer.total_steps reached
     CONFIG = 2  # bad configuration or input data, reported before any model loads (or at the bad row)
     NON_FINITE = 3  # trainer.max_consecutive_skips steps in a row had a non-finite loss or gradient norm
+    SYNC_MISMATCH = 4  # rollout.check_sync=strict: after a weight sync vLLM scored the probe unlike the trainer
     PREEMPTED = 75  # stopped by SIGTERM/SIGUSR1 after writing a checkpoint: resume with checkpoint.resume=auto
     GRACE_EXPIRED = 76  # stop signal, but no checkpoint within trainer.preempt_grace_s: the previous one is intact
+    ORPHANED = 77  # the launcher (torchrun) died, e.g. kill -9: the rank ended itself (rlcore/ownership.py)
 
 
 class ConfigError(ValueError):

@@ -10,6 +10,11 @@ import os
 from rlcore import checkpoint, rewards
 from rlcore.config import Config, ConfigError, check, fail
 from rlcore.data import load_prompts
+from rlcore.ownership import claim_output_dir
+
+
+def _print_main(message: str) -> None:
+    print(message, flush=True)
 
 
 def preflight(cfg: Config, rank: int, world_size: int):
@@ -18,7 +23,9 @@ def preflight(cfg: Config, rank: int, world_size: int):
     with code 2 here. Returns (tokenizer, image processor or None, prompts, checkpoint to resume)."""
     try:
         validate_against_world(cfg, world_size)
-        resume_from = checkpoint.find_resume(cfg.trainer.output_dir, cfg.checkpoint.resume)
+        claim_output_dir(cfg.trainer.output_dir, rank)  # before anything in it is read or written
+        resume_from = checkpoint.find_resume(cfg.trainer.output_dir, cfg.checkpoint.resume,
+                                             report=_print_main if rank == 0 else None)
         if resume_from is not None:
             checkpoint.validate_resume(resume_from, rank, world_size)
         tokenizer = load_tokenizer(cfg.model.path)

@@ -51,7 +51,7 @@ def pick_weight_load(device_type: str, weight_load: str, moe: bool = False) -> s
     (vllm_ascend/worker/worker.py:89-1037; 0.26.0rc1 adds it at worker.py:1115): reload goes through
     its model runner there (see reload_weights_method). A mixture-of-experts model (``moe``)
     reloads on every device: vLLM's fused-MoE layers post-process (CPU: pre-pack, see
-    cpu_moe_repack_on_reload) the expert weights after loading, and Ascend refuses a direct MoE load.
+    cpu_repack.cpu_repack_on_reload) the expert weights after loading, and Ascend refuses a direct MoE load.
     """
     if weight_load not in ("auto", "reload", "direct"):
         raise ValueError(f"weight_load must be auto, reload or direct, got {weight_load!r}")
@@ -477,43 +477,3 @@ def describe_engine(vllm_config, *, device_type: str, tp_size: int, dp_size: int
             f"prefix_caching={getattr(cc, 'enable_prefix_caching', None)} "
             f"max_num_seqs={getattr(sc, 'max_num_seqs', None)} "
             f"max_num_batched_tokens={getattr(sc, 'max_num_batched_tokens', None)}{mm_part}")
-
-
-def _cpu_moe_methods(model) -> list:
-    """The unquantized fused-MoE methods of ``model`` that run vLLM's CPU experts kernel."""
-    try:
-        from vllm.model_executor.layers.fused_moe.oracle.unquantized import UnquantizedMoeBackend
-        from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod
-    except ImportError:  # another vLLM layout (the NPU pin): nothing to do there
-        return []
-    seen, out = set(), []
-    for module in model.modules():
-        qm = getattr(module, "quant_method", None)
-        if (isinstance(qm, UnquantizedFusedMoEMethod) and getattr(qm, "moe_kernel", None) is not None
-                and getattr(qm, "unquantized_backend", None) == UnquantizedMoeBackend.CPU and id(qm) not in seen):
-            seen.add(id(qm))
-            out.append(qm)
-    return out
-
-
-@contextmanager
-def cpu_moe_repack_on_reload(model):
-    """Wrap an in-place reload (``reload_weights``) of ``model`` so that CPU MoE experts are
-    re-packed. vllm 0.32.0: the first load pre-packs w13/w2 into the CPU kernel's layout
-    (fused_moe/unquantized_fused_moe_method.py:166-205 -> fused_moe/experts/cpu_moe.py:208-218,
-    ``cpu_prepack_moe_weight``), but a reload finds ``moe_kernel`` set, takes the weight-update
-    branch (unquantized_fused_moe_method.py:187) and skips the pre-pack, and the layer-wise reload
-    then copies checkpoint-layout tensors into the pre-packed storage (model_loader/reload/
-    layerwise.py:417-433): same shapes, no error, wrong experts (log-probs off by 0.02-0.5 on a tiny
-    Qwen3-MoE; a padded intermediate size crashes instead). With the kernel cleared for the
-    reload, vLLM runs its first-load path (pad, pre-pack) on the new tensors; layers the reload
-    did not touch get their kernel back. A no-op without CPU MoE layers."""
-    saved = [(qm, qm.moe_kernel) for qm in _cpu_moe_methods(model)]
-    for qm, _ in saved:
-        qm.moe_kernel = None
-    try:
-        yield
-    finally:
-        for qm, old in saved:
-            if qm.moe_kernel is None:
-                qm.moe_kernel = old

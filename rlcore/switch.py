@@ -4,10 +4,12 @@ Every rank runs the same steps in the same order (several are collective):
 
     to_generation  (after the optimizer step)
       1 offload_optimizer  optimizer state -> host           frees room for vLLM's weights
-      2 wake_weights       vLLM re-allocates its weights      (accelerators, after a sleep)
-      3 sync_weights       bucketed FSDP2 gather -> vLLM      always every tensor (full sync)
-      4 offload_params     trainer parameter shards -> host   only after they were exported
-      5 wake_kv_cache      vLLM re-allocates its KV cache     last: the biggest allocation
+      2 probe_trainer      trainer scores the sync probe      (rollout.check_sync; a few tokens)
+      3 wake_weights       vLLM re-allocates its weights      (accelerators, after a sleep)
+      4 sync_weights       bucketed FSDP2 gather -> vLLM      always every tensor (full sync)
+      5 offload_params     trainer parameter shards -> host   only after they were exported
+      6 wake_kv_cache      vLLM re-allocates its KV cache     last: the biggest allocation
+      7 check_sync         vLLM scores the probe: equal?      warn or stop (rlcore/sync_check.py)
     to_training  (after generation)
       1 release_rollout    vLLM frees its KV cache (and its weights at sleep level 1/2)
       2 onload             trainer parameters and optimizer state -> device
@@ -44,11 +46,13 @@ from rlcore.dist import memory_stats
 
 log = logging.getLogger("rlcore.switch")
 
-TO_GENERATION = ("offload_optimizer", "wake_weights", "sync_weights", "offload_params", "wake_kv_cache")
+TO_GENERATION = ("offload_optimizer", "probe_trainer", "wake_weights", "sync_weights", "offload_params",
+                 "wake_kv_cache", "check_sync")
 TO_TRAINING = ("release_rollout", "onload")
 TIMER_OF_STEP = {
     "offload_optimizer": "offload", "wake_weights": "wake", "sync_weights": "weight_sync",
     "offload_params": "offload", "wake_kv_cache": "wake", "release_rollout": "release", "onload": "onload",
+    "probe_trainer": "sync_check", "check_sync": "sync_check",
 }
 
 
@@ -64,16 +68,18 @@ class PhaseSwitcher:
         free_kv_cache: release vLLM's memory while training.
         rollout_dtype: dtype the weights are cast to before the gather (vLLM's dtype).
         sync_bucket_mb: bucket size of the weight sync; None: one collective per tensor.
+        checker: ``rlcore.sync_check.SyncCheck`` (or None: no check).
     """
 
     def __init__(self, policy, rollout, timer, device_type: str, *, offload_params: bool,
                  offload_optimizer: bool, free_kv_cache: bool, rollout_dtype=None,
-                 sync_bucket_mb: float | None = 64.0, rank: int = 0):
+                 sync_bucket_mb: float | None = 64.0, rank: int = 0, checker=None):
         self.policy, self.rollout, self.timer = policy, rollout, timer
         self.device_type, self.rank = device_type, rank
         self.offload_params, self.offload_optimizer = offload_params, offload_optimizer
         self.free_kv_cache, self.rollout_dtype = free_kv_cache, rollout_dtype
         self.sync_bucket_mb = sync_bucket_mb
+        self.checker = checker
         self.phase = "generation"  # a fresh engine holds the initial weights already
         self.memory: dict[str, float] = {}
         self.trace: list[tuple[str, str, str]] = []  # (transition, step, what it did), last switch
@@ -87,7 +93,8 @@ class PhaseSwitcher:
         return (f"phase switch on {self.device_type}: to_generation = offload_optimizer"
                 f"[{'on' if self.offload_optimizer else 'off'}] -> wake_weights -> sync_weights[{sync}, "
                 f"{self.rollout_dtype or 'trainer dtype'}] -> offload_params[{'on' if self.offload_params else 'off'}]"
-                f" -> wake_kv_cache; to_training = release_rollout[{release}] -> onload")
+                f" -> wake_kv_cache -> check_sync[{self.checker.describe() if self.checker else 'off'}]; "
+                f"to_training = release_rollout[{release}] -> onload")
 
     def trace_to_stderr(self) -> None:
         """Print every step of every switch (the ``rlcore.switch`` INFO records) on stderr."""
@@ -135,6 +142,12 @@ class PhaseSwitcher:
             return "no-op (offload.optimizer off)"
         self.policy.offload(params=False, optimizer=True)
         return "optimizer state to host"
+
+    def _probe_trainer(self) -> str:
+        return self.checker.before_sync(self.policy) if self.checker else "no-op (no sync check)"
+
+    def _check_sync(self) -> str:
+        return self.checker.after_sync(self.rollout) if self.checker else "no-op (no sync check)"
 
     def _wake_weights(self) -> str:
         if "weights" not in self.rollout.released:
@@ -188,4 +201,6 @@ class PhaseSwitcher:
 
     def pop_metrics(self) -> dict[str, float]:
         out, self.memory = self.memory, {}
+        if self.checker:
+            out.update(self.checker.pop_metrics())
         return out

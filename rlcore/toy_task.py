@@ -47,14 +47,22 @@ def make_tiny_model(
     seed: int = 0,
     vocab_size: int | None = None,
     max_position_embeddings: int = 512,
+    tie_word_embeddings: bool = False,
+    family: str = "qwen3",
 ) -> str:
-    """Create a randomly initialised Qwen3 model + tokenizer as an HF safetensors folder."""
+    """Create a randomly initialised Qwen3 (or ``family="llama"``) model + tokenizer as an HF
+    safetensors folder. ``tie_word_embeddings``: the LM head shares the embedding matrix, as in
+    SmolLM2 and the small Qwen3 / Qwen2.5 releases (one tensor, ``model.embed_tokens.weight``)."""
     import torch
-    from transformers import Qwen3Config, Qwen3ForCausalLM
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
+    classes = {"qwen3": (Qwen3Config, Qwen3ForCausalLM), "llama": (LlamaConfig, LlamaForCausalLM)}
+    if family not in classes:
+        raise ValueError(f"family={family!r}: choose one of {sorted(classes)}")
+    config_cls, model_cls = classes[family]
     os.makedirs(out_dir, exist_ok=True)
     make_tokenizer(out_dir)
-    config = Qwen3Config(
+    config = config_cls(
         vocab_size=vocab_size or len(VOCAB),
         hidden_size=hidden_size,
         intermediate_size=intermediate_size,
@@ -63,14 +71,14 @@ def make_tiny_model(
         num_key_value_heads=num_kv_heads,
         head_dim=head_dim,
         max_position_embeddings=max_position_embeddings,
-        tie_word_embeddings=False,
+        tie_word_embeddings=tie_word_embeddings,
         pad_token_id=VOCAB.index("<pad>"),
         eos_token_id=VOCAB.index("<eos>"),
         bos_token_id=None,
         torch_dtype="float32",
     )
     torch.manual_seed(seed)
-    model = Qwen3ForCausalLM(config).to(torch.float32)
+    model = model_cls(config).to(torch.float32)
     model.generation_config.eos_token_id = config.eos_token_id
     model.generation_config.pad_token_id = config.pad_token_id
     model.save_pretrained(out_dir, safe_serialization=True)

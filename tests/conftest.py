@@ -61,6 +61,14 @@ def tiny_model(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="session")
+def tiny_tied_model(tmp_path_factory) -> str:
+    """The tiny Qwen3 with ``tie_word_embeddings`` (one matrix for the embedding and the LM head)."""
+    from rlcore.toy_task import make_tiny_model
+
+    return make_tiny_model(str(tmp_path_factory.mktemp("tiny_tied_model")), tie_word_embeddings=True)
+
+
+@pytest.fixture(scope="session")
 def toy_data(tmp_path_factory) -> tuple[str, str]:
     from rlcore.toy_task import make_toy_data
 

@@ -227,12 +227,15 @@ CASES = [
 def checks_exit_code(argv: list[str], world_size: int, rank: int = 0):
     """What train_grpo.main does up to the first engine: parse_config, then preflight."""
     import train_grpo
+    from rlcore.ownership import release_output_dirs
 
     try:
         cfg = train_grpo.parse_config(argv)
         train_grpo.preflight(cfg, rank, world_size)
     except SystemExit as e:
         return e.code
+    finally:
+        release_output_dirs()  # the run's output_dir lock: later cases and subprocesses use the same folder
     return 0
 
 

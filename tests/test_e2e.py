@@ -5,11 +5,13 @@ import glob
 import math
 import json
 import os
+import subprocess
+import sys
 
 
 import torch
 
-from conftest import REPO, run_torchrun
+from conftest import QUIET_ENV, REPO, run_torchrun
 
 REQUIRED = ["reward/mean", "actor/pg_loss", "actor/kl", "actor/entropy", "actor/grad_norm",
             "rollout/response_len_mean", "timing/generate_s", "timing/train_s", "timing/weight_sync_s",
@@ -41,6 +43,7 @@ def test_two_ranks_end_to_end(tiny_model, toy_data, tmp_path):
     assert any(r["actor/grad_norm"] > 0 for r in rows)  # some group had a reward signal
     # vLLM sampled with the weights the trainer had before each update (fp32): a stale sync shows here
     assert all(r["rollout/mismatch_max"] < 1e-3 and 0 <= r["rollout/mismatch_kl"] < 1e-6 for r in rows), rows
+    assert all(r["rollout/sync_probe_max"] < 1e-4 for r in rows), rows  # rollout.check_sync (warn) ran every sync
     assert "step 3/3" in proc.stdout and "reward" in proc.stdout and "| eta " in proc.stdout
     assert "train phase: response-only logits, one prompt per group (block mask)" in proc.stdout  # CPU: sdpa
     assert f"done: 3 steps in" in proc.stdout and os.path.join(out, "hf_final") in proc.stdout
@@ -79,6 +82,45 @@ def test_stale_engine_shows_as_rollout_mismatch(tiny_model, toy_data, tmp_path):
     stale = rows[2]
     assert max(synced) < 1e-3, synced
     assert stale["rollout/mismatch_max"] > 0.05 and stale["rollout/mismatch_kl"] > 1e-4, stale
+    # The sync check saw it at the skipped sync itself (step 2's row), before step 3 sampled.
+    probe = [r["rollout/sync_probe_max"] for r in rows]
+    assert probe[1] > 1e-2 and max(probe[0], probe[2], probe[3]) < 1e-4, probe
+
+
+def test_strict_sync_check_stops_a_stale_engine_with_exit_4(tiny_model, toy_data, tmp_path):
+    """rollout.check_sync=strict: the skipped sync after step 2 stops the run before step 3
+    generates, with exit code 4 and the first differing group (every weight changed, so the
+    embedding); step 1's metrics row and the earlier checkpoint stay as written."""
+    out = str(tmp_path / "strict")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           os.path.join(REPO, "tests", "workers", "faulty_train.py"), "--config",
+           os.path.join(REPO, "configs", "demo_cpu.yaml"), "--model.path", tiny_model,
+           "--data.train_files", json.dumps([toy_data[0]]), "--data.val_files", "[]",
+           "--trainer.output_dir", out, "--trainer.total_steps", "4", "--trainer.prompts_per_step", "4",
+           "--rollout.n", "4", "--checkpoint.save_every", "1", "--checkpoint.save_hf_final", "false",
+           "--rollout.check_sync", "strict"]
+    env = {**os.environ, **QUIET_ENV, "PYTHONPATH": REPO, "RLCORE_TEST_SKIP_SYNC_STEPS": "2"}
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode != 0 and "exitcode  : 4" in proc.stderr, proc.stderr[-3000:]
+    assert "First differing parameter group on this rank: embedding" in proc.stderr, proc.stderr[-3000:]
+    assert "rollout.check_sync=strict" in proc.stderr
+    assert [r["step"] for r in read_metrics(out)] == [1]
+    assert sorted(os.listdir(os.path.join(out, "checkpoints"))) == ["latest", "step_1"]
+
+
+def test_tied_embeddings_keep_the_engine_on_policy(tiny_tied_model, toy_data, tmp_path):
+    """A tied model (SmolLM2, small Qwen3 / Qwen2.5) at a large learning rate, strict sync check:
+    vLLM samples from the trained policy at every step (fp32). Before the tied-head re-pack
+    (rlcore/cpu_repack.py) mismatch_kl was 0.04-0.15 here from step 2 on and strict stopped the run."""
+    out = str(tmp_path / "tied")
+    train(2, tiny_tied_model, toy_data[0], out, 4, "--optim.lr", "1e-2", "--rollout.check_sync", "strict",
+          "--checkpoint.save_hf_final", "false")
+    rows = read_metrics(out)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    assert any(r["actor/grad_norm"] > 0 for r in rows)  # the weights moved
+    for r in rows:
+        assert 0 <= r["rollout/mismatch_kl"] < 1e-6 and r["rollout/mismatch_max"] < 1e-4, r
+        assert r["rollout/sync_probe_max"] < 1e-4, r
 
 
 def check_hf_export(hf_dir, base_dir):

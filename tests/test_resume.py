@@ -184,7 +184,7 @@ def test_half_written_checkpoints_are_never_chosen(tmp_path):
     assert checkpoint.find_resume(out, "auto") == s2
     assert checkpoint.find_resume(out, "never") is None
     assert checkpoint.find_resume(out, out) == s2  # an output_dir resolves to its newest checkpoint
-    with pytest.raises(ConfigError, match="no complete checkpoint"):
+    with pytest.raises(ConfigError, match="step_4' is incomplete: .metadata is missing; extra_state is missing"):
         checkpoint.find_resume(out, os.path.join(root, "step_4"))
     s1 = fake_checkpoint(root, "step_1", 1)
     fake_checkpoint(root, "step_9", 9)  # past latest: another timeline, not ours to delete
@@ -213,6 +213,51 @@ def test_resume_checks_world_size_and_refuses_foreign_pickles(tmp_path):
     torch.save({"user": {"trainer": {"step": 5}}, "evil": os.system}, os.path.join(path, "extra_state", "extra_state_rank_1.pt"))
     with pytest.raises(ConfigError, match="refusing to unpickle"):
         checkpoint.validate_resume(path, rank=1, world_size=2)
+
+
+@pytest.mark.unit
+def test_missing_and_truncated_files_are_named_and_auto_falls_back(tmp_path):
+    """The manifest written last by a save lists every file's size: a removed file and a truncated
+    one each get their own message (step and file), distinct from the unsafe-pickle refusal, and
+    resume=auto takes the newest complete checkpoint, saying which it skipped."""
+    from rlcore import checkpoint
+    from rlcore.config import ConfigError
+
+    out = str(tmp_path)
+    root = checkpoint.checkpoint_root(out)
+    for step in (2, 4, 6):
+        checkpoint._write_manifest(fake_checkpoint(root, f"step_{step}", step))
+    checkpoint._write_latest(root, "step_6")
+    os.remove(os.path.join(root, "step_6", "extra_state", "extra_state_rank_1.pt"))
+    rank0 = os.path.join(root, "step_4", "extra_state", "extra_state_rank_0.pt")
+    size = os.path.getsize(rank0)
+    with open(rank0, "r+b") as f:
+        f.truncate(size // 2)
+    assert checkpoint.problems(os.path.join(root, "step_6")) == ["extra_state/extra_state_rank_1.pt is missing"]
+    assert checkpoint.problems(os.path.join(root, "step_4")) == [
+        f"extra_state/extra_state_rank_0.pt is truncated ({size // 2} of {size} bytes)"]
+    said = []
+    assert checkpoint.find_resume(out, "auto", report=said.append) == os.path.join(root, "step_2")
+    assert said == ["checkpoint.resume: skipping incomplete step_6 (extra_state/extra_state_rank_1.pt is missing); "
+                    f"step_4 (extra_state/extra_state_rank_0.pt is truncated ({size // 2} of {size} bytes)); "
+                    "resuming from step_2"]
+    with pytest.raises(ConfigError, match=r"step_6' is incomplete: extra_state/extra_state_rank_1.pt is missing"):
+        checkpoint.find_resume(out, os.path.join(root, "step_6"))
+    with pytest.raises(ConfigError, match=r"step_4' is incomplete: extra_state/extra_state_rank_0.pt is truncated"):
+        checkpoint.find_resume(out, os.path.join(root, "step_4"))
+    # A checkpoint from before manifests: the unpickling step tells missing and cut files from unsafe ones.
+    old = fake_checkpoint(str(tmp_path / "old"), "step_3", 3)
+    os.remove(os.path.join(old, "meta.json"))
+    with open(os.path.join(old, ".metadata"), "r+b") as f:
+        f.truncate(10)
+    with pytest.raises(ConfigError, match=r"step_3 is damaged: .*\.metadata cannot be read") as err:
+        checkpoint.validate_resume(old, rank=0, world_size=2)
+    assert "refusing to unpickle" not in str(err.value)
+    os.remove(os.path.join(old, "extra_state", "extra_state_rank_1.pt"))
+    with pytest.raises(ConfigError, match="has no state for rank 1"):
+        checkpoint.validate_resume(old, rank=1, world_size=2)
+    with pytest.raises(ConfigError, match=r"step_3 is incomplete: .*rng_rank0.pt is missing"):
+        checkpoint._refuse(os.path.join(old, "rng_rank0.pt"), FileNotFoundError(2, "No such file"))
 
 
 @pytest.mark.unit

@@ -56,14 +56,15 @@ def test_switch_runs_the_documented_order(run2):
 
     assert [s for _, s, _ in run2["trace_to_training"]] == list(TO_TRAINING)
     assert [s for _, s, _ in run2["trace_to_generation"]] == list(TO_GENERATION)
-    assert list(TO_GENERATION) == ["offload_optimizer", "wake_weights", "sync_weights", "offload_params",
-                                   "wake_kv_cache"]
+    assert list(TO_GENERATION) == ["offload_optimizer", "probe_trainer", "wake_weights", "sync_weights",
+                                   "offload_params", "wake_kv_cache", "check_sync"]
     assert list(TO_TRAINING) == ["release_rollout", "onload"]
     done = {s: what for _, s, what in run2["trace_to_generation"] + run2["trace_to_training"]}
     assert done["sync_weights"].startswith(f"{run2['num_tensors']} tensors pushed in ")  # always a full push
     assert done["offload_optimizer"].startswith("no-op")  # configured off in the worker
     assert done["offload_params"] == "parameter shards to host"
     assert done["wake_weights"].startswith("no-op")  # CPU: weights never released
+    assert done["probe_trainer"].startswith("no-op") and done["check_sync"].startswith("no-op")  # no checker here
     assert "wrong_order" in run2 and "call to_generation() first" in run2["wrong_order"]
 
 

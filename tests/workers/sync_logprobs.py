@@ -1,7 +1,11 @@
 """Worker (torchrun): one GRPO training step, a weight sync into vLLM, then vLLM's log-probs of
-its sampled tokens against the trainer's log-probs of the same tokens.
+its sampled tokens against the trainer's log-probs of the same tokens; the sync check
+(rlcore.sync_check, warn mode) runs on the switch and its figures and verdict are reported.
 
-    torchrun --nproc_per_node=2 tests/workers/sync_logprobs.py MODEL_DIR TP OUT_JSON
+    torchrun --nproc_per_node=2 tests/workers/sync_logprobs.py MODEL_DIR TP OUT_JSON [no-tied-repack]
+
+``no-tied-repack`` takes rlcore's CPU tied-head re-pack out (rlcore/cpu_repack.py), i.e. the
+behaviour before the fix: the tests show the check catching it and naming the LM head.
 """
 
 import json
@@ -14,6 +18,7 @@ from rlcore.config import AlgorithmConfig
 from rlcore.dist import init_distributed
 from rlcore.metrics import Timer
 from rlcore.switch import PhaseSwitcher
+from rlcore.sync_check import SyncCheck
 
 
 def sample(rollout, prompts, temperature, seed):
@@ -32,6 +37,10 @@ def max_diff(policy, rollout, batch, temperature, device):
 
 def main():
     model_dir, tp, out = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+    if "no-tied-repack" in sys.argv[4:]:
+        from rlcore import cpu_repack
+
+        cpu_repack.cpu_tied_linears = lambda model: []
     info = init_distributed("cpu")
     from rlcore.colocate_rollout import ColocateRollout
     from rlcore.engine_veomni import VeOmniPolicy
@@ -39,8 +48,11 @@ def main():
     torch.manual_seed(0)
     policy = VeOmniPolicy(model_dir, info, lr=1e-2, total_steps=10)
     rollout = ColocateRollout(model_dir, info, tp_size=tp, seed=0, max_model_len=64, kv_cache_gb=0.1)
-    switch = PhaseSwitcher(policy, rollout, Timer(), "cpu", offload_params=True, offload_optimizer=True,
-                           free_kv_cache=True)
+    probe = [[13, 4 + i, 5, 6, 7, 14, 18, 15, 4, 5, 9, 7] for i in range(2)]
+    checker = SyncCheck("warn", "float32", probe, info.device, is_main=info.is_main)
+    timer = Timer()
+    switch = PhaseSwitcher(policy, rollout, timer, "cpu", offload_params=True, offload_optimizer=True,
+                           free_kv_cache=True, checker=checker)
     temperature = 0.8
     prompts = [[13, 4 + i, 5, 6, 7, 14, 18, 15] for i in range(4)]
     batch = sample(rollout, prompts, temperature, seed=1)
@@ -52,6 +64,7 @@ def main():
     metrics = grpo.ppo_update(policy, batch, adv, None, None, AlgorithmConfig(micro_batch_size=8), temperature,
                               info.world_size, info.device)
     switch.to_generation()
+    check = {**switch.pop_metrics(), **timer.pop_metrics(), "breach": checker.last_breach}
     # How far the weights moved: the trainer's new log-probs of the first batch against vLLM's old
     # ones. A sync that did nothing would leave a difference of this size below.
     moved = max_diff(policy, rollout, batch, temperature, info.device)
@@ -62,7 +75,9 @@ def main():
     if info.rank == 0:
         json.dump({"before": before, "after": diff, "moved": moved, "grad_norm": metrics["actor/grad_norm"],
                    "tokens": int(mask.sum().item()),
-                   "mean_abs_logp": (new_lp.abs() * mask).sum().item() / mask.sum().item()}, open(out, "w"))
+                   "mean_abs_logp": (new_lp.abs() * mask).sum().item() / mask.sum().item(),
+                   "probe_max": check["rollout/sync_probe_max"], "probe_mean": check["rollout/sync_probe_mean"],
+                   "breach": check["breach"], "check_s": check.get("timing/sync_check_s")}, open(out, "w"))
     rollout.shutdown()
     torch.distributed.destroy_process_group()
 
