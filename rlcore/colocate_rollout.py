@@ -8,7 +8,7 @@ that sample different completions. vLLM's ``external_launcher`` backend reuses t
 torch.distributed world instead of spawning workers, so engine construction is collective.
 
 vLLM changes process-global state when it builds an engine; the wrapper undoes what the trainer
-depends on (see ``_ProcessState``) and keeps vLLM's sampling RNG apart from the trainer's.
+depends on (see ``rlcore.process_state``) and keeps vLLM's sampling RNG apart from the trainer's.
 Known left-over: vLLM's CPU worker replaces ``torch.set_num_threads`` with a no-op (callers that
 must change the thread count use ``torch._C.set_num_threads``), and calls ``gc.freeze()``.
 On NPU ``VLLM_ASCEND_ENABLE_NZ=0`` is set for the rest of the process (wake-up refuses NZ weights),
@@ -25,12 +25,10 @@ import gc
 import json
 import logging
 import os
-import random
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from rlcore import torchvision_shim
@@ -38,6 +36,7 @@ from rlcore.config import model_num_experts
 from rlcore.cpu_kv import release_cpu_kv as _release_cpu_kv, resume_cpu_kv as _resume_cpu_kv
 from rlcore.cpu_repack import cpu_repack_on_reload
 from rlcore.dist import DistInfo
+from rlcore.process_state import ProcessState, get_torch_rng, set_torch_rng
 from rlcore.rollout_checks import (
     align_sampler_logprobs_mode,
     capture_load_weights,
@@ -67,10 +66,6 @@ from rlcore.rollout_checks import (
 
 log = logging.getLogger("rlcore.rollout")
 
-# Env vars vLLM rewrites at engine build: LOCAL_WORLD_SIZE := tp_size (breaks anything that
-# reads torchrun's value later), LD_PRELOAD := tcmalloc (leaks into subprocesses we start).
-# VLLM_CPU_KVCACHE_SPACE is hidden during the build (it overrides kv_cache_memory_bytes).
-_ENV_KEYS_TO_RESTORE = ("LOCAL_WORLD_SIZE", "LD_PRELOAD", "VLLM_CPU_KVCACHE_SPACE")
 # Sampled-token logprob = log_softmax(logits / T) after top-k/top-p: what the trainer recomputes.
 # vLLM's default ("raw_logprobs") ignores the temperature.
 LOGPROBS_MODE = "processed_logprobs"
@@ -84,57 +79,6 @@ class Sample:
     response_ids: list[int]  # sampled tokens, the stop/EOS token included when it ended the sample
     logprobs: list[float]  # [len(response_ids)] log_softmax(logits / T) at each sampled token
     finish_reason: str  # "stop" | "length"
-
-
-# ----------------------------------------------------------------------------- process state
-
-
-def _accel_module(device_type: str):
-    """torch.cuda / torch.npu, or None on CPU."""
-    return None if device_type == "cpu" else getattr(torch, device_type)
-
-
-def _get_torch_rng(device_type: str) -> tuple[torch.Tensor, torch.Tensor | None]:
-    # Only the current accelerator's generator: *_all() would create contexts on every device.
-    accel = _accel_module(device_type)
-    return torch.get_rng_state(), (accel.get_rng_state() if accel is not None else None)
-
-
-def _set_torch_rng(device_type: str, state: tuple[torch.Tensor, torch.Tensor | None]) -> None:
-    torch.set_rng_state(state[0])
-    accel = _accel_module(device_type)
-    if accel is not None and state[1] is not None:
-        accel.set_rng_state(state[1])
-
-
-@dataclass
-class _ProcessState:
-    """What vLLM's engine build clobbers and the trainer relies on."""
-
-    torch_rng: tuple[torch.Tensor, torch.Tensor | None]
-    py_rng: object
-    np_rng: dict
-    env: dict[str, str | None]
-
-    @classmethod
-    def capture(cls, device_type: str) -> "_ProcessState":
-        return cls(
-            torch_rng=_get_torch_rng(device_type),
-            py_rng=random.getstate(),
-            np_rng=np.random.get_state(legacy=False),
-            env={k: os.environ.get(k) for k in _ENV_KEYS_TO_RESTORE},
-        )
-
-    def restore(self, device_type: str) -> None:
-        # The worker calls set_random_seed(seed) -> reseeds torch, python and numpy globally.
-        _set_torch_rng(device_type, self.torch_rng)
-        random.setstate(self.py_rng)
-        np.random.set_state(self.np_rng)
-        for k, v in self.env.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 # ----------------------------------------------------------------------------- the engine
@@ -192,7 +136,7 @@ class ColocateRollout:
         self._unseeded_calls = 0  # generate(seed=None) calls so far (see unseeded_call_seed)
         multimodal_guess = is_multimodal_config(_model_config_json(model_path))
 
-        saved = _ProcessState.capture(info.device_type)  # before _memory_kwargs edits the env
+        saved = ProcessState.capture(info.device_type)  # before _memory_kwargs edits the env
         engine_kwargs = dict(
             max_model_len=max_model_len, dtype=dtype, enforce_eager=self.enforce_eager,
             **self._memory_kwargs(kv_cache_gb, gpu_memory_utilization),
@@ -208,7 +152,7 @@ class ColocateRollout:
             self.llm = self._build_engine(model_path, engine_kwargs)
             # The worker seeded the global RNG with seed + dp_rank: keep that as the engine's
             # own stream (vLLM's V1 sampler draws from it) and hand the trainer its stream back.
-            self._engine_rng = _get_torch_rng(info.device_type)
+            self._engine_rng = get_torch_rng(info.device_type)
         finally:
             saved.restore(info.device_type)
         worker = self._worker()
@@ -236,7 +180,7 @@ class ColocateRollout:
     def _memory_kwargs(self, kv_cache_gb: float, gpu_mem_util: float) -> dict:
         if self.info.device_type == "cpu":
             # Explicit size: vLLM's auto sizing takes ~60% of host RAM per rank (OOM with 2 ranks).
-            # The legacy env var would silently override it (restored by _ProcessState).
+            # The legacy env var would silently override it (restored by ProcessState).
             os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)
             return {"kv_cache_memory_bytes": int(kv_cache_gb * 2**30)}
         # release_memory() -> llm.sleep(level), or at level 0 release_kv_cache_memory():
@@ -291,13 +235,13 @@ class ColocateRollout:
     @contextmanager
     def _engine_rng_scope(self) -> Iterator[None]:
         """Run vLLM on its own RNG stream: training randomness is neither consumed nor reseeded."""
-        trainer_rng = _get_torch_rng(self.info.device_type)
-        _set_torch_rng(self.info.device_type, self._engine_rng)
+        trainer_rng = get_torch_rng(self.info.device_type)
+        set_torch_rng(self.info.device_type, self._engine_rng)
         try:
             yield
         finally:
-            self._engine_rng = _get_torch_rng(self.info.device_type)
-            _set_torch_rng(self.info.device_type, trainer_rng)
+            self._engine_rng = get_torch_rng(self.info.device_type)
+            set_torch_rng(self.info.device_type, trainer_rng)
 
     def _compile_stance(self):
         """enforce_eager also covers vLLM's torch.compile'd sampler helpers (logprob rank count,

@@ -42,6 +42,8 @@ def test_vllm_logprobs_match_trainer_after_sync(models, tmp_path, model, tp):
     assert r["moved"] > 1e-3, r  # the step changed the policy, so a stale engine would fail below
     assert r["after"] < 1e-4, r
     assert r["probe_max"] < 1e-4 and r["breach"] is None, r  # the check passes a good sync
+    # then a level-2 style refill (every parameter must be written: checked) leaves it exact too
+    assert r["valid"] and r["refilled"] >= 20, r
 
 
 def test_sync_check_catches_and_locates_a_stale_tied_head(models, tmp_path):

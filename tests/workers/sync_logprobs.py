@@ -68,6 +68,12 @@ def main():
     # How far the weights moved: the trainer's new log-probs of the first batch against vLLM's old
     # ones. A sync that did nothing would leave a difference of this size below.
     moved = max_diff(policy, rollout, batch, temperature, info.device)
+    # The level-2 refill (accelerators: the weights' memory was discarded by the sleep): the next
+    # full push must write every vLLM parameter (rollout_checks.require_all_loaded raises otherwise);
+    # a tied head is the embedding's Parameter, so the embedding's tensor covers it.
+    rollout.weights_valid = False
+    with policy.on_device():
+        refilled = rollout.update_weights(policy.named_hf_weights(), full=True)
     after = sample(rollout, prompts, temperature, seed=2)
     diff = max_diff(policy, rollout, after, temperature, info.device)
     mask = after.response_mask()
@@ -77,7 +83,8 @@ def main():
                    "tokens": int(mask.sum().item()),
                    "mean_abs_logp": (new_lp.abs() * mask).sum().item() / mask.sum().item(),
                    "probe_max": check["rollout/sync_probe_max"], "probe_mean": check["rollout/sync_probe_mean"],
-                   "breach": check["breach"], "check_s": check.get("timing/sync_check_s")}, open(out, "w"))
+                   "breach": check["breach"], "check_s": check.get("timing/sync_check_s"),
+                   "refilled": refilled, "valid": rollout.weights_valid}, open(out, "w"))
     rollout.shutdown()
     torch.distributed.destroy_process_group()
 
