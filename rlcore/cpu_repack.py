@@ -37,12 +37,12 @@ def cpu_tied_linears(model) -> list:
     Parameter that another module also holds (a tied LM head and its embedding)."""
     holders: dict[int, int] = {}
     for module in model.modules():
-        for param in module._parameters.values():
+        for param in getattr(module, "_parameters", {}).values():
             if param is not None:
                 holders[id(param)] = holders.get(id(param), 0) + 1
     out = []
     for module in model.modules():
-        weight = module._parameters.get("weight")
+        weight = getattr(module, "_parameters", {}).get("weight")
         method = getattr(module, "quant_method", None)
         if (weight is not None and hasattr(module, "cpu_linear") and holders.get(id(weight), 0) > 1
                 and hasattr(method, "process_weights_after_loading")):

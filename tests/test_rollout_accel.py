@@ -169,7 +169,9 @@ def fake_vllm(monkeypatch):
     for name, m in (("vllm", mod), ("vllm.inputs", inputs), ("vllm.config", config),
                     ("vllm.engine.arg_utils", arg_utils)):
         monkeypatch.setitem(sys.modules, name, m)
-    monkeypatch.setattr(cr, "_accel_module", lambda device_type: None)  # no torch.cuda/npu RNG here
+    from rlcore import process_state
+
+    monkeypatch.setattr(process_state, "accel_module", lambda device_type: None)  # no torch.cuda/npu RNG here
     monkeypatch.delenv(rc.NZ_ENV, raising=False)
     return mod
 
