@@ -4,8 +4,8 @@ The trainer packs several sequences into one ``(1, L)`` row with ``position_ids`
 per sequence and ``attention_mask=None``. What each choice does with that (transformers 5.19,
 VeOmni 0.1.12):
 
-* ``flash_attention_2`` / ``flash_attention_3``: VeOmni renames them to its own
-  ``veomni_flash_attention_{2,3}_with_sp`` (veomni/arguments/arguments_types.py:1239-1251, with
+* ``flash_attention_2`` / ``_3`` / ``_4``: VeOmni renames them to its own
+  ``veomni_flash_attention_{2,3,4}_with_sp`` (veomni/arguments/arguments_types.py:1239-1251, with
   ``MODELING_BACKEND=veomni``, the default of veomni/utils/env.py:24). Those names are not in
   transformers' mask table (transformers/masking_utils.py:714-724), so no mask is built at all
   (masking_utils.py:822-823), and VeOmni's forward (veomni/ops/kernels/attention/flash.py:153-301)
@@ -14,6 +14,14 @@ VeOmni 0.1.12):
   838-850): no (L x L) tensor. On Ascend, the same call resolves to
   ``torch_npu.npu_fusion_attention`` with per-sequence lengths (modeling_flash_attention_utils.py:
   185-190, integrations/npu_flash_attention.py:86-130); flash-attn itself does not exist there.
+  Each needs one entry point, which VeOmni imports when the first attention runs
+  (veomni/ops/kernels/attention/flash.py:61-83): ``flash_attn.flash_attn_varlen_func`` (FA2),
+  ``flash_attn_interface.flash_attn_varlen_func`` (FA3), ``flash_attn.cute.flash_attn_varlen_func``
+  (FA4, the ``flash-attn-4`` wheel of requirements-cuda.txt; Hopper/Blackwell only). ``auto``
+  probes exactly those: flash-attn-4 ships ``flash_attn/cute/`` and no ``flash_attn/__init__.py``,
+  so a bare ``import flash_attn`` succeeds as an empty namespace package beside it and would
+  wrongly select FA2, whose first forward then fails (transformers falls back to fetching a kernel
+  from the Hub, modeling_flash_attention_utils.py:204-209).
 * ``sdpa``: transformers finds the packing from ``position_ids``
   (masking_utils.py:731-760, 856-862) and, because a packed mask cannot use ``is_causal``
   (masking_utils.py:974-976), materialises a dense (1, 1, L, L) bool block-causal mask
@@ -34,21 +42,36 @@ from __future__ import annotations
 import importlib
 import warnings
 
-# Module that must import for each flash implementation on CUDA.
-_FLASH_MODULES = {"flash_attention_2": "flash_attn", "flash_attention_3": "flash_attn_interface"}
-KNOWN = ("auto", "sdpa", "eager", "flash_attention_2", "flash_attention_3")
+# The entry point each flash implementation calls on CUDA (module, attribute), in auto's order.
+_FLASH_ENTRY = {"flash_attention_2": ("flash_attn", "flash_attn_varlen_func"),
+                "flash_attention_3": ("flash_attn_interface", "flash_attn_varlen_func"),
+                "flash_attention_4": ("flash_attn.cute", "flash_attn_varlen_func")}
+_FLASH_PACKAGE = {"flash_attention_2": "flash-attn (built for this torch)", "flash_attention_3": "flash-attn-3",
+                  "flash_attention_4": "flash-attn-4 with nvidia-cutlass-dsl (requirements-cuda.txt)"}
+KNOWN = ("auto", "sdpa", "eager", "flash_attention_2", "flash_attention_3", "flash_attention_4")
 # The flash kernels (and npu_fusion_attention) take fp16/bf16 only; VeOmni casts fp32 queries to
 # the Linear weight dtype (flash.py:219-227), which is fp32 again in an fp32 run.
 _FLASH_DTYPES = ("bfloat16", "float16")
 
 
-def _importable(module: str) -> bool:
-    """A real import, not find_spec: a flash-attn wheel built for another torch fails here."""
+def flash_entry_available(impl: str) -> bool:
+    """The implementation's entry point imports: a real import of the module (a flash-attn wheel
+    built for another torch fails here) and the function on it (an empty namespace package, which
+    flash-attn-4 leaves at ``flash_attn``, has none)."""
+    module, attr = _FLASH_ENTRY[impl]
     try:
-        importlib.import_module(module)
-        return True
+        return callable(getattr(importlib.import_module(module), attr, None))
     except Exception:  # ImportError, or an undefined-symbol OSError from a mismatched build
         return False
+
+
+def _fa4_capable_gpu() -> bool | None:
+    """FA4 runs on SM90 (Hopper) and SM100 (Blackwell); None when no GPU is visible (a dry run)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    return torch.cuda.get_device_capability()[0] >= 9
 
 
 def dense_mask_note(device_type: str, name: str = "sdpa") -> str:
@@ -85,11 +108,14 @@ def _auto(device_type: str, dtype: str | None) -> tuple[str, str]:
         return "flash_attention_2", ("auto on npu: VeOmni's flash path runs torch_npu.npu_fusion_attention "
                                      "varlen over the packed sequences (no L x L mask)")
     if device_type == "cuda":
-        for impl, module in _FLASH_MODULES.items():
-            if _importable(module):
-                return impl, f"auto on cuda: {module} varlen over the packed sequences (no L x L mask)"
-        return "sdpa", (f"auto on cuda: neither flash_attn nor flash_attn_interface imports; "
-                        f"{dense_mask_note(device_type)}; pip install flash-attn to avoid it")
+        for impl, (module, attr) in _FLASH_ENTRY.items():
+            if impl == "flash_attention_4" and _fa4_capable_gpu() is False:
+                continue
+            if flash_entry_available(impl):
+                return impl, f"auto on cuda: {module}.{attr} over the packed sequences (no L x L mask)"
+        return "sdpa", (f"auto on cuda: no flash-attention entry point imports (flash_attn, flash_attn_interface, "
+                        f"flash_attn.cute); {dense_mask_note(device_type)}; install flash-attn-4 (Hopper/Blackwell, "
+                        f"requirements-cuda.txt) or build flash-attn to avoid it")
     raise ValueError(f"unknown device type {device_type!r} (expected cuda, npu or cpu)")
 
 
@@ -110,9 +136,8 @@ def _check_explicit(name: str, device_type: str, dtype: str | None) -> str:
             raise ValueError(f"{name} is not available on Ascend NPUs; use flash_attention_2 "
                              f"(torch_npu.npu_fusion_attention) or auto")
         return "torch_npu.npu_fusion_attention varlen over the packed sequences (no L x L mask)"
-    module = _FLASH_MODULES[name]
-    if not _importable(module):
-        package = {"flash_attn": "flash-attn", "flash_attn_interface": "flash-attn-3"}[module]
-        raise ValueError(f"{name} needs the {module} module, which does not import here; install {package} "
-                         f"for this torch, or set model.attn_implementation to auto or sdpa")
-    return f"{module} varlen over the packed sequences (no L x L mask)"
+    module, attr = _FLASH_ENTRY[name]
+    if not flash_entry_available(name):
+        raise ValueError(f"{name} needs {module}.{attr}, which does not import here; install "
+                         f"{_FLASH_PACKAGE[name]}, or set model.attn_implementation to auto or sdpa")
+    return f"{module}.{attr} over the packed sequences (no L x L mask)"

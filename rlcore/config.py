@@ -45,8 +45,9 @@ class ModelConfig:
     gradient_checkpointing: bool = False
     """Recompute each decoder layer in backward (less activation memory, ~30% more compute)."""
     attn_implementation: str = "auto"
-    """Training attention over packed sequences: auto (varlen flash attention where installed,
-    else sdpa), sdpa, flash_attention_2, eager."""
+    """Training attention over packed sequences: auto (on CUDA the first flash entry point that
+    imports: flash_attention_2, _3, _4 (flash-attn-4, Hopper/Blackwell); npu: flash_attention_2 via
+    torch_npu; else sdpa, with a warning on accelerators), sdpa, eager, flash_attention_2/_3/_4."""
     freeze_vision_tower: bool = False
     """Vision-language models: keep the vision tower (the ``visual`` module: patch embedding, blocks,
     mergers) fixed and train the language model only."""

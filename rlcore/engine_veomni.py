@@ -176,7 +176,7 @@ class VeOmniPolicy:
         trainable: False builds a reference policy: no optimizer, no gradients, forward only.
         gradient_checkpointing: recompute each decoder layer in backward.
         attn_implementation: "auto" or a name ``rlcore.attention.pick_attn_implementation`` accepts
-            for this device and dtype (sdpa, eager, flash_attention_2, flash_attention_3).
+            for this device and dtype (sdpa, eager, flash_attention_2, _3, _4).
         offload_outside_forward: frozen policies only: keep the parameters on the host except
             around forwards (each forward, or a ``with on_device():`` block of them).
         lr, weight_decay, betas, adam_eps: AdamW (one group, decay on every parameter).

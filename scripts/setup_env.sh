@@ -35,4 +35,13 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   echo "$want" > "$stamp"
 fi
 install_torchvision_hook
+# The CUDA set's flash-attn-4 wheel (pure Python), kept out of the venv's site-packages: tests put it
+# on sys.path to drive rlcore.attention's real import probe (tests/test_attention_choice.py).
+fa4_pin=$(grep -E '^flash-attn-4==' requirements-cuda.txt)
+if [ ! -f ".venv/accel/flash-attn-4/.${fa4_pin}" ]; then
+  rm -rf .venv/accel/flash-attn-4
+  .venv/bin/pip install -q --disable-pip-version-check --no-deps --no-compile --target .venv/accel/flash-attn-4 "$fa4_pin" 2>&1 \
+    | grep -v "is neither a file nor a directory" || true
+  [ -f .venv/accel/flash-attn-4/flash_attn/cute/__init__.py ] && touch ".venv/accel/flash-attn-4/.${fa4_pin}"
+fi
 echo "[setup] .venv ready ($(.venv/bin/python -c 'import torch, vllm; print("torch", torch.__version__, "vllm", vllm.__version__)' 2>/dev/null))"
