@@ -47,6 +47,21 @@ FUSED = ("triton", "quack", "npu")
 MOE_IMPLEMENTATIONS = ("auto", "eager", TORCH_EP, *FUSED)
 
 
+def veomni_moe_implementation(impl: str, experts: int) -> str:
+    """The value for VeOmni's ``OpsImplementationConfig.moe_implementation``: ``fused_<kernel>`` for
+    a fused kernel, ``eager`` for a dense model, eager experts and the torch EP kernel (bound after
+    the build). VeOmni 0.1.12 validates the name against the device at construction
+    (veomni/arguments/arguments_types.py:1028-1036 ``_NPU_ALLOWED``, raised in
+    ``_validate_implementations`` :1331-1372): on Ascend only ``fused_npu`` or ``eager`` pass, so the
+    bare ``npu`` refused every NPU run, dense ones included; it strips the prefix to pick the kernel
+    (veomni/models/auto.py:150-171)."""
+    if experts == 0 or impl in ("eager", TORCH_EP):
+        return "eager"
+    if impl not in FUSED:
+        raise ValueError(f"unknown MoE implementation {impl!r}: choose one of {', '.join(MOE_IMPLEMENTATIONS)}")
+    return f"fused_{impl}"
+
+
 def num_experts(model_config: dict) -> int:
     """Routed experts of an HF config (0 for a dense model)."""
     cfg = model_config.get("text_config", model_config)

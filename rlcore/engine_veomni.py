@@ -41,6 +41,7 @@ from rlcore import engine_moe, engine_vl, hf_export
 from rlcore.engine_parts import (LrLambda, dim0_shard_group, eager_attention_mask, full_tensor, hf_name, hidden_rows,
                                  resume_lr_schedule)
 from rlcore.attention import pick_attn_implementation
+from rlcore.config import model_num_experts
 from rlcore.bucket_gather import ShardSpec, SyncBuffers, SyncPlan
 from rlcore.dist import DistInfo, empty_cache
 from rlcore.engine_offload import HostCopies
@@ -93,14 +94,17 @@ def _ensure_parallel_state(info: DistInfo, ep_size: int = 1):
     )
 
 
-def _ops_config(attn_implementation: str, overrides: dict | None):
-    """Kernel choice for VeOmni's patched modeling. Its defaults are GPU kernels (liger, triton,
-    flash-attn); eager everywhere runs on every device, and callers on GPUs may override."""
+def ops_config(attn_implementation: str, moe_implementation: str, experts: int, overrides: dict | None = None):
+    """Kernel choice for VeOmni's patched modeling, as VeOmni's own ``OpsImplementationConfig``
+    (whose construction validates every name against the device it finds). Its defaults are GPU
+    kernels (liger, triton, flash-attn); eager everywhere runs on every device, and callers on GPUs
+    may override. ``moe_implementation``: the project's name (``engine_moe.pick_moe_implementation``),
+    mapped to VeOmni's (``engine_moe.veomni_moe_implementation``); ``experts``: 0 for a dense model."""
     from veomni.arguments.arguments_types import OpsImplementationConfig
 
     fields = dict(
         attn_implementation=attn_implementation,
-        moe_implementation="eager",
+        moe_implementation=engine_moe.veomni_moe_implementation(moe_implementation, experts),
         cross_entropy_loss_implementation="eager",
         rms_norm_implementation="eager",
         swiglu_mlp_implementation="eager",
@@ -129,9 +133,8 @@ def _build_sharded_model(model_path: str, info: DistInfo, *, master_dtype: str, 
         weights_path=model_path,
         torch_dtype=master_dtype,
         init_device="meta",
-        ops_implementation=_ops_config(attn_implementation, {
-            "moe_implementation": "eager" if moe_implementation == engine_moe.TORCH_EP else moe_implementation,
-            **(ops_overrides or {})}),
+        ops_implementation=ops_config(attn_implementation, moe_implementation, model_num_experts(model_path),
+                                      ops_overrides),
     )
     engine_vl.apply_checkpoint_key_mapping(model)  # released Qwen2.5-VL names, before the weights load
     if moe_implementation == engine_moe.TORCH_EP:  # bound after the build, which binds every slot

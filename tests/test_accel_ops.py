@@ -1,0 +1,80 @@
+"""The kernel names every shipped accelerator recipe hands VeOmni, validated by VeOmni itself.
+
+VeOmni 0.1.12 checks ``OpsImplementationConfig`` against the device when it is constructed
+(veomni/arguments/arguments_types.py:1276-1278 -> ``_validate_implementations`` :1331-1372, with
+``_NPU_ALLOWED`` :1028-1036), asking ``veomni.utils.import_utils.is_torch_npu_available`` which
+device it is on. Here that probe is forced to the recipe's device and nothing else is replaced:
+the construction is the one ``rlcore.engine_veomni`` does before building the model, so a name
+VeOmni refuses on Ascend fails here as it would on the cluster (the bare ``npu`` experts name once
+stopped every NPU run, dense ones included, before step 1).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from test_gpu_check import recipe_config
+
+pytestmark = pytest.mark.unit
+
+RECIPES = [  # (recipe, device it is written for, stand-in model config)
+    ("qwen3_8b_math_16gpu", "cuda", "qwen3_8b"),
+    ("qwen3_30b_a3b_math_16gpu", "cuda", "qwen3_30b_a3b"),
+    ("qwen3_vl_8b_geo3k_16gpu", "cuda", "qwen3_vl_8b"),
+    ("qwen3_8b_math_16npu", "npu", "qwen3_8b"),
+    # no MoE recipe ships for Ascend: the 30B one parsed for npu is what a user would start from
+    ("qwen3_30b_a3b_math_16gpu", "npu", "qwen3_30b_a3b"),
+]
+
+
+@pytest.fixture
+def veomni_device(monkeypatch):
+    """Force VeOmni's own device probe: ``on_npu(True)`` makes it see an Ascend NPU."""
+    import veomni.utils.import_utils as import_utils
+
+    def set_(npu: bool) -> None:
+        monkeypatch.setattr(import_utils, "is_torch_npu_available", lambda: npu)
+    return set_
+
+
+def build_ops(cfg):
+    from rlcore.config import model_num_experts
+    from rlcore.engine_veomni import ops_config
+
+    m = cfg.model
+    return ops_config(m.attn_implementation, m.moe_implementation, model_num_experts(m.path))
+
+
+@pytest.mark.parametrize("recipe,device,model", RECIPES, ids=[f"{r}-{d}" for r, d, _ in RECIPES])
+def test_recipe_kernels_pass_veomnis_validation_on_its_device(recipe, device, model, tmp_path, veomni_device):
+    cfg, _ = recipe_config(tmp_path, recipe, model, model, device)
+    veomni_device(device == "npu")
+    ops = build_ops(cfg)  # raises ValueError where VeOmni refuses a name on this device
+    experts = "30b_a3b" in model
+    if device == "npu":
+        assert ops.moe_implementation == ("fused_npu" if experts else "eager")
+    else:
+        assert ops.moe_implementation == ("fused_triton" if experts else "eager")
+
+
+def test_veomni_refuses_the_old_bare_names_on_npu(veomni_device):
+    """The names the trainer used to pass: VeOmni's validation refuses them on Ascend."""
+    from veomni.arguments.arguments_types import OpsImplementationConfig
+
+    veomni_device(True)
+    with pytest.raises(ValueError, match="moe_implementation='npu' is not supported on Ascend NPU"):
+        OpsImplementationConfig(attn_implementation="flash_attention_2", moe_implementation="npu",
+                                cross_entropy_loss_implementation="eager", rms_norm_implementation="eager",
+                                swiglu_mlp_implementation="eager", rotary_pos_emb_implementation="eager",
+                                rotary_pos_emb_vision_implementation="eager",
+                                load_balancing_loss_implementation="eager")
+
+
+@pytest.mark.parametrize("impl,experts,expected", [
+    ("npu", 128, "fused_npu"), ("triton", 128, "fused_triton"), ("quack", 8, "fused_quack"),
+    ("npu", 0, "eager"), ("triton", 0, "eager"), ("torch_ep", 8, "eager"), ("eager", 8, "eager"),
+])
+def test_project_names_map_to_veomnis(impl, experts, expected):
+    from rlcore.engine_moe import veomni_moe_implementation
+
+    assert veomni_moe_implementation(impl, experts) == expected
