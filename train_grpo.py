@@ -21,7 +21,8 @@ from rlcore.exit_codes import Exit  # noqa: E402
 from rlcore.data import PromptSampler  # noqa: E402
 from rlcore.dist import DistInfo, init_distributed, run_then_exit, torchrun_env  # noqa: E402
 from rlcore.lifecycle import (  # noqa: E402
-    Run, count_skips, maybe_save, resume, step_snapshot, stop_if_diverged, stop_preempted, teardown,
+    Run, commit_checkpoint, count_skips, resume, step_snapshot, stop_if_diverged, stop_preempted, teardown,
+    write_due_checkpoint,
 )
 from rlcore.metrics import MetricsLogger, Timer  # noqa: E402
 from rlcore.ownership import tie_to_launcher  # noqa: E402
@@ -70,13 +71,14 @@ def loop(run: Run) -> None:
                     e.policy, e.ref, batch, adv, cfg.algorithm, cfg.rollout.temperature, run.info.world_size,
                     run.info.device, norm_len=cfg.rollout.max_response_length,
                     tis_cap=cfg.rollout_correction.tis_cap)
+        train_metrics.update(count_skips(run, train_metrics))
+        with watchdog.phase("checkpoint"):
+            saved = write_due_checkpoint(run)  # still in the train phase: vLLM asleep
         with watchdog.phase("weight_sync"):
             e.switch.to_generation()
-        train_metrics.update(count_skips(run, train_metrics))
         log_step(run, grpo.rollout_metrics(batch, scores, adv, {**reward_metrics, **train_metrics},
                                            run.info.world_size, e.rollout.tp_size), step_start)
-        with watchdog.phase("checkpoint"):
-            maybe_save(run)
+        commit_checkpoint(run, saved)  # after its metrics row
         stop_if_diverged(run)
         if val_due(cfg.trainer, state.step):
             validate(run)

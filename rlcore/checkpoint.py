@@ -76,10 +76,17 @@ def save(policy, output_dir: str, step: int, trainer_state: dict, rank: int, kee
          rng: dict | None = None) -> str:
     """Collective: every rank calls it. ``rng`` overrides this rank's current RNG state (a snapshot
     taken earlier, e.g. at the start of an abandoned step). Returns the final checkpoint folder."""
+    write(policy, output_dir, step, trainer_state, rank, rng)
+    return commit(output_dir, step, rank, keep_last)
+
+
+def write(policy, output_dir: str, step: int, trainer_state: dict, rank: int, rng: dict | None = None) -> str:
+    """Collective: the heavy part of ``save``, into ``.tmp-step_N``, which nothing resumes from
+    until ``commit`` renames it (the loop writes in the train phase, while vLLM sleeps, and
+    commits once the step's metrics row is written). Returns the temporary folder."""
     import torch.distributed as dist
 
     root = checkpoint_root(output_dir)
-    final = os.path.join(root, f"step_{step}")
     tmp = os.path.join(root, f".tmp-step_{step}")
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -93,8 +100,17 @@ def save(policy, output_dir: str, step: int, trainer_state: dict, rank: int, kee
         with open(os.path.join(tmp, "meta.json"), "w") as f:
             json.dump({"step": step, "world_size": world}, f)
         _write_manifest(tmp)
+    barrier()
+    return tmp
+
+
+def commit(output_dir: str, step: int, rank: int, keep_last: int) -> str:
+    """Collective: make ``write``'s folder the checkpoint of ``step`` (rename, ``latest``, prune)."""
+    root = checkpoint_root(output_dir)
+    final = os.path.join(root, f"step_{step}")
+    if rank == 0:
         _remove(final)  # a same-step folder from an earlier attempt of this run
-        os.replace(tmp, final)
+        os.replace(os.path.join(root, f".tmp-step_{step}"), final)
         _write_latest(root, f"step_{step}")
         _prune(root, keep_last)
     barrier()

@@ -51,13 +51,15 @@ def resume(run: Run) -> None:
         if run.info.is_main:
             print(f"starting fresh (checkpoint.resume={run.cfg.checkpoint.resume}: no checkpoint to resume)", flush=True)
         return
+    switch = run.engines.switch
+    switch.to_training()  # vLLM released first: the load needs the trainer state on the device
+    switch.record_checkpoint(f"load {os.path.basename(path)}")
     state = checkpoint.load(run.engines.policy, path, run.info.rank)
     run.state.step = run.state.saved_step = state["step"]
     run.sampler.prompts.load_state_dict(state["data"])
     skips = state.get("skips", {})
     run.state.skips_total, run.state.skips_consecutive = skips.get("total", 0), skips.get("consecutive", 0)
-    run.engines.switch.phase = "training"
-    run.engines.switch.to_generation()  # the engine still holds the initial weights: push the resumed ones
+    switch.to_generation()  # the engine still holds the initial weights: push the resumed ones
     if run.info.is_main:
         # Rows and events a killed run wrote after this checkpoint are written again below.
         dropped = checkpoint.trim_metrics(run.cfg.trainer.output_dir, run.state.step)
@@ -90,6 +92,7 @@ def stop_preempted(run: Run, at_start: dict | None) -> None:
     if step > 0 and run.state.saved_step != step:
         state, rng = (trainer_state(run), None) if at_start is None else (at_start["trainer"], at_start["rng"])
         with run.watchdog.phase("checkpoint"):
+            asleep_for_checkpoint(run, f"save step_{step}")
             checkpoint.save(run.engines.policy, run.cfg.trainer.output_dir, step, state, run.info.rank,
                             run.cfg.checkpoint.keep_last, rng=rng)
         run.state.saved_step = step
@@ -127,6 +130,7 @@ def stop_if_diverged(run: Run) -> None:
     if run.state.skips_consecutive < limit:
         return
     if run.state.saved_step != run.state.step:
+        asleep_for_checkpoint(run, f"save step_{run.state.step}")
         checkpoint.save(run.engines.policy, run.cfg.trainer.output_dir, run.state.step, trainer_state(run), run.info.rank,
                         run.cfg.checkpoint.keep_last)
         run.state.saved_step = run.state.step
@@ -140,18 +144,42 @@ def stop_if_diverged(run: Run) -> None:
     raise SystemExit(int(Exit.NON_FINITE))
 
 
-def maybe_save(run: Run) -> None:
+def asleep_for_checkpoint(run: Run, what: str) -> None:
+    """A save outside the loop's own (preemption, divergence) finds vLLM awake: release it first, so
+    that the trainer state the save brings to the device never meets vLLM's memory (the plan's
+    checkpoint column)."""
+    if run.engines.switch.phase == "generation":
+        run.engines.switch.to_training()
+    run.engines.switch.record_checkpoint(what)
+
+
+def write_due_checkpoint(run: Run) -> int | None:
+    """In the train phase, after the optimizer step (vLLM asleep, the trainer state on the device):
+    write the checkpoint and the HF exports due at this step. Returns the step whose checkpoint
+    ``commit_checkpoint`` must make current once the step's metrics row is written, or None."""
     c, out, step = run.cfg.checkpoint, run.cfg.trainer.output_dir, run.state.step
     last = step == run.cfg.trainer.total_steps
+    pending = None
     if last or (c.save_every and step % c.save_every == 0):
-        path = checkpoint.save(run.engines.policy, out, step, trainer_state(run), run.info.rank, c.keep_last)
-        run.state.saved_step = step
-        if run.info.is_main:
-            print(f"saved checkpoint {path}", flush=True)
+        run.engines.switch.record_checkpoint(f"save step_{step}")
+        checkpoint.write(run.engines.policy, out, step, trainer_state(run), run.info.rank)
+        pending = step
     if c.hf_every and step % c.hf_every == 0:
         checkpoint.export_hf(run.engines.policy, os.path.join(out, "hf", f"step_{step}"), c.hf_dtype, run.info.is_main)
     if last and c.save_hf_final:
         checkpoint.export_hf(run.engines.policy, os.path.join(out, "hf_final"), c.hf_dtype, run.info.is_main)
+    return pending
+
+
+def commit_checkpoint(run: Run, step: int | None) -> None:
+    """Make the checkpoint written for ``step`` the one a resume takes (a checkpoint always has its
+    metrics row: a run killed in between resumes from the previous one)."""
+    if step is None:
+        return
+    path = checkpoint.commit(run.cfg.trainer.output_dir, step, run.info.rank, run.cfg.checkpoint.keep_last)
+    run.state.saved_step = step
+    if run.info.is_main:
+        print(f"saved checkpoint {path}", flush=True)
 
 
 def teardown(run: Run) -> None:

@@ -17,6 +17,10 @@ parameter and activation counts) is in rlcore/model_shape.py and re-exported her
 Phases, in the order a run meets them (the steps are rlcore/switch.py's); each total is a peak:
     train     params, gradients, optimizer, activations, FSDP's gathered weights, the resident
               reference, and what vLLM keeps at its sleep level
+    checkpoint  the save after the optimizer step, still in the train phase (vLLM asleep), and the
+              load on resume (vLLM released first): params and optimizer state on the device, the
+              reference, what vLLM keeps at its sleep level; no gradients (freed by zero_grad) and
+              no activations
     sync      to_generation step 3: optimizer offloaded (if configured), vLLM weights woken, trainer
               params still resident, two sync buckets; the KV cache is woken only after
     generate  vLLM's weights + KV cache + activations, plus the trainer state not offloaded; also
@@ -41,7 +45,7 @@ from rlcore.model_shape import (  # noqa: F401  (re-exported: callers import the
 
 GB = 2**30
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-PHASES = ("train", "sync", "generate")  # the order a run goes through them
+PHASES = ("train", "checkpoint", "sync", "generate")  # the order a run goes through them
 COMPONENTS = ("trainer_params", "gradients", "optimizer", "reference", "activations", "fsdp_gathered",
               "vllm_weights", "kv_cache", "vllm_activations", "vllm_overhead", "sync_buckets")
 RESERVE_GB = {"cuda": 3.0, "npu": 3.0}  # other devices (cpu): 0
@@ -295,6 +299,7 @@ def resident(p: PlanInputs) -> dict[str, tuple[str, ...]]:
         + ("vllm_weights", "vllm_overhead", "sync_buckets") + ("kv_cache",) * (not p.free_kv_cache),
         "train": ("trainer_params", "gradients", "optimizer", "activations", "fsdp_gathered") + ref
         + train_vllm + ("vllm_overhead",),
+        "checkpoint": ("trainer_params", "optimizer") + ref + train_vllm + ("vllm_overhead",),
     }
 
 
@@ -517,12 +522,12 @@ def format_plan(plan: MemoryPlan) -> str:
     lines = [
         f"memory plan per rank, GB = 2^30 bytes: {s.arch} {s.params / 1e9:.2f}B params{vision}, {p.dtype}, "
         f"world {p.world}{nodes}, tp {p.tp}, {p.device_type} {p.device_gb:g} GB",
-        f"{'component':<18}" + "".join(f"{ph:>10}" for ph in PHASES),
+        f"{'component':<18}" + "".join(f"{ph:>11}" for ph in PHASES),
     ]
     for comp in COMPONENTS:
-        lines.append(f"{comp:<18}" + "".join(f"{plan.phases[ph][comp] / GB:>10.2f}" for ph in PHASES))
-    lines.append(f"{'total':<18}" + "".join(f"{plan.total(ph) / GB:>10.2f}" for ph in PHASES))
-    lines.append(f"{'fits':<18}" + "".join(f"{'yes' if plan.total(ph) <= plan.limit else 'NO':>10}" for ph in PHASES))
+        lines.append(f"{comp:<18}" + "".join(f"{plan.phases[ph][comp] / GB:>11.2f}" for ph in PHASES))
+    lines.append(f"{'total':<18}" + "".join(f"{plan.total(ph) / GB:>11.2f}" for ph in PHASES))
+    lines.append(f"{'fits':<18}" + "".join(f"{'yes' if plan.total(ph) <= plan.limit else 'NO':>11}" for ph in PHASES))
     lines.append(f"limit {plan.limit / GB:.2f} GB = {p.device_gb:g} - {plan.reserve_gb:g} reserve (device context, "
                  f"communicators, fragmentation)")
     kv = plan.kv

@@ -83,6 +83,7 @@ class PhaseSwitcher:
         self.phase = "generation"  # a fresh engine holds the initial weights already
         self.memory: dict[str, float] = {}
         self.trace: list[tuple[str, str, str]] = []  # (transition, step, what it did), last switch
+        self.checkpoints: list[tuple[str, str, list[str]]] = []  # (save/load, phase, vLLM released)
 
     def describe(self) -> str:
         """The configured sequence in one line per transition (printed once at start-up)."""
@@ -188,6 +189,13 @@ class PhaseSwitcher:
             return "no-op (nothing offloaded)"
         self.policy.onload(params=self.offload_params, optimizer=self.offload_optimizer)
         return f"to device: {'params ' if self.offload_params else ''}{'optimizer' if self.offload_optimizer else ''}".strip()
+
+    def record_checkpoint(self, what: str) -> None:
+        """Log a checkpoint save or load with the phase and what vLLM has released at that moment
+        (``logging.switch_trace``; ``checkpoints`` keeps them): saves and loads run while vLLM sleeps."""
+        released = sorted(self.rollout.released)
+        self.checkpoints.append((what, self.phase, released))
+        log.info("rank %d checkpoint %s: phase %s, vLLM released %s", self.rank, what, self.phase, released)
 
     # ------------------------------------------------------------------------- metrics
 

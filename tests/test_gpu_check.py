@@ -228,6 +228,14 @@ def test_moe_recipe_is_valid_for_16_ranks_and_fits(tmp_path):
     assert cfg.rollout.weight_load == "reload"  # auto, for an MoE model
     plan = plan_from_config(cfg, 16, 80, "cuda", nproc_per_node=8)
     assert plan.fits, plan
+    # The checkpoint phase: the save runs before the weight sync, while vLLM sleeps. Saving after it
+    # (vLLM awake with its whole budget) would add the trainer's params and AdamW state to the
+    # generate phase: 68.0 + 7.1 + 14.2 = 89.3 GB, over the 77 GB limit.
+    ckpt, gen = plan.phases["checkpoint"], plan.phases["generate"]
+    assert plan.total("checkpoint") <= plan.limit and ckpt["kv_cache"] == ckpt["vllm_weights"] == 0
+    awake = plan.total("generate") + ckpt["trainer_params"] + ckpt["optimizer"]
+    assert awake > plan.limit, awake / 2**30
+    assert gen["trainer_params"] == gen["optimizer"] == 0  # offloaded while generating
 
 
 @pytest.mark.unit
