@@ -128,8 +128,9 @@ class RolloutConfig:
     """Weight sync: MiB gathered per collective; peak extra memory about 2 buckets."""
     weight_load: Literal["auto", "reload", "direct"] = "auto"
     """How synced weights enter vLLM: reload (vLLM's reload_weights; CPU needs it: linear weights
-    are repacked there) or direct (model.load_weights, no extra copy). auto = direct on cuda/npu,
-    reload on cpu."""
+    are repacked there) or direct (model.load_weights, no extra copy; refused for mixture-of-experts
+    models, whose experts vLLM re-lays out after loading). auto = direct on cuda/npu, reload on cpu
+    and for MoE models."""
     enforce_eager: Optional[bool] = None
     """Run vLLM without CUDA graphs. null = false on cuda/npu (graphs survive sleep/wake), true on cpu."""
     max_num_seqs: Optional[int] = None
@@ -502,14 +503,19 @@ def resolve(cfg: Config, device_type: str) -> Config:
     is what matters. Call once, after parsing; resolving a resolved config changes nothing."""
     from rlcore.attention import pick_attn_implementation
     from rlcore.engine_moe import pick_moe_implementation
-    from rlcore.rollout_checks import pick_enforce_eager, pick_sleep_level, pick_weight_load
+    from rlcore.rollout_checks import check_npu_moe, pick_enforce_eager, pick_sleep_level, pick_weight_load
 
 
     accel = device_type != "cpu"
     m, r, o = cfg.model, cfg.rollout, cfg.offload
     params = accel if o.params is None else o.params
+    experts = model_num_experts(m.path)
     try:
-        weight_load = pick_weight_load(device_type, r.weight_load, moe=model_num_experts(m.path) > 0)
+        check_npu_moe(device_type, experts)
+    except ValueError as e:
+        raise ConfigError(f"model.path={m.path!r} on parallel.device={device_type!r}: {e}") from e
+    try:
+        weight_load = pick_weight_load(device_type, r.weight_load, moe=experts > 0)
     except ValueError as e:
         raise ConfigError(f"rollout.weight_load={r.weight_load!r} is invalid: {e}") from e
     dtype = m.dtype or ("bfloat16" if accel else "float32")

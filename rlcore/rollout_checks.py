@@ -57,9 +57,37 @@ def pick_weight_load(device_type: str, weight_load: str, moe: bool = False) -> s
         raise ValueError(f"weight_load must be auto, reload or direct, got {weight_load!r}")
     if weight_load == "direct" and device_type == "cpu":
         raise ValueError("weight_load=direct does not work on CPU (vLLM repacks linear weights); use reload")
+    if weight_load == "direct" and moe:
+        # vllm 0.32.0 fused_moe/oracle/unquantized.py: the FlashInfer TRTLLM / CUTLASS backends
+        # shuffle the expert tensors and swap w13 into w31 after loading, so a direct load writes
+        # checkpoint-layout tensors into kernel-layout storage (same shapes, wrong experts); the CPU
+        # kernel pre-packs them (cpu_repack.py). No backend is known to need no post-load step.
+        raise ValueError("weight_load=direct is not supported for mixture-of-experts models: vLLM post-processes "
+                         "the expert weights after loading (layout shuffles, w13/w31 swaps, pre-packing), which a "
+                         "direct load skips; use reload (or auto)")
     if weight_load == "auto":
         return "reload" if device_type == "cpu" or moe else "direct"
     return weight_load
+
+
+# The first vllm-ascend whose NPUWorker.wake_up no longer swaps the expert tensors (0.26.0rc1
+# worker/worker.py:247-270) and that has NPUWorker.reload_weights (:1115-1116).
+NPU_MOE_NEEDS = "vllm-ascend 0.26.0rc1 or newer (with its vLLM)"
+
+
+def check_npu_moe(device_type: str, experts: int) -> None:
+    """Refuse a mixture-of-experts model on Ascend with the pinned vllm-ascend 0.23.0, whose
+    ``NPUWorker.wake_up`` replaces each layer's ``w13_weight`` / ``w2_weight`` by transposed views
+    (vllm_ascend/worker/worker.py:251-269): the in-place reload then re-runs the fused-MoE post-load
+    step on them and copies [E, H, 2I] data into [E, 2I, H] storage, and a direct load skips that
+    step (refused for MoE everywhere, see pick_weight_load): the first weight sync breaks the
+    experts either way. vllm-ascend 0.26.0rc1 dropped the swap; its vLLM is not installable with
+    this project's pins (requirements-npu.txt)."""
+    if device_type == "npu" and experts > 0:
+        raise ValueError(f"a mixture-of-experts model ({experts} experts) cannot be trained on Ascend NPUs with the "
+                         f"pinned vllm-ascend 0.23.0: its wake_up swaps the expert tensors for transposed views, so "
+                         f"the first weight sync would corrupt the experts. It needs {NPU_MOE_NEEDS}; train MoE "
+                         f"models on CUDA GPUs, or a dense model on NPUs")
 
 
 def pick_enforce_eager(device_type: str, enforce_eager: bool | None) -> bool:
@@ -364,11 +392,13 @@ def check_weight_load(choice: str, device_type: str, worker, model) -> None:
     if choice == "reload" and reload_weights_method(worker) is None:
         raise RuntimeError(f"weight_load=reload: {type(worker).__name__} and its model runner have no "
                            "reload_weights; use weight_load=direct")
-    if choice == "direct" and device_type == "npu" and has_fused_moe(model):
+    if choice == "direct" and has_fused_moe(model):
         # vllm-ascend transposes the experts' weights after loading (0.23.0
-        # vllm_ascend/ops/fused_moe/fused_moe.py:112-119; 0.26.0rc1 :132-139); load_weights would
-        # write checkpoint layout into them. reload_weights re-runs that processing.
-        raise RuntimeError("weight_load=direct cannot load MoE experts on NPU (vllm-ascend re-lays them out "
+        # vllm_ascend/ops/fused_moe/fused_moe.py:112-119; 0.26.0rc1 :132-139), vllm 0.32.0's FlashInfer
+        # backends shuffle / swap them (fused_moe/oracle/unquantized.py); load_weights would write
+        # checkpoint layout into them. reload_weights re-runs that processing. (pick_weight_load
+        # refuses it from the config already; this guards a directly built engine.)
+        raise RuntimeError(f"weight_load=direct cannot load MoE experts on {device_type} (vLLM re-lays them out "
                            "after loading); use weight_load=reload")
 
 

@@ -22,8 +22,6 @@ RECIPES = [  # (recipe, device it is written for, stand-in model config)
     ("qwen3_30b_a3b_math_16gpu", "cuda", "qwen3_30b_a3b"),
     ("qwen3_vl_8b_geo3k_16gpu", "cuda", "qwen3_vl_8b"),
     ("qwen3_8b_math_16npu", "npu", "qwen3_8b"),
-    # no MoE recipe ships for Ascend: the 30B one parsed for npu is what a user would start from
-    ("qwen3_30b_a3b_math_16gpu", "npu", "qwen3_30b_a3b"),
 ]
 
 
@@ -51,10 +49,22 @@ def test_recipe_kernels_pass_veomnis_validation_on_its_device(recipe, device, mo
     veomni_device(device == "npu")
     ops = build_ops(cfg)  # raises ValueError where VeOmni refuses a name on this device
     experts = "30b_a3b" in model
-    if device == "npu":
-        assert ops.moe_implementation == ("fused_npu" if experts else "eager")
-    else:
-        assert ops.moe_implementation == ("fused_triton" if experts else "eager")
+    assert ops.moe_implementation == ("fused_triton" if experts else "eager")  # the only NPU recipe is dense
+
+
+def test_moe_on_npu_passes_veomni_but_is_refused_at_config_time(tmp_path, veomni_device, capsys):
+    """The experts name VeOmni accepts on Ascend is fused_npu (checked by its validation), but the
+    pinned vllm-ascend breaks MoE at the first weight sync (rollout_checks.check_npu_moe): the 30B
+    recipe parsed for npu exits 2 before anything loads, naming the vllm-ascend that would work."""
+    from rlcore.engine_veomni import ops_config
+
+    veomni_device(True)
+    assert ops_config("flash_attention_2", "npu", 128).moe_implementation == "fused_npu"
+    with pytest.raises(SystemExit) as e:
+        recipe_config(tmp_path, "qwen3_30b_a3b_math_16gpu", "qwen3_30b_a3b", "qwen3_30b_a3b", "npu")
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "parallel.device='npu'" in err and "128 experts" in err and "vllm-ascend 0.26.0rc1 or newer" in err
 
 
 def test_veomni_refuses_the_old_bare_names_on_npu(veomni_device):

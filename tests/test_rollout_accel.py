@@ -216,6 +216,20 @@ def test_weight_load_choice_per_platform():
         rc.pick_weight_load("cpu", "direct")
     with pytest.raises(ValueError):
         rc.pick_weight_load("cuda", "fast")
+    for device in ("cuda", "npu"):  # no fused-MoE backend is known to need no post-load step
+        with pytest.raises(ValueError, match="not supported for mixture-of-experts models.*use reload"):
+            rc.pick_weight_load(device, "direct", moe=True)
+
+
+@pytest.mark.unit
+def test_moe_on_npu_is_refused_naming_the_vllm_ascend_that_would_work():
+    """vllm-ascend 0.23.0's NPUWorker.wake_up swaps w13/w2 for transposed views
+    (vllm_ascend/worker/worker.py:251-269); 0.26.0rc1 no longer does (:247-270)."""
+    rc.check_npu_moe("npu", 0)  # dense: fine
+    rc.check_npu_moe("cuda", 128)
+    rc.check_npu_moe("cpu", 4)
+    with pytest.raises(ValueError, match="vllm-ascend 0.26.0rc1 or newer"):
+        rc.check_npu_moe("npu", 128)
 
 
 @pytest.mark.unit
@@ -228,7 +242,9 @@ def test_weight_load_checked_against_the_built_worker(fake_vllm):
     with pytest.raises(RuntimeError, match="MoE"):  # vllm-ascend re-lays experts out after loading
         make("npu")
     assert make("npu", weight_load="reload").weight_load == "reload"
-    assert make("cuda").weight_load == "direct"  # the NPU-only transpose does not apply
+    with pytest.raises(RuntimeError, match="MoE experts on cuda"):  # vLLM's FlashInfer MoE backends re-lay them too
+        make("cuda")
+    assert make("cuda", weight_load="reload").weight_load == "reload"
 
 
 # ----------------------------------------------------------------------------- finding 5: level 2
