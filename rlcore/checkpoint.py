@@ -52,9 +52,19 @@ def rng_state() -> dict:
         "numpy": {"name": name, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
                   "has_gauss": int(has_gauss), "cached": float(cached)},
     }
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state()
+    for name, accel in _accelerators():  # only a device already in use: querying would initialise it
+        if accel.is_initialized():
+            state[name] = accel.get_rng_state()
     return state
+
+
+def _accelerators():
+    """(name, module) of the accelerator RNG modules present: torch.cuda, torch.npu (torch_npu).
+    Both keep this rank's current device's generator (``get_rng_state()`` with no device)."""
+    for name in ("cuda", "npu"):
+        accel = getattr(torch, name, None)
+        if accel is not None and accel.is_available():
+            yield name, accel
 
 
 def set_rng_state(state: dict) -> None:
@@ -63,8 +73,9 @@ def set_rng_state(state: dict) -> None:
     random.setstate((py["version"], tuple(int(w) for w in py["words"].tolist()), py["gauss"]))
     n = state["numpy"]
     np.random.set_state((n["name"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["cached"]))
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])
+    for name, accel in _accelerators():
+        if name in state:
+            accel.set_rng_state(state[name])
 
 
 # ---------------------------------------------------------------------------------------------

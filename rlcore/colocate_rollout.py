@@ -59,6 +59,7 @@ from rlcore.rollout_checks import (
     registry_subprocess_with_shim,
     reload_weights_method,
     request_seed as _request_seed,
+    reset_prefix_cache,
     require_all_loaded,
     speed_kwargs,
     unseeded_call_seed,
@@ -369,7 +370,7 @@ class ColocateRollout:
                 with cpu_repack_on_reload(model):
                     self._reload(weights_iterator=stream)
         # Cached prefix KV blocks and vision-encoder outputs were computed with the old weights.
-        self.llm.reset_prefix_cache()
+        reset_prefix_cache(self.llm)
         self._reset_encoder_cache()
         if refill:
             require_all_loaded(model, loaded, "update_weights")
@@ -384,7 +385,7 @@ class ColocateRollout:
         model = self._model_runner().get_model()
         with capture_load_weights(model) as loaded, cpu_repack_on_reload(model):
             self._reload(weights_path=path)
-        self.llm.reset_prefix_cache()
+        reset_prefix_cache(self.llm)
         self._reset_encoder_cache()
         if not self.weights_valid:
             require_all_loaded(model, loaded, "update_weights_from_path")
@@ -464,7 +465,7 @@ class ColocateRollout:
         self._asleep -= wake
         if "kv_cache" in wake:
             # KV contents are gone: a prefix-cache hit would read stale/zeroed blocks.
-            self.llm.reset_prefix_cache()
+            reset_prefix_cache(self.llm)
 
     @property
     def released(self) -> frozenset[str]:

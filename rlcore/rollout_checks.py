@@ -359,8 +359,31 @@ def runner_reload_weights(worker, **kwargs):
     """``collective_rpc`` callable (called with the worker: vllm 0.23.0 v1/serial_utils.py:486-510)
     for workers without ``reload_weights``: what vllm-ascend 0.26.0rc1's NPUWorker.reload_weights
     does (worker/worker.py:1115-1116). vllm-ascend 0.23.0's NPUModelRunner inherits vLLM's
-    GPUModelRunner.reload_weights (vllm 0.23.0 v1/worker/gpu_model_runner.py:5320)."""
-    return worker.model_runner.reload_weights(**kwargs)
+    GPUModelRunner.reload_weights (vllm 0.23.0 v1/worker/gpu_model_runner.py:5320). Under the
+    worker's vLLM config, as vLLM's own ``Worker.reload_weights`` calls it (vllm 0.32.0
+    v1/worker/gpu_worker.py:629-631): the weight loaders and the post-load steps read the current
+    config (e.g. to build quantization or MoE kernels) and fail or fall back without it."""
+    from vllm.config import set_current_vllm_config
+
+    with set_current_vllm_config(worker.vllm_config):
+        return worker.model_runner.reload_weights(**kwargs)
+
+
+def reset_prefix_cache(llm, attempts: int = 3) -> None:
+    """Drop vLLM's cached prefix blocks after a weight change, or raise. ``LLM.reset_prefix_cache``
+    returns False and keeps the cache while any block is still held (vllm 0.32.0
+    v1/core/block_pool.py:827-844; entrypoints/llm.py:829-834): the next prompts would then reuse KV
+    computed with the old weights. Between generate calls nothing should hold a block; retried
+    (``attempts`` times, a short wait for an engine step to finish) before failing loudly."""
+    import time
+
+    for attempt in range(attempts):
+        if llm.reset_prefix_cache() is not False:  # None: a vLLM whose method returns nothing
+            return
+        time.sleep(0.05 * (attempt + 1))
+    raise RuntimeError(f"vLLM refused to reset its prefix cache {attempts} times (blocks still held by unfinished "
+                       f"requests): its cached KV was computed with the old weights. Make sure no request is in "
+                       f"flight during a weight update")
 
 
 def reload_weights_method(worker):

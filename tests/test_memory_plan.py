@@ -354,3 +354,18 @@ def test_vl_plan_reads_the_processor_image_budget(tmp_path):
     assert kept == 8 * 1024 * 4096 * 4 * 2
     assert encoder == 8 * 1024 * 4 * (1536 + 4 * 1152 + (4 * 1152 + 2 * 4304) // 2) * 2
     assert vllm_encoder_bytes(PlanInputs(shape, world=16, device_gb=80, vllm_images=0)) == (0, 0)
+
+
+@pytest.mark.unit
+def test_moe_sync_scratch_is_a_layers_gathered_experts():
+    """Qwen3-30B-A3B (its public config.json): a layer's [E, 2I, H] gate_up_proj twice and its
+    [E, H, I] down_proj, in bf16: 5 x 128 x 2048 x 768 x 2 bytes = 1.875 GiB (one routed expert,
+    the largest bucket unit, gave 1.16 GiB)."""
+    import os
+
+    from rlcore.memory_plan import sync_bucket_bytes
+
+    shape = ModelShape.from_path(os.path.join(os.path.dirname(__file__), "fixtures", "qwen3_30b_a3b"))
+
+    scratch = sync_bucket_bytes(PlanInputs(shape=shape, world=16, device_gb=80, dtype="bfloat16", tp=4, ep=8))
+    assert scratch == 5 * 128 * 2048 * 768 * 2 and scratch / GB == pytest.approx(1.875)

@@ -290,3 +290,36 @@ def test_trim_metrics_drops_rows_after_the_checkpoint(tmp_path):
         handle.write(json.dumps({"step": 4, "x": 40}) + "\n")
     assert [json.loads(line) for line in path.read_text().splitlines()] == [
         {"step": 1, "x": 1}, {"step": 2, "x": 2}, {"step": 3, "x": 3}, {"step": 4, "x": 40}]
+
+
+@pytest.mark.unit
+def test_accelerator_rng_state_is_saved_and_restored(monkeypatch, tmp_path):
+    """The NPU generator (torch_npu's torch.npu) is checkpointed like CUDA's: without it a resumed
+    Ascend run drew other dropout masks and sampling noise than an uninterrupted one. The device
+    module here is a stand-in with torch.npu's RNG API (no Ascend on this machine)."""
+    from rlcore import checkpoint
+
+    class DeviceRng:
+        def __init__(self, state):
+            self.state = state
+
+        def is_available(self):
+            return True
+
+        def is_initialized(self):
+            return True
+
+        def get_rng_state(self):
+            return self.state.clone()
+
+        def set_rng_state(self, state):
+            self.state = state.clone()
+
+    npu = DeviceRng(torch.tensor([7, 7, 7], dtype=torch.uint8))
+    monkeypatch.setattr(torch, "npu", npu, raising=False)
+    saved = checkpoint.rng_state()
+    assert torch.equal(saved["npu"], torch.tensor([7, 7, 7], dtype=torch.uint8))
+    torch.save(saved, tmp_path / "rng.pt")
+    npu.state = torch.tensor([1, 2, 3], dtype=torch.uint8)  # the run went on
+    checkpoint.set_rng_state(torch.load(tmp_path / "rng.pt", weights_only=True))
+    assert torch.equal(npu.state, torch.tensor([7, 7, 7], dtype=torch.uint8))

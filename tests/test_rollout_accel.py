@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import sys
 import types
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from types import SimpleNamespace as NS
 
 import numpy as np
@@ -471,3 +471,42 @@ def test_engine_kwargs_refused_before_the_build(fake_vllm):
     with pytest.raises(ValueError, match="lacks"):
         make("cuda")
     assert FakeLLM.built == []
+
+
+@pytest.mark.unit
+def test_runner_reload_runs_under_the_workers_vllm_config(fake_vllm):
+    """As vLLM's Worker.reload_weights does (vllm 0.32.0 v1/worker/gpu_worker.py:629-631)."""
+    seen = []
+
+    @contextmanager
+    def current(cfg):
+        seen.append(("enter", cfg))
+        yield
+        seen.append(("exit", cfg))
+
+    sys.modules["vllm.config"].set_current_vllm_config = current
+    config = NS(name="the worker's")
+    worker = NS(vllm_config=config, model_runner=NS(reload_weights=lambda **kw: seen.append(("reload", kw))))
+    rc.runner_reload_weights(worker, weights_path="/ckpt")
+    assert seen == [("enter", config), ("reload", {"weights_path": "/ckpt"}), ("exit", config)]
+
+
+@pytest.mark.unit
+def test_prefix_cache_reset_is_checked_and_retried():
+    """LLM.reset_prefix_cache returns False and keeps the cache while blocks are held (vllm 0.32.0
+    v1/core/block_pool.py:827-844): retried, then an error, never a silent stale cache."""
+    class Engine:
+        def __init__(self, answers):
+            self.answers, self.calls = list(answers), 0
+
+        def reset_prefix_cache(self):
+            self.calls += 1
+            return self.answers.pop(0)
+
+    flaky = Engine([False, True])
+    rc.reset_prefix_cache(flaky)
+    assert flaky.calls == 2
+    stuck = Engine([False] * 3)
+    with pytest.raises(RuntimeError, match="refused to reset its prefix cache 3 times"):
+        rc.reset_prefix_cache(stuck, attempts=3)
+    rc.reset_prefix_cache(Engine([None]))  # a vLLM whose method returns nothing: nothing to check
