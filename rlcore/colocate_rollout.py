@@ -85,6 +85,35 @@ class Sample:
 # ----------------------------------------------------------------------------- the engine
 
 
+def llm_kwargs(model_path: str, device_type: str, *, tp_size: int, seed: int, max_model_len: int, dtype: str,
+               kv_cache_gb: float, gpu_memory_utilization: float, enforce_eager: bool, multimodal: bool,
+               speed: dict, limit_mm_per_prompt: dict | None = None, mm_processor_cache_gb: float | None = None
+               ) -> dict:
+    """Every keyword ``ColocateRollout`` hands ``vllm.LLM(...)`` (and so vLLM's ``EngineArgs``),
+    without building anything: the engine and scripts/check_config.py's dry run use this one.
+    ``seed``: the engine seed plus the DP rank (same inside a TP group: ranks must sample the same
+    token; different per replica, else every replica samples identical completions). On CPU it
+    drops ``VLLM_CPU_KVCACHE_SPACE`` from the environment and on npu it sets vllm-ascend's NZ
+    switch (both read while the engine is built)."""
+    if device_type == "cpu":
+        # Explicit size: vLLM's auto sizing takes ~60% of host RAM per rank (OOM with 2 ranks).
+        # The legacy env var would silently override it (restored by ProcessState).
+        os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)
+        memory = {"kv_cache_memory_bytes": int(kv_cache_gb * 2**30)}
+    else:  # release_memory() -> llm.sleep(level) or release_kv_cache_memory(): the sleep-mode allocator
+        memory = {"gpu_memory_utilization": gpu_memory_utilization, "enable_sleep_mode": True}
+    return dict(
+        model=model_path, tensor_parallel_size=tp_size, distributed_executor_backend="external_launcher",
+        seed=seed, logprobs_mode=LOGPROBS_MODE, use_tqdm_on_load=False,
+        max_model_len=max_model_len, dtype=dtype, enforce_eager=enforce_eager, **memory, **speed_kwargs(**speed),
+        **disable_npu_nz(device_type),  # before the build: vllm-ascend reads its NZ setting then
+        **cpu_prefill_kwargs(device_type),
+        **multimodal_kwargs(multimodal, limit_mm_per_prompt=limit_mm_per_prompt,
+                            mm_processor_cache_gb=mm_processor_cache_gb),
+    )
+
+
+
 class ColocateRollout:
     """One vLLM engine per TP group, built inside an initialised torch.distributed world."""
 
@@ -137,18 +166,14 @@ class ColocateRollout:
         self._unseeded_calls = 0  # generate(seed=None) calls so far (see unseeded_call_seed)
         multimodal_guess = is_multimodal_config(_model_config_json(model_path))
 
-        saved = ProcessState.capture(info.device_type)  # before _memory_kwargs edits the env
-        engine_kwargs = dict(
-            max_model_len=max_model_len, dtype=dtype, enforce_eager=self.enforce_eager,
-            **self._memory_kwargs(kv_cache_gb, gpu_memory_utilization),
-            **speed_kwargs(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                           enable_prefix_caching=enable_prefix_caching),
-            # Before the build: vllm-ascend reads its NZ setting while the engine is made.
-            **disable_npu_nz(info.device_type),
-            **cpu_prefill_kwargs(info.device_type),
-            **multimodal_kwargs(multimodal_guess, limit_mm_per_prompt=limit_mm_per_prompt,
-                                mm_processor_cache_gb=mm_processor_cache_gb),
-        )
+        saved = ProcessState.capture(info.device_type)  # before llm_kwargs edits the env
+        engine_kwargs = llm_kwargs(
+            model_path, info.device_type, tp_size=tp_size, seed=seed + self.dp_rank, max_model_len=max_model_len,
+            dtype=dtype, kv_cache_gb=kv_cache_gb, gpu_memory_utilization=gpu_memory_utilization,
+            enforce_eager=self.enforce_eager, multimodal=multimodal_guess,
+            speed=dict(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                       enable_prefix_caching=enable_prefix_caching),
+            limit_mm_per_prompt=limit_mm_per_prompt, mm_processor_cache_gb=mm_processor_cache_gb)
         try:
             self.llm = self._build_engine(model_path, engine_kwargs)
             # The worker seeded the global RNG with seed + dp_rank: keep that as the engine's
@@ -178,17 +203,7 @@ class ColocateRollout:
         self.vision_token_ids = [*self._slot_tokens, *([self.image_token_id] if self.image_token_id is not None else [])]
         check_encoder_cache_reset(self.llm.llm_engine, self.multimodal)
 
-    def _memory_kwargs(self, kv_cache_gb: float, gpu_mem_util: float) -> dict:
-        if self.info.device_type == "cpu":
-            # Explicit size: vLLM's auto sizing takes ~60% of host RAM per rank (OOM with 2 ranks).
-            # The legacy env var would silently override it (restored by ProcessState).
-            os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)
-            return {"kv_cache_memory_bytes": int(kv_cache_gb * 2**30)}
-        # release_memory() -> llm.sleep(level), or at level 0 release_kv_cache_memory():
-        # both need vLLM's sleep-mode allocator.
-        return {"gpu_memory_utilization": gpu_mem_util, "enable_sleep_mode": True}
-
-    def _build_engine(self, model_path: str, engine_kwargs: dict):
+    def _build_engine(self, model_path: str, kwargs: dict):
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # engine core in this process
         from vllm import LLM
         from vllm.engine.arg_utils import EngineArgs
@@ -198,17 +213,6 @@ class ColocateRollout:
             from vllm.model_executor.models import registry
         except ImportError:  # another vLLM layout: nothing to patch
             registry = None
-        kwargs = dict(
-            model=model_path,
-            tensor_parallel_size=self.tp_size,
-            distributed_executor_backend="external_launcher",
-            # Same seed inside a TP group (ranks must sample the same token), different per
-            # DP replica (else every replica samples identical completions).
-            seed=self.seed + self.dp_rank,
-            logprobs_mode=LOGPROBS_MODE,
-            use_tqdm_on_load=False,
-            **engine_kwargs,
-        )
         check_engine_kwargs((f.name for f in dataclasses.fields(EngineArgs)), kwargs)
         # A model class vLLM has not inspected before is inspected in a fresh interpreter, which
         # needs rlcore's torchvision shim too (rollout_checks.registry_subprocess_command).

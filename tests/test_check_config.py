@@ -1,0 +1,126 @@
+"""scripts/check_config.py: the device dry run (rlcore/dry_run.py) of every shipped cluster config,
+on this CPU machine, through the real libraries' validation (VeOmni's with its device probe set to
+the config's device, the installed vLLM's EngineArgs).
+
+The configs are run against stand-in model folders (the public config.json in tests/fixtures, an
+empty safetensors file) and empty data files, as a login node would hold them. One interpreter runs
+them all (vLLM and VeOmni imported once)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from conftest import QUIET_ENV, REPO
+
+RUNNER = textwrap.dedent("""
+    import json, sys
+    from rlcore import quiet
+    quiet.install()
+    from rlcore.dry_run import dry_run
+    out = []
+    for argv, device, nproc, nnodes in json.loads(sys.argv[1]):
+        with quiet.filtered_output():
+            checks = dry_run(argv, device, nproc, nnodes)
+        out.append([[c.name, c.status, c.detail] for c in checks])
+    print(json.dumps(out))
+""")
+
+
+def stand_in(tmp_path, name: str, fixture: str) -> list[str]:
+    model = tmp_path / name
+    model.mkdir()
+    shutil.copy(os.path.join(REPO, "tests", "fixtures", fixture, "config.json"), model)
+    (model / "model.safetensors").write_bytes(b"")
+    data = [str(tmp_path / f"{name}_train.parquet"), str(tmp_path / f"{name}_test.parquet")]
+    for f in data:
+        open(f, "w").close()
+    return ["--model.path", str(model), "--data.train_files", json.dumps(data[:1]), "--data.val_files",
+            json.dumps(data[1:]), "--trainer.output_dir", str(tmp_path / "out" / name)]
+
+
+def gpu_check_config(tmp_path, model_args: list[str]) -> str:
+    """What scripts/gpu_check.sh would run, as a YAML file (its PRINT_CONFIG mode)."""
+    env = {**os.environ, "PRINT_CONFIG": "1", "DEVICE": "cuda", "PYTHON": sys.executable, "NPROC": "2",
+           "OUT": str(tmp_path / "gpu_check")}
+    proc = subprocess.run(["bash", os.path.join(REPO, "scripts", "gpu_check.sh"), *model_args], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    path = tmp_path / "gpu_check.yaml"
+    path.write_text(proc.stdout)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory, tiny_model, toy_data) -> dict[str, dict[str, list]]:
+    tmp = tmp_path_factory.mktemp("check_config")
+    cfg = lambda name: os.path.join(REPO, "configs", f"{name}.yaml")  # noqa: E731
+    tiny = ["--model.path", tiny_model, "--data.train_files", json.dumps([toy_data[0]]), "--data.val_files", "[]"]
+    cases = {
+        "qwen3_8b_math_16gpu": (["--config", cfg("qwen3_8b_math_16gpu"), *stand_in(tmp, "a", "qwen3_8b")], "cuda", 8, 2),
+        "qwen3_30b_a3b_math_16gpu": (["--config", cfg("qwen3_30b_a3b_math_16gpu"),
+                                      *stand_in(tmp, "b", "qwen3_30b_a3b")], "cuda", 8, 2),
+        "qwen3_vl_8b_geo3k_16gpu": (["--config", cfg("qwen3_vl_8b_geo3k_16gpu"), *stand_in(tmp, "c", "qwen3_vl_8b")],
+                                    "cuda", 8, 2),
+        "gpu_check": (["--config", gpu_check_config(tmp, tiny), *tiny, "--trainer.output_dir", str(tmp / "g")],
+                      "cuda", 2, 1),
+        "qwen3_8b_math_16npu": (["--config", cfg("qwen3_8b_math_16npu"), *stand_in(tmp, "d", "qwen3_8b")], "npu", 16, 1),
+        "moe_on_npu": (["--config", cfg("qwen3_30b_a3b_math_16gpu"), *stand_in(tmp, "e", "qwen3_30b_a3b")], "npu", 16, 1),
+    }
+    env = {**os.environ, **QUIET_ENV, "PYTHONPATH": REPO}
+    proc = subprocess.run([sys.executable, "-c", RUNNER, json.dumps(list(cases.values()))], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    for name, checks in zip(cases, out):
+        print(f"== {name}\n" + "\n".join(f"{s:<5} {n}: {d}" for n, s, d in checks))
+    return {name: {n: [s, d] for n, s, d in checks} for name, checks in zip(cases, out)}
+
+
+CUDA = ["qwen3_8b_math_16gpu", "qwen3_30b_a3b_math_16gpu", "qwen3_vl_8b_geo3k_16gpu", "gpu_check"]
+
+
+@pytest.mark.parametrize("name", CUDA + ["qwen3_8b_math_16npu"])
+def test_every_shipped_accelerator_config_passes_the_dry_run(results, name):
+    checks = results[name]
+    assert list(checks) == ["config", "world", "attention", "veomni_ops", "vllm_engine_args", "memory"], checks
+    assert all(status != "FAIL" for status, _ in checks.values()), checks
+
+
+def test_the_dry_run_reports_what_each_device_would_run(results):
+    assert "fused_triton" in results["qwen3_30b_a3b_math_16gpu"]["veomni_ops"][1]
+    assert "128 experts via triton, weight_load reload" in results["qwen3_30b_a3b_math_16gpu"]["config"][1]
+    npu = results["qwen3_8b_math_16npu"]
+    assert "VeOmni accepts on npu" in npu["veomni_ops"][1] and "experts eager" in npu["veomni_ops"][1]
+    assert npu["attention"] == ["ok", npu["attention"][1]] and "npu_fusion_attention" in npu["attention"][1]
+    # vLLM here is the CUDA/CPU 0.32.0; the NPU pin is 0.23.0: said, not hidden
+    assert npu["vllm_engine_args"][0] == "warn" and "npu pin is vLLM 0.23.0" in npu["vllm_engine_args"][1]
+    for name in CUDA:
+        memory = results[name]["memory"][1]
+        assert "checkpoint" in memory and "train" in memory and "generate" in memory, memory
+    # no flash entry point imports on this machine: the CUDA attention falls back to sdpa, loudly
+    assert results["qwen3_8b_math_16gpu"]["attention"][0] == "warn"
+
+
+def test_moe_on_npu_fails_the_dry_run_at_the_config(results):
+    checks = results["moe_on_npu"]
+    assert list(checks) == ["config"] and checks["config"][0] == "FAIL"
+    assert "vllm-ascend 0.26.0rc1 or newer" in checks["config"][1]
+
+
+def test_the_script_exits_2_naming_the_failed_check(tmp_path):
+    """The command a user runs: one line per check, exit 2 and the failed checks named."""
+    args = stand_in(tmp_path, "m", "qwen3_30b_a3b")
+    proc = subprocess.run([sys.executable, os.path.join(REPO, "scripts", "check_config.py"), "--config",
+                           os.path.join(REPO, "configs", "qwen3_30b_a3b_math_16gpu.yaml"), "--device", "npu",
+                           "--nproc", "16", "--", *args], cwd=REPO, env={**os.environ, **QUIET_ENV},
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stdout + proc.stderr[-2000:]
+    assert proc.stdout.splitlines()[-1] == "check FAILED on npu x 16: config", proc.stdout
+    assert proc.stdout.startswith("FAIL  config: model.path=")
