@@ -91,6 +91,10 @@ def tie_to_launcher(rank: int, *, force: bool = False, poll_s: float = POLL_S,
     launcher = os.getppid()
     signal.signal(WAKE_SIGNAL, _raise_launcher_gone)
     if ORPHAN_SIGNAL is not None:
+        # A thread started before this call (a library's) does not block it: should the kernel
+        # deliver it there, Python's handler runs in the main thread instead of the default action
+        # (which would kill the process without the exit path).
+        signal.signal(ORPHAN_SIGNAL, _raise_launcher_gone)
         signal.pthread_sigmask(signal.SIG_BLOCK, {ORPHAN_SIGNAL})  # threads started later inherit it
         set_parent_death_signal(ORPHAN_SIGNAL)
     watcher = threading.Thread(target=_watch, args=(launcher, rank, poll_s, grace_s), daemon=True,
