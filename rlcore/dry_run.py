@@ -109,16 +109,17 @@ def check_attention(cfg: Config, device: str) -> Check:
 
 def check_veomni_ops(cfg: Config, device: str) -> Check:
     from rlcore.config import model_num_experts
-    from rlcore.engine_veomni import ops_config
+    from rlcore.engine_kernels import ops_config
 
     m = cfg.model
     with veomni_sees(device):
-        ops, problem = _quiet(ops_config, m.attn_implementation, m.moe_implementation, model_num_experts(m.path))
+        ops, problem = _quiet(ops_config, m.attn_implementation, m.moe_implementation, model_num_experts(m.path),
+                              device)
     if problem:
         return Check("veomni_ops", FAIL, f"VeOmni's validation on {device}: {problem}")
     return Check("veomni_ops", OK, f"VeOmni accepts on {device}: attention {ops.attn_implementation}, experts "
-                                   f"{ops.moe_implementation}, rms_norm {ops.rms_norm_implementation}, cross_entropy "
-                                   f"{ops.cross_entropy_loss_implementation}")
+                                   f"{ops.moe_implementation}, rms_norm {ops.rms_norm_implementation}, swiglu "
+                                   f"{ops.swiglu_mlp_implementation}, rope {ops.rotary_pos_emb_implementation}")
 
 
 def check_vllm(cfg: Config, device: str) -> Check:

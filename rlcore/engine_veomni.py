@@ -38,6 +38,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from rlcore import engine_moe, engine_vl, hf_export
+from rlcore.engine_kernels import describe_kernels, kernel_fields, ops_config
 from rlcore.engine_parts import (LrLambda, dim0_shard_group, eager_attention_mask, full_tensor, hf_name, hidden_rows,
                                  resume_lr_schedule)
 from rlcore.attention import pick_attn_implementation
@@ -94,31 +95,6 @@ def _ensure_parallel_state(info: DistInfo, ep_size: int = 1):
     )
 
 
-def ops_config(attn_implementation: str, moe_implementation: str, experts: int, overrides: dict | None = None):
-    """Kernel choice for VeOmni's patched modeling, as VeOmni's own ``OpsImplementationConfig``
-    (whose construction validates every name against the device it finds). Its defaults are GPU
-    kernels (liger, triton, flash-attn); eager everywhere runs on every device, and callers on GPUs
-    may override. ``moe_implementation``: the project's name (``engine_moe.pick_moe_implementation``),
-    mapped to VeOmni's (``engine_moe.veomni_moe_implementation``); ``experts``: 0 for a dense model."""
-    from veomni.arguments.arguments_types import OpsImplementationConfig
-
-    fields = dict(
-        attn_implementation=attn_implementation,
-        moe_implementation=engine_moe.veomni_moe_implementation(moe_implementation, experts),
-        cross_entropy_loss_implementation="eager",
-        rms_norm_implementation="eager",
-        swiglu_mlp_implementation="eager",
-        rotary_pos_emb_implementation="eager",
-        rotary_pos_emb_vision_implementation="eager",  # Qwen-VL ViT (its default; 'npu' elsewhere)
-        load_balancing_loss_implementation="eager",
-        rms_norm_gated_implementation="eager",
-        causal_conv1d_implementation="eager",
-        chunk_gated_delta_rule_implementation="eager",
-    )
-    fields.update(overrides or {})
-    return OpsImplementationConfig(**fields)
-
-
 def _build_sharded_model(model_path: str, info: DistInfo, *, master_dtype: str, compute_dtype: str,
                          gradient_checkpointing: bool, attn_implementation: str, ops_overrides: dict | None,
                          moe_implementation: str = "eager"):
@@ -134,7 +110,7 @@ def _build_sharded_model(model_path: str, info: DistInfo, *, master_dtype: str, 
         torch_dtype=master_dtype,
         init_device="meta",
         ops_implementation=ops_config(attn_implementation, moe_implementation, model_num_experts(model_path),
-                                      ops_overrides),
+                                      info.device_type, ops_overrides),
     )
     engine_vl.apply_checkpoint_key_mapping(model)  # released Qwen2.5-VL names, before the weights load
     if moe_implementation == engine_moe.TORCH_EP:  # bound after the build, which binds every slot
@@ -188,8 +164,8 @@ class VeOmniPolicy:
         ep_size: expert-parallel size for a mixture-of-experts model (divides the world size
             and the expert count); 1 = experts sharded by FSDP2 like any other weight.
         moe_implementation: the experts kernel, ``rlcore.engine_moe.pick_moe_implementation``.
-        ops_overrides: VeOmni ``OpsImplementationConfig`` fields to change from "eager"
-            (e.g. liger kernels on GPUs).
+        ops_overrides: VeOmni ``OpsImplementationConfig`` fields to set over the device's choice
+            (``rlcore.engine_kernels.fused_kernels``).
         freeze_vision_tower: vision-language models: the whole vision tower (``model.visual.*``:
             patch/position embeddings, ViT blocks, merger and deepstack mergers) gets no gradient
             and no optimizer state; the language model trains (``rlcore.engine_vl``).
@@ -222,6 +198,7 @@ class VeOmniPolicy:
         self.ep_size = ep_size
         self.moe_implementation = engine_moe.pick_moe_implementation(moe_implementation, info.device_type, ep_size)
         self.expert_layout = engine_moe.checkpoint_expert_layout(model_path)  # how experts go out again
+        self.kernels = kernel_fields(info.device_type, ops_overrides)
         self.model = _build_sharded_model(
             model_path, info,
             master_dtype="float32" if trainable else dtype,
@@ -254,7 +231,8 @@ class VeOmniPolicy:
         offload += " [RLCORE_TEST_REAL_OFFLOAD]" if self._host_copies is not None else ""
         return (f"{'policy' if self.trainable else 'reference'}: VeOmni FSDP2 over {self.info.world_size} x "
                 f"{self.info.device_type}, master {'float32' if self.trainable else self.dtype} / compute "
-                f"{self.dtype}, attention {self.attn_implementation} ({self.attn_reason}), gradient checkpointing "
+                f"{self.dtype}, attention {self.attn_implementation} ({self.attn_reason}), "
+                f"{describe_kernels(self.kernels)}, gradient checkpointing "
                 f"{'on' if self.gradient_checkpointing else 'off'}, offload: {offload}"
                 f"{engine_vl.describe(self.model, self.freeze_vision_tower or not self.trainable)}"
                 f"{engine_moe.describe(self.model, self.moe_implementation, self.ep_size)}")

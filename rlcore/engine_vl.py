@@ -30,7 +30,7 @@ patched_modeling_qwen3_vl_gpu.py, "VL" below; transformers 5.19):
   veomni/distributed/parallel_state.py:250-255), so every rank gathers and reduces the same
   FSDP units whatever its row holds.
 * Kernels: the file's OpSlots are rms_norm, cross_entropy_loss, rotary_pos_emb and
-  rotary_pos_emb_vision (VL:108-111); ``rlcore.engine_veomni.ops_config`` sets all to eager.
+  rotary_pos_emb_vision (VL:108-111); ``rlcore.engine_kernels`` picks them per device (eager on CPU).
 
 Qwen2.5-VL (veomni/models/transformers/qwen2_5vl/generated/patched_modeling_qwen2_5_vl_gpu.py,
 "V25" below) takes the same inputs the same way, so ``forward_kwargs`` serves both:

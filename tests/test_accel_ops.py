@@ -27,39 +27,45 @@ RECIPES = [  # (recipe, device it is written for, stand-in model config)
 
 @pytest.fixture
 def veomni_device(monkeypatch):
-    """Force VeOmni's own device probe: ``on_npu(True)`` makes it see an Ascend NPU."""
+    """Force VeOmni's own probes: ``set_(npu=True)`` makes it see an Ascend NPU, ``liger=True``
+    find liger-kernel (requirements-cuda.txt installs it; it needs Triton, absent on this CPU)."""
     import veomni.utils.import_utils as import_utils
 
-    def set_(npu: bool) -> None:
+    def set_(npu: bool, liger: bool = False) -> None:
         monkeypatch.setattr(import_utils, "is_torch_npu_available", lambda: npu)
+        monkeypatch.setattr(import_utils, "is_liger_kernel_available", lambda: liger)
     return set_
 
 
-def build_ops(cfg):
+def build_ops(cfg, device):
     from rlcore.config import model_num_experts
-    from rlcore.engine_veomni import ops_config
+    from rlcore.engine_kernels import ops_config
 
     m = cfg.model
-    return ops_config(m.attn_implementation, m.moe_implementation, model_num_experts(m.path))
+    return ops_config(m.attn_implementation, m.moe_implementation, model_num_experts(m.path), device)
 
 
 @pytest.mark.parametrize("recipe,device,model", RECIPES, ids=[f"{r}-{d}" for r, d, _ in RECIPES])
 def test_recipe_kernels_pass_veomnis_validation_on_its_device(recipe, device, model, tmp_path, veomni_device):
     cfg, _ = recipe_config(tmp_path, recipe, model, model, device)
-    veomni_device(device == "npu")
-    ops = build_ops(cfg)  # raises ValueError where VeOmni refuses a name on this device
+    veomni_device(npu=device == "npu", liger=device == "cuda")
+    ops = build_ops(cfg, device)  # raises ValueError where VeOmni refuses a name on this device
     experts = "30b_a3b" in model
     assert ops.moe_implementation == ("fused_triton" if experts else "eager")  # the only NPU recipe is dense
+    fused = "npu" if device == "npu" else "liger_kernel"
+    assert ops.rms_norm_implementation == ops.rotary_pos_emb_implementation == fused
+    assert ops.swiglu_mlp_implementation == ("eager" if device == "npu" else "liger_kernel")  # no NPU SwiGLU
+    assert ops.cross_entropy_loss_implementation == "eager"  # the log-prob path ignores it
 
 
 def test_moe_on_npu_passes_veomni_but_is_refused_at_config_time(tmp_path, veomni_device, capsys):
     """The experts name VeOmni accepts on Ascend is fused_npu (checked by its validation), but the
     pinned vllm-ascend breaks MoE at the first weight sync (rollout_checks.check_npu_moe): the 30B
     recipe parsed for npu exits 2 before anything loads, naming the vllm-ascend that would work."""
-    from rlcore.engine_veomni import ops_config
+    from rlcore.engine_kernels import ops_config
 
-    veomni_device(True)
-    assert ops_config("flash_attention_2", "npu", 128).moe_implementation == "fused_npu"
+    veomni_device(npu=True)
+    assert ops_config("flash_attention_2", "npu", 128, "npu").moe_implementation == "fused_npu"
     with pytest.raises(SystemExit) as e:
         recipe_config(tmp_path, "qwen3_30b_a3b_math_16gpu", "qwen3_30b_a3b", "qwen3_30b_a3b", "npu")
     assert e.value.code == 2
@@ -71,7 +77,7 @@ def test_veomni_refuses_the_old_bare_names_on_npu(veomni_device):
     """The names the trainer used to pass: VeOmni's validation refuses them on Ascend."""
     from veomni.arguments.arguments_types import OpsImplementationConfig
 
-    veomni_device(True)
+    veomni_device(npu=True)
     with pytest.raises(ValueError, match="moe_implementation='npu' is not supported on Ascend NPU"):
         OpsImplementationConfig(attn_implementation="flash_attention_2", moe_implementation="npu",
                                 cross_entropy_loss_implementation="eager", rms_norm_implementation="eager",
@@ -88,3 +94,24 @@ def test_project_names_map_to_veomnis(impl, experts, expected):
     from rlcore.engine_moe import veomni_moe_implementation
 
     assert veomni_moe_implementation(impl, experts) == expected
+
+
+def test_fused_kernels_per_device_and_what_the_start_up_line_says(veomni_device):
+    """cuda: liger-kernel's RMSNorm / SwiGLU / RoPE when VeOmni finds it, else eager; npu: VeOmni's
+    torch_npu RMSNorm and RoPE (text and vision); cpu: eager. Each set passes VeOmni's validation
+    for its device (the npu set only there: VeOmni refuses 'npu' kernels elsewhere)."""
+    from rlcore.engine_kernels import describe_kernels, kernel_fields, ops_config
+
+    veomni_device(npu=False, liger=True)
+    assert describe_kernels(kernel_fields("cuda")) == (
+        "kernels: rms_norm liger_kernel, swiglu liger_kernel, rope liger_kernel, vision rope eager")
+    ops_config("sdpa", "eager", 0, "cuda")
+    veomni_device(npu=False, liger=False)  # a CUDA machine without liger-kernel
+    assert describe_kernels(kernel_fields("cuda")) == "kernels: rms_norm eager, swiglu eager, rope eager, vision rope eager"
+    assert describe_kernels(kernel_fields("cpu", {"rms_norm_implementation": "x"})).startswith("kernels: rms_norm x,")
+    with pytest.raises(ValueError, match="requires Ascend NPU"):
+        ops_config("sdpa", "eager", 0, "npu")  # the NPU kernels on a machine VeOmni sees as not Ascend
+    veomni_device(npu=True)
+    ops = ops_config("flash_attention_2", "eager", 0, "npu")
+    assert (ops.rms_norm_implementation, ops.rotary_pos_emb_implementation,
+            ops.rotary_pos_emb_vision_implementation, ops.swiglu_mlp_implementation) == ("npu", "npu", "npu", "eager")
