@@ -270,6 +270,19 @@ class ExpertLayout:
 
 
 PER_EXPERT = ExpertLayout()
+FUSED_LAYOUT = ExpertLayout(per_expert=False, transposed=False)  # VeOmni's own [E, 2I, H] / [E, H, I]
+
+
+def sync_layout(checkpoint: ExpertLayout) -> ExpertLayout:
+    """How the experts go into vLLM at a weight sync: fused, whatever the checkpoint. vllm 0.32.0
+    loads a fused tensor under ``...mlp.experts.gate_up_proj`` / ``down_proj`` for every MoE model
+    (``RoutedExperts.load_weights`` with ``get_expert_mapping(include_fused=True)``,
+    model_executor/layers/fused_moe/routed_experts.py:981-1060: a 3-D tensor without an expert
+    index is fused; w1/w3 are ``chunk(2, dim=1)`` of gate_up, gate first, as VeOmni stacks them;
+    models/qwen3_moe.py:442 leaves ``.experts.gate_up_proj`` to it), transposed only where the
+    model says its checkpoints are (Qwen3-VL-MoE, whose checkpoint layout is kept). Two tensors a
+    layer instead of 3E (18,432 for Qwen3-30B-A3B instead of 96), each one weight-loader call."""
+    return FUSED_LAYOUT if checkpoint.per_expert else checkpoint
 
 
 def _checkpoint_shapes(model_path: str) -> dict[str, tuple[int, ...]]:

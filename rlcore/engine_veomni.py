@@ -377,24 +377,28 @@ class VeOmniPolicy:
         self.model.reshard()
 
     @torch.no_grad()
-    def named_hf_weights(self, dtype: str | torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    def named_hf_weights(self, dtype: str | torch.dtype | None = None, fused_experts: bool = False
+                         ) -> Iterator[tuple[str, torch.Tensor]]:
         """Yield ``(hf_name, full_tensor)`` one parameter at a time, on every rank (collective).
 
         Names are the HF checkpoint's (FSDP2 shards in place, VeOmni keeps HF module names);
         tied weights come once, under the name that owns them. Tensors stay on the engine
         device; casting happens on the local shard before the all-gather, so a bf16 export
         moves half the bytes. Peak extra memory: one full tensor (plus the parameter shards, for
-        the duration, when they were offloaded).
+        the duration, when they were offloaded). ``fused_experts``: routed experts as one fused
+        tensor per layer and kind (the weight sync, ``engine_moe.sync_layout``), else in the
+        checkpoint's layout (exports).
         """
         dtype = _to_dtype(dtype)
+        layout = engine_moe.sync_layout(self.expert_layout) if fused_experts else self.expert_layout
         with self._resident(params=True):
             self._reshard()
             for name, param in self.model.named_parameters():
-                yield from engine_moe.split_experts(hf_name(name), self._whole(name, param, dtype), self.expert_layout)
+                yield from engine_moe.split_experts(hf_name(name), self._whole(name, param, dtype), layout)
 
     @torch.no_grad()
-    def named_hf_weights_bucketed(self, dtype: str | torch.dtype | None = None, bucket_mb: float = 64.0
-                                  ) -> Iterator[tuple[str, torch.Tensor]]:
+    def named_hf_weights_bucketed(self, dtype: str | torch.dtype | None = None, bucket_mb: float = 64.0,
+                                  fused_experts: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
         """Like ``named_hf_weights``, but many parameters per collective (collective).
 
         Parameters are packed into flat buckets of about ``bucket_mb`` MiB (gathered size) and
@@ -412,6 +416,7 @@ class VeOmniPolicy:
         a unit bigger than ``bucket_mb`` gets a bucket of its own.
         """
         dtype = _to_dtype(dtype)
+        layout = engine_moe.sync_layout(self.expert_layout) if fused_experts else self.expert_layout
         with self._resident(params=True):
             self._reshard()
             plan = self._sync_plan(dtype, bucket_mb)
@@ -423,7 +428,7 @@ class VeOmniPolicy:
             buffers = plan.kept_buffers if self.info.device_type == "cpu" else SyncBuffers(keep=False)
             for name, tensor in plan.run(lambda n: params[n].to_local(), lambda n: self._whole(n, params[n], dtype),
                                          self.device, buffers):
-                yield from engine_moe.split_experts(name, tensor, self.expert_layout)
+                yield from engine_moe.split_experts(name, tensor, layout)
 
     def _whole(self, name: str, param, dtype: torch.dtype | None) -> torch.Tensor:
         """One parameter whole (collective): gathered over FSDP2, and over EP for experts."""

@@ -158,9 +158,11 @@ class PhaseSwitcher:
 
     def _sync_weights(self) -> str:
         if self.sync_bucket_mb is None:
-            n = self.rollout.update_weights(self.policy.named_hf_weights(dtype=self.rollout_dtype), full=True)
+            n = self.rollout.update_weights(self.policy.named_hf_weights(dtype=self.rollout_dtype, fused_experts=True),
+                                            full=True)
             return f"{n} tensors pushed, one collective each"
-        weights = self.policy.named_hf_weights_bucketed(dtype=self.rollout_dtype, bucket_mb=self.sync_bucket_mb)
+        weights = self.policy.named_hf_weights_bucketed(dtype=self.rollout_dtype, bucket_mb=self.sync_bucket_mb,
+                                                        fused_experts=True)  # MoE: 2 tensors a layer
         n = self.rollout.update_weights(weights, full=True)
         plan = self.policy.sync_plan_summary(dtype=self.rollout_dtype, bucket_mb=self.sync_bucket_mb)
         return f"{n} tensors pushed in {plan['buckets']} buckets (largest {plan['max_bucket_mb']:.1f} MiB)"

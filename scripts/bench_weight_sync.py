@@ -21,8 +21,11 @@ repetitions after one warm-up, methods interleaved, time = the slowest rank (bar
 
 ``--moe``: a Qwen3-MoE instead (8 experts, top-2, experts as wide as the model) trained with
 expert parallelism over all ranks: the experts are gathered over the EP group and handed to
-vLLM per expert (its CPU MoE re-packed on reload). The floors still gather only the FSDP2
-buckets (experts travel alone), so they are lower bounds for the MoE case.
+vLLM as one fused tensor per layer and kind (the sync; its CPU MoE re-packed on reload), and,
+measured in the same run for comparison, split per expert as the checkpoint names them
+(``sync_per_expert``: what the sync did before). ``tensors`` counts what each hands vLLM. The
+floors still gather only the FSDP2 buckets (experts travel alone), so they are lower bounds for
+the MoE case.
 
 Then vLLM is reset to the checkpoint's weights, synced once more, and its log-probs of fresh
 samples are compared with the trainer's (max |diff| over every sampled token of both ranks).
@@ -184,7 +187,7 @@ def floor_parts(policy, rollout, info) -> dict:
     gathered_mb = policy.sync_plan_summary("float32", 1e9)["max_bucket_mb"]  # one bucket = all params
     numel = int(gathered_mb * 2**20 / 4) // info.world_size
     send, out = torch.ones(numel), torch.ones(numel * info.world_size)
-    full = list(policy.named_hf_weights_bucketed("float32", 1e9))
+    full = list(policy.named_hf_weights_bucketed("float32", 1e9, fused_experts=True))  # what the sync loads
     gather = lambda: dist.all_gather_into_tensor(out, send)  # noqa: E731
     gather_s = timed(gather)
     gather_cpu = CPU_S[id(gather)]
@@ -245,17 +248,22 @@ def run_methods(args, policy, rollout, root: str, info) -> dict:
         rollout.update_weights_from_path(naive_dir)
         naive_parts["load_s"] = time.perf_counter() - start
 
-    def sync(mb):
-        return lambda: rollout.update_weights(policy.named_hf_weights_bucketed("float32", mb))
+    def sync(mb, fused=True):
+        # full=False for the per-expert names: the engine guards a full push against naming fewer
+        # weights than the previous full one (the fused names), and these are the same weights
+        return lambda: rollout.update_weights(policy.named_hf_weights_bucketed("float32", mb, fused_experts=fused),
+                                              full=fused)
 
     times: dict[str, list] = {}
     cpu: dict[str, list] = {}  # CPU seconds summed over ranks
     peaks: dict[str, float] = {}
     for rep in range(args.reps + 1):
         runs = [(f"sync_{mb:g}", sync(mb)) for mb in args.buckets] + [("naive", naive)]
+        if args.moe:  # the per-expert push the sync replaced, side by side
+            runs.append((f"sync_per_expert_{args.buckets[0]:g}", sync(args.buckets[0], fused=False)))
         runs = runs[rep % len(runs):] + runs[: rep % len(runs)]  # rotate the order per repetition
         for name, fn in runs:
-            mb = float(name.removeprefix("sync_")) if name.startswith("sync_") else None
+            mb = float(name.rpartition("_")[2]) if name.startswith("sync_") else None
             dt, peak = with_peak(fn, sync_scratch_bytes(policy, mb) / 2**20 if mb else 0.0)
             peaks[name] = max(peaks.get(name, 0.0), peak)  # the warm-up too: first allocations
             if rep > 0:
@@ -301,8 +309,15 @@ def logprob_check(policy, rollout, model_dir: str, bucket_mb: float, info) -> di
 
     rollout.update_weights_from_path(model_dir)
     stale = worst()
-    rollout.update_weights(policy.named_hf_weights_bucketed("float32", bucket_mb))
-    return {"stale_logprob_diff": stale, "max_logprob_diff": worst()}
+    tensors = rollout.update_weights(policy.named_hf_weights_bucketed("float32", bucket_mb, fused_experts=True))
+    out = {"stale_logprob_diff": stale, "max_logprob_diff": worst(), "tensors": tensors}
+    per_expert = sum(1 for _ in policy.named_hf_weights_bucketed("float32", bucket_mb))
+    if per_expert != tensors:  # MoE: the checkpoint's per-expert layout, pushed as the sync once did
+        rollout.update_weights_from_path(model_dir)
+        out["tensors_per_expert"] = rollout.update_weights(policy.named_hf_weights_bucketed("float32", bucket_mb),
+                                                           full=False)
+        out["max_logprob_diff_per_expert"] = worst()
+    return out
 
 
 def summarize(args, policy, measured: dict, check: dict) -> dict:
@@ -318,6 +333,9 @@ def summarize(args, policy, measured: dict, check: dict) -> dict:
         "speedup_vs_naive": t["naive"] / t[first], "ratio_to_floor": t[first] / floor,
         "peak_extra_rss_mb": peak[first], "max_logprob_diff": check["max_logprob_diff"],
         "stale_logprob_diff": check["stale_logprob_diff"], "bucket_mb": args.buckets[0],
+        "tensors": check["tensors"],
+        **{k: check[k] for k in ("tensors_per_expert", "max_logprob_diff_per_expert") if k in check},
+        **({"sync_per_expert_s": t[f"sync_per_expert_{args.buckets[0]:g}"]} if args.moe else {}),
         "floor_gather_s": t["floor_gather_s"], "floor_load_s": t["floor_load_s"],
         # stricter floor: the gather done with the same gloo primitive as the sync (broadcasts)
         "floor_bcast_s": t["floor_gather_bcast_s"] + t["floor_load_s"],
@@ -327,7 +345,8 @@ def summarize(args, policy, measured: dict, check: dict) -> dict:
         # gathered (every sync through reload_weights pays it), and naive / the kernel floor
         "floor_kernel_s": t["floor_kernel_s"], "speedup_ceiling_reload": t["naive"] / t["floor_load_s"],
         "speedup_ceiling_kernel": t["naive"] / t["floor_kernel_s"],
-        "sync_s_by_bucket_mb": {k.removeprefix("sync_"): v for k, v in t.items() if k.startswith("sync_")},
+        "sync_s_by_bucket_mb": {k.removeprefix("sync_"): v for k, v in t.items()
+                                if k.startswith("sync_") and not k.startswith("sync_per_expert")},
         "peak_extra_rss_mb_by_method": peak,
         "cpu_s_by_method": {k: bc.median(v) for k, v in measured["cpu"].items()}, "plan": policy.sync_plan_summary("float32", args.buckets[0]),
         "reps": args.reps, "ranks": dist.get_world_size(),
@@ -366,6 +385,10 @@ def main(argv: list[str]) -> None:
           f" | peak extra {result['peak_extra_rss_mb']:.0f} MiB | max logprob diff {result['max_logprob_diff']:.2e}"
           f" | speedup ceiling: {result['speedup_ceiling_reload']:.1f}x through reload_weights,"
           f" {result['speedup_ceiling_kernel']:.1f}x at the kernel floor ({result['floor_kernel_s']:.3f}s)")
+    if "tensors_per_expert" in result:
+        print(f"experts: fused {result['tensors']} tensors, {result['sync_s']:.3f}s, max logprob diff "
+              f"{result['max_logprob_diff']:.2e} | per expert {result['tensors_per_expert']} tensors, "
+              f"{result['sync_per_expert_s']:.3f}s, max logprob diff {result['max_logprob_diff_per_expert']:.2e}")
     print(json.dumps(result))
 
 

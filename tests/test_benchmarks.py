@@ -39,6 +39,11 @@ def test_bench_weight_sync_moe_small():
     for key in ("params", "sync_s", "naive_s", "floor_s", "speedup_vs_naive", "max_logprob_diff"):
         assert key in r and r[key] == r[key], key
     assert r["stale_logprob_diff"] > 0.1 and r["max_logprob_diff"] <= 1e-4
+    # the sync pushes each layer's experts as 2 fused tensors; the per-expert push (3 per expert)
+    # it replaced is measured beside it and lands on the same weights
+    saved = r["tensors_per_expert"] - r["tensors"]  # per layer: 3 x 8 expert tensors become 2
+    assert saved > 0 and saved % (3 * 8 - 2) == 0, r
+    assert r["max_logprob_diff_per_expert"] <= 1e-4 and r["sync_per_expert_s"] > 0
 
 
 def test_bench_step_small():

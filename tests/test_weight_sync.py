@@ -18,9 +18,10 @@ MODELS = {"qwen3": {}, "qwen3-tied": {"tie_word_embeddings": True},
 
 @pytest.fixture(scope="module")
 def models(tiny_model, tiny_tied_model, tmp_path_factory) -> dict[str, str]:
-    from rlcore.toy_task import make_tiny_model
+    from rlcore.toy_task import make_tiny_model, make_tiny_moe_model
 
-    out = {"qwen3": tiny_model, "qwen3-tied": tiny_tied_model}
+    out = {"qwen3": tiny_model, "qwen3-tied": tiny_tied_model,
+           "qwen3-moe": make_tiny_moe_model(str(tmp_path_factory.mktemp("moe")))}
     for name, kwargs in MODELS.items():
         if name not in out:
             out[name] = make_tiny_model(str(tmp_path_factory.mktemp(name)), **kwargs)
@@ -44,6 +45,17 @@ def test_vllm_logprobs_match_trainer_after_sync(models, tmp_path, model, tp):
     assert r["probe_max"] < 1e-4 and r["breach"] is None, r  # the check passes a good sync
     # then a level-2 style refill (every parameter must be written: checked) leaves it exact too
     assert r["valid"] and r["refilled"] >= 20, r
+
+
+def test_moe_experts_pushed_fused_match_the_trainer(models, tmp_path):
+    """A Qwen3-MoE checkpoint with per-expert names, its experts FSDP-sharded (EP 1): the sync
+    pushes each layer's experts as two fused tensors (engine_moe.sync_layout) and vLLM's log-probs
+    equal the trainer's. EP 2: tests/test_moe.py (the loop) and tests/test_benchmarks.py."""
+    r = sync_once(models["qwen3-moe"], 1, tmp_path / "result.json")
+    print(r)
+    assert r["before"] < 1e-4 and r["moved"] > 1e-3 and r["after"] < 1e-4 and r["probe_max"] < 1e-4, r
+    # embed, final norm, lm_head + per layer q/k/v/o, q/k norms, 2 layer norms, router, 2 fused experts
+    assert r["refilled"] == 3 + 2 * 11, r
 
 
 def test_sync_check_catches_and_locates_a_stale_tied_head(models, tmp_path):

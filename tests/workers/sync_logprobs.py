@@ -73,7 +73,7 @@ def main():
     # a tied head is the embedding's Parameter, so the embedding's tensor covers it.
     rollout.weights_valid = False
     with policy.on_device():
-        refilled = rollout.update_weights(policy.named_hf_weights(), full=True)
+        refilled = rollout.update_weights(policy.named_hf_weights(fused_experts=True), full=True)
     after = sample(rollout, prompts, temperature, seed=2)
     diff = max_diff(policy, rollout, after, temperature, info.device)
     mask = after.response_mask()
