@@ -1,6 +1,6 @@
 """Benchmark: the trainer -> vLLM weight sync on 2 CPU ranks, against a disk round trip and a floor.
 
-    .venv/bin/python scripts/bench_weight_sync.py [--params 100e6] [--bucket-mb 64[,256,...]] [--reps 5] [--moe]
+    .venv/bin/python scripts/bench_weight_sync.py [--params 100e6] [--bucket-mb 64[,256,...]] [--reps 5] [--moe [--experts 8]]
 
 Starts its own ranks (torchrun). A random Qwen3-shaped model of about ``--params`` parameters is
 sharded with VeOmni FSDP2 (one AdamW step moves it away from the checkpoint) next to an
@@ -19,7 +19,8 @@ repetitions after one warm-up, methods interleaved, time = the slowest rank (bar
          any sync into vLLM on CPU can cost. naive_s over it (speedup_ceiling_kernel) and over
          vLLM's own load of gathered tensors (speedup_ceiling_reload) bound speedup_vs_naive here
 
-``--moe``: a Qwen3-MoE instead (8 experts, top-2, experts as wide as the model) trained with
+``--moe``: a Qwen3-MoE instead (8 experts, top-2, experts as wide as the model; ``--experts N`` for
+N narrower ones) trained with
 expert parallelism over all ranks: the experts are gathered over the EP group and handed to
 vLLM as one fused tensor per layer and kind (the sync; its CPU MoE re-packed on reload), and,
 measured in the same run for comparison, split per expert as the checkpoint names them
@@ -58,6 +59,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--nproc", type=int, default=2)
     p.add_argument("--timeout-s", type=float, default=1800)
     p.add_argument("--moe", action="store_true", help="a Qwen3-MoE (8 experts, top-2) with expert parallelism")
+    p.add_argument("--experts", type=int, default=8, help="--moe: routed experts per layer (default 8)")
     args = p.parse_args(argv)
     args.buckets = [float(x) for x in str(args.bucket_mb).split(",")]
     if args.params < 1e6 or args.reps < 1 or args.nproc < 1 or any(b <= 0 for b in args.buckets):
@@ -76,9 +78,10 @@ def model_dims(params: float) -> dict:
                 intermediate_size=INTERMEDIATE, vocab_size=vocab, max_position_embeddings=256)
 
 
-def moe_dims(params: float) -> dict:
-    """Qwen3-MoE dims giving about ``params`` parameters: 8 experts of width 768, 32k vocab."""
-    experts, inter = 8, HIDDEN
+def moe_dims(params: float, experts: int = 8) -> dict:
+    """Qwen3-MoE dims giving about ``params`` parameters: ``experts`` experts (width 768 for 8, the
+    same total width split finer for more, at least 64), 32k vocab."""
+    inter = max(64, HIDDEN * 8 // experts)
     per_layer = HIDDEN * HEAD_DIM * (2 * HEADS + 2 * KV_HEADS) + experts * (3 * HIDDEN * inter + HIDDEN) + 2 * HIDDEN
     vocab = VOCAB if params >= 2 * VOCAB * HIDDEN + per_layer else max(64, int((params - per_layer) // (2 * HIDDEN)))
     layers = max(1, round((params - 2 * vocab * HIDDEN) / per_layer))
@@ -161,7 +164,7 @@ def setup(args, info):
     model_dir = os.path.join(root, "model")
     if info.rank == 0:
         if args.moe:
-            make_tiny_moe_model(model_dir, **moe_dims(args.params))
+            make_tiny_moe_model(model_dir, **moe_dims(args.params, args.experts))
         else:
             make_tiny_model(model_dir, **model_dims(args.params))
     dist.barrier()
