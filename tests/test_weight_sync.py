@@ -47,13 +47,17 @@ def test_vllm_logprobs_match_trainer_after_sync(models, tmp_path, model, tp):
     assert r["valid"] and r["refilled"] >= 20, r
 
 
-def test_moe_experts_pushed_fused_match_the_trainer(models, tmp_path):
-    """A Qwen3-MoE checkpoint with per-expert names, its experts FSDP-sharded (EP 1): the sync
-    pushes each layer's experts as two fused tensors (engine_moe.sync_layout) and vLLM's log-probs
-    equal the trainer's. EP 2: tests/test_moe.py (the loop) and tests/test_benchmarks.py."""
-    r = sync_once(models["qwen3-moe"], 1, tmp_path / "result.json")
+@pytest.mark.parametrize("ep", [1, 2])
+def test_moe_experts_pushed_fused_match_the_trainer_and_transformers(models, tmp_path, ep):
+    """A Qwen3-MoE checkpoint with per-expert names, its experts FSDP-sharded (EP 1) or split over
+    both ranks (EP 2): the sync pushes each layer's experts as two fused tensors
+    (engine_moe.sync_layout), and vLLM's log-probs equal the trainer's and transformers' forward of
+    the exported weights (per-expert names, as the checkpoint) within 1e-4."""
+    flags = ["vs-transformers"] + (["ep2"] if ep == 2 else [])
+    r = sync_once(models["qwen3-moe"], 1, tmp_path / "result.json", *flags)
     print(r)
     assert r["before"] < 1e-4 and r["moved"] > 1e-3 and r["after"] < 1e-4 and r["probe_max"] < 1e-4, r
+    assert r["after_vs_transformers"] < 1e-4, r
     # embed, final norm, lm_head + per layer q/k/v/o, q/k norms, 2 layer norms, router, 2 fused experts
     assert r["refilled"] == 3 + 2 * 11, r
 

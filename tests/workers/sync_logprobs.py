@@ -2,10 +2,12 @@
 its sampled tokens against the trainer's log-probs of the same tokens; the sync check
 (rlcore.sync_check, warn mode) runs on the switch and its figures and verdict are reported.
 
-    torchrun --nproc_per_node=2 tests/workers/sync_logprobs.py MODEL_DIR TP OUT_JSON [no-tied-repack]
+    torchrun --nproc_per_node=2 tests/workers/sync_logprobs.py MODEL_DIR TP OUT_JSON [flags]
 
-``no-tied-repack`` takes rlcore's CPU tied-head re-pack out (rlcore/cpu_repack.py), i.e. the
-behaviour before the fix: the tests show the check catching it and naming the LM head.
+Flags: ``no-tied-repack`` takes rlcore's CPU tied-head re-pack out (rlcore/cpu_repack.py), i.e. the
+behaviour before the fix: the tests show the check catching it and naming the LM head. ``ep2``:
+experts sharded by expert parallelism over both ranks. ``vs-transformers``: vLLM's log-probs after
+the sync are also compared with transformers' forward of the trainer's exported weights.
 """
 
 import json
@@ -35,6 +37,29 @@ def max_diff(policy, rollout, batch, temperature, device):
     return ((trainer - batch.rollout_logp_matrix()).abs() * mask).max().item()
 
 
+def transformers_diff(policy, batch, temperature, out) -> float:
+    """Largest |vLLM - transformers| log-prob of ``batch``'s sampled tokens, transformers running
+    the trainer's weights as exported (HF names, the checkpoint's expert layout); max over ranks."""
+    import os
+
+    from transformers import AutoModelForCausalLM
+
+    from rlcore.dist import all_reduce_max, barrier
+
+    hf_dir = os.path.join(os.path.dirname(out), "hf_export")
+    policy.save_hf(hf_dir)
+    barrier()
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    worst = 0.0
+    with torch.no_grad():
+        for p, r, lp in zip(batch.prompt_ids, batch.response_ids, batch.rollout_logp):
+            ids = torch.tensor([p + r])
+            logits = model(ids).logits[0, len(p) - 1: len(p) + len(r) - 1] / temperature
+            ref = torch.log_softmax(logits.float(), -1).gather(1, torch.tensor(r)[:, None])[:, 0]
+            worst = max(worst, (ref - torch.tensor(lp)).abs().max().item())
+    return all_reduce_max([worst])[0]
+
+
 def main():
     model_dir, tp, out = sys.argv[1], int(sys.argv[2]), sys.argv[3]
     if "no-tied-repack" in sys.argv[4:]:
@@ -46,7 +71,7 @@ def main():
     from rlcore.engine_veomni import VeOmniPolicy
 
     torch.manual_seed(0)
-    policy = VeOmniPolicy(model_dir, info, lr=1e-2, total_steps=10)
+    policy = VeOmniPolicy(model_dir, info, lr=1e-2, total_steps=10, ep_size=2 if "ep2" in sys.argv[4:] else 1)
     rollout = ColocateRollout(model_dir, info, tp_size=tp, seed=0, max_model_len=64, kv_cache_gb=0.1)
     probe = [[13, 4 + i, 5, 6, 7, 14, 18, 15, 4, 5, 9, 7] for i in range(2)]
     checker = SyncCheck("warn", "float32", probe, info.device, is_main=info.is_main)
@@ -78,13 +103,15 @@ def main():
     diff = max_diff(policy, rollout, after, temperature, info.device)
     mask = after.response_mask()
     new_lp = grpo.compute_logprobs_in_chunks(policy, after, temperature, 8, info.device).cpu()
+    vs_hf = transformers_diff(policy, after, temperature, out) if "vs-transformers" in sys.argv[4:] else None
     if info.rank == 0:
         json.dump({"before": before, "after": diff, "moved": moved, "grad_norm": metrics["actor/grad_norm"],
                    "tokens": int(mask.sum().item()),
                    "mean_abs_logp": (new_lp.abs() * mask).sum().item() / mask.sum().item(),
                    "probe_max": check["rollout/sync_probe_max"], "probe_mean": check["rollout/sync_probe_mean"],
                    "breach": check["breach"], "check_s": check.get("timing/sync_check_s"),
-                   "refilled": refilled, "valid": rollout.weights_valid}, open(out, "w"))
+                   "refilled": refilled, "valid": rollout.weights_valid, "after_vs_transformers": vs_hf},
+                  open(out, "w"))
     rollout.shutdown()
     torch.distributed.destroy_process_group()
 
