@@ -218,7 +218,7 @@ class SyncCheck:
             log.warning(message)
         return f"MISMATCH {worst:.2e} ({group})"
 
-    def _engine_logprobs(self, rollout, capture=None) -> torch.Tensor:
+    def _engine_logprobs(self, rollout) -> torch.Tensor:
         b = self.batch
         scored = rollout.score([p + r for p, r in zip(b.prompt_ids, b.response_ids)])
         out = torch.zeros_like(b.response_mask())  # (N, T)
