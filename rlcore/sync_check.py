@@ -95,13 +95,13 @@ def _stream(output) -> torch.Tensor:
     (normed, residual)."""
     if isinstance(output, tuple):
         if len(output) == 2 and isinstance(output[1], torch.Tensor) and output[1].shape == output[0].shape:
-            return output[0] + output[1] if output[1] is not output[0] else output[0]
+            return output[0] + output[1]
         output = output[0]
     return output
 
 
 @contextmanager
-def capture_groups(model, *, fused_norm_output: bool = False):
+def capture_groups(model):
     """Record each group's output (float32, on the CPU, flattened to (tokens, hidden)) while the
     block runs; yields the dict."""
     captured: dict[str, torch.Tensor] = {}

@@ -35,13 +35,21 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   echo "$want" > "$stamp"
 fi
 install_torchvision_hook
-# The CUDA set's flash-attn-4 wheel (pure Python), kept out of the venv's site-packages: tests put it
-# on sys.path to drive rlcore.attention's real import probe (tests/test_attention_choice.py).
-fa4_pin=$(grep -E '^flash-attn-4==' requirements-cuda.txt)
-if [ ! -f ".venv/accel/flash-attn-4/.${fa4_pin}" ]; then
-  rm -rf .venv/accel/flash-attn-4
-  .venv/bin/pip install -q --disable-pip-version-check --no-deps --no-compile --target .venv/accel/flash-attn-4 "$fa4_pin" 2>&1 \
-    | grep -v "is neither a file nor a directory" || true
-  [ -f .venv/accel/flash-attn-4/flash_attn/cute/__init__.py ] && touch ".venv/accel/flash-attn-4/.${fa4_pin}"
-fi
+# Pure-Python wheels of the CUDA set (flash-attn-4, liger-kernel), each in its own folder outside the
+# venv's site-packages: tests put one on sys.path so that the real probes (rlcore.attention's
+# import, VeOmni's find_spec) decide as on a CUDA machine (tests/test_attention_choice.py,
+# tests/test_accel_ops.py, tests/test_check_config.py).
+install_accel_wheel() {  # NAME MODULE_FILE
+  local pin dir
+  pin=$(grep -E "^$1==" requirements-cuda.txt)
+  dir=.venv/accel/$1
+  if [ ! -f "$dir/.$pin" ]; then
+    rm -rf "$dir"
+    .venv/bin/pip install -q --disable-pip-version-check --no-deps --no-compile --target "$dir" "$pin" 2>&1 \
+      | grep -v "is neither a file nor a directory" || true
+    if [ -f "$dir/$2" ]; then touch "$dir/.$pin"; fi
+  fi
+}
+install_accel_wheel flash-attn-4 flash_attn/cute/__init__.py
+install_accel_wheel liger-kernel liger_kernel/__init__.py
 echo "[setup] .venv ready ($(.venv/bin/python -c 'import torch, vllm; print("torch", torch.__version__, "vllm", vllm.__version__)' 2>/dev/null))"

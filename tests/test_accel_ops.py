@@ -11,7 +11,14 @@ stopped every NPU run, dense ones included, before step 1).
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+
 import pytest
+
+from conftest import REPO
 
 from test_gpu_check import recipe_config
 
@@ -115,3 +122,24 @@ def test_fused_kernels_per_device_and_what_the_start_up_line_says(veomni_device)
     ops = ops_config("flash_attention_2", "eager", 0, "npu")
     assert (ops.rms_norm_implementation, ops.rotary_pos_emb_implementation,
             ops.rotary_pos_emb_vision_implementation, ops.swiglu_mlp_implementation) == ("npu", "npu", "npu", "eager")
+
+
+def test_veomnis_own_probe_finds_the_real_liger_kernel_wheel():
+    """No probe forced: the CUDA set's liger-kernel wheel (pure Python; setup_env.sh installs it into
+    .venv/accel/liger-kernel) on sys.path, VeOmni's own ``find_spec`` probe (utils/import_utils.py:
+    31-44) sees it and the CUDA kernels become liger's; without it they stay eager. Each set passes
+    VeOmni's validation (not on NPU here)."""
+    wheel = os.path.join(REPO, ".venv", "accel", "liger-kernel")
+    if not os.path.isfile(os.path.join(wheel, "liger_kernel", "__init__.py")):
+        pytest.fail(f"{wheel} is missing: run scripts/setup_env.sh (it installs the liger-kernel wheel there)")
+    code = ("import json; from rlcore.engine_kernels import kernel_fields, ops_config; "
+            "ops = ops_config('sdpa', 'eager', 0, 'cuda'); "
+            "print(json.dumps([ops.rms_norm_implementation, ops.swiglu_mlp_implementation, "
+            "ops.rotary_pos_emb_implementation]))")
+    seen = {}
+    for name, extra in (("with", [wheel]), ("without", [])):
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([REPO, *extra])}
+        proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        seen[name] = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert seen == {"with": ["liger_kernel"] * 3, "without": ["eager"] * 3}, seen

@@ -73,10 +73,11 @@ def results(tmp_path_factory, tiny_model, toy_data) -> dict[str, dict[str, list]
         "qwen3_8b_math_16npu": (["--config", cfg("qwen3_8b_math_16npu"), *stand_in(tmp, "d", "qwen3_8b")], "npu", 16, 1),
         "moe_on_npu": (["--config", cfg("qwen3_30b_a3b_math_16gpu"), *stand_in(tmp, "e", "qwen3_30b_a3b")], "npu", 16, 1),
     }
-    # The CUDA set's flash-attn-4 wheel on the path, as on a cluster's login node (pure Python;
-    # scripts/setup_env.sh installs it there): its namespace-package trap is in play.
-    fa4 = os.path.join(REPO, ".venv", "accel", "flash-attn-4")
-    env = {**os.environ, **QUIET_ENV, "PYTHONPATH": os.pathsep.join([REPO, fa4])}
+    # The CUDA set's pure-Python wheels on the path, as on a cluster's login node (scripts/setup_env.sh
+    # installs them there): flash-attn-4's namespace-package trap is in play, and VeOmni's own
+    # probe finds liger-kernel.
+    accel = [os.path.join(REPO, ".venv", "accel", name) for name in ("flash-attn-4", "liger-kernel")]
+    env = {**os.environ, **QUIET_ENV, "PYTHONPATH": os.pathsep.join([REPO, *accel])}
     proc = subprocess.run([sys.executable, "-c", RUNNER, json.dumps(list(cases.values()))], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -98,6 +99,8 @@ def test_every_shipped_accelerator_config_passes_the_dry_run(results, name):
 
 def test_the_dry_run_reports_what_each_device_would_run(results):
     assert "fused_triton" in results["qwen3_30b_a3b_math_16gpu"]["veomni_ops"][1]
+    for name in CUDA:  # liger-kernel found by VeOmni's probe: its RMSNorm / SwiGLU / RoPE
+        assert "rms_norm liger_kernel, swiglu liger_kernel, rope liger_kernel" in results[name]["veomni_ops"][1]
     assert "128 experts via triton, weight_load reload" in results["qwen3_30b_a3b_math_16gpu"]["config"][1]
     npu = results["qwen3_8b_math_16npu"]
     assert "VeOmni accepts on npu" in npu["veomni_ops"][1] and "experts eager" in npu["veomni_ops"][1]
