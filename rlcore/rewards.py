@@ -90,6 +90,25 @@ def math_answer(response: str, answer: str) -> float:
     return float(verify(gold, pred))
 
 
+_NUMBER = re.compile(r"(?<![\w.])-?\d+(?:,\d{3})*(?:\.\d+)?")
+
+
+@register("last_number")
+def last_number(response: str, answer: str) -> float:
+    """1 when the last number written in the response (an integer or decimal literal, thousands
+    commas allowed) equals the numeric answer. No expression is evaluated: "73 + 98" ends with the
+    number 98, so a response that restates the question does not earn the answer 171, which the
+    symbolic ``math`` component would grant (math-verify simplifies 73 + 98 to 171). For tasks
+    whose answer is a plain number (arithmetic, GSM8K)."""
+    found = _NUMBER.findall(response)
+    if not found:
+        return 0.0
+    try:
+        return float(float(found[-1].replace(",", "")) == float(str(answer).strip().replace(",", "")))
+    except ValueError:
+        return 0.0
+
+
 @register("format_boxed")
 def format_boxed(response: str, answer: str) -> float:
     return float("\\boxed{" in response)

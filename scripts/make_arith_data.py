@@ -15,7 +15,9 @@ Each row: {"prompt": "<text>", "answer": "<integer>", "op": "add|sub"}. Two styl
 
 The prompt is plain text; the trainer wraps it in the model's chat template
 (data.apply_chat_template=true). Difficulty knobs: --max-operand and --ops. The answer is a
-plain integer string (a leading '-' when negative), which the "math" reward checks.
+plain integer string (a leading '-' when negative), which the "last_number" reward checks (the
+symbolic "math" reward would also accept a response that merely restates the question: math-verify
+evaluates "37 - 85" to -48).
 """
 
 from __future__ import annotations

@@ -116,6 +116,26 @@ def test_math_reward(response, gold, expected):
     assert math_answer(response, gold) == expected
 
 
+LAST_NUMBER_CASES = [  # (response, gold, last_number, math): where they differ is the point
+    ("73 + 98", "171", 0.0, 1.0),  # a restated question: math-verify evaluates it, last_number does not
+    ("73 + 98 = 171", "171", 1.0, 1.0),
+    ("The answer is -48.", "-48", 1.0, 1.0),
+    ("so 1,234 apples", "1234", 1.0, 1.0),
+    ("3.0", "3", 1.0, 1.0),
+    ("48", "-48", 0.0, 0.0),
+    ("He has 8 apples. Then 12 more.", "8", 0.0, 0.0),
+    ("no number at all", "3", 0.0, 0.0),
+]
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("response,gold,last,symbolic", LAST_NUMBER_CASES)
+def test_last_number_reward_does_not_evaluate_expressions(response, gold, last, symbolic):
+    from rlcore.rewards import last_number, math_answer
+
+    assert last_number(response, gold) == last and math_answer(response, gold) == symbolic
+
+
 @pytest.mark.unit
 def test_weighted_sum_accuracy_and_component_means():
     from rlcore.rewards import score_samples
