@@ -20,6 +20,7 @@ from rlcore.config import Config, ConfigError, fail  # noqa: E402
 from rlcore.data import PromptSampler  # noqa: E402
 from rlcore.dist import DistInfo, init_distributed, run_then_exit, torchrun_env  # noqa: E402
 from rlcore.exit_codes import Exit  # noqa: E402
+from rlcore.exploration import EntropyControl, clip_cov_options  # noqa: E402
 from rlcore.lifecycle import (  # noqa: E402
     Run, commit_checkpoint, count_skips, resume, step_snapshot, stop_if_diverged, stop_preempted, teardown,
     write_due_checkpoint,
@@ -68,10 +69,11 @@ def loop(run: Run) -> None:
             e.switch.to_training()
             with run.timer("train"):
                 train_metrics = grpo.train_on_batch(
-                    e.policy, e.ref, batch, adv, cfg.algorithm, cfg.rollout.temperature, run.info.world_size,
-                    run.info.device, norm_len=cfg.rollout.max_response_length,
-                    tis_cap=cfg.rollout_correction.tis_cap)
+                    e.policy, e.ref, batch, adv, run.entropy.algorithm(), cfg.rollout.temperature,
+                    run.info.world_size, run.info.device, norm_len=cfg.rollout.max_response_length,
+                    **run.loss_options)  # rollout correction, Clip-Cov
         train_metrics.update(count_skips(run, train_metrics))
+        train_metrics.update(run.entropy.after_step(train_metrics))  # the adaptive coefficient's next value
         with watchdog.phase("checkpoint"):
             saved = write_due_checkpoint(run)  # still in the train phase: vLLM asleep
         with watchdog.phase("weight_sync"):
@@ -103,7 +105,9 @@ def build(cfg: Config, info: DistInfo, stop, watchdog) -> Run:
     logger = MetricsLogger(t.output_dir, info.is_main, cfg.logging.tensorboard, cfg.logging.console_every,
                            total_steps=t.total_steps)
     return Run(cfg, info, engines, sampler, logger, timer, stop, watchdog, resume_from=resume_from,
-               val_prompts=val_prompts)
+               val_prompts=val_prompts, entropy=EntropyControl(cfg.algorithm, cfg.exploration),
+               loss_options={"tis_cap": cfg.rollout_correction.tis_cap, "clip_cov": clip_cov_options(cfg.exploration),
+                             "correction": cfg.rollout_correction.options()})
 
 
 def log_step(run: Run, metrics: dict, step_start: float) -> None:

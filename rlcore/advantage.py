@@ -297,6 +297,29 @@ def _loss_gspo(logp, old_logp, adv, mask, clip_low, clip_high, dual_clip_c):
     return loss, metrics
 
 
+def clip_cov_weights(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor, *,
+                     ratio: float, low: float, high: float, clip_low: float, clip_high: float,
+                     generator: torch.Generator | None = None) -> tuple[torch.Tensor, int]:
+    """Clip-Cov (Cui et al. 2025, "The Entropy Mechanism of Reinforcement Learning for Reasoning
+    Language Models"; verl's compute_policy_loss_clip_cov): a (N, T) 0/1 weight that removes the
+    gradient of max(1, int(ratio * tokens)) tokens drawn at random among the masked tokens whose
+    centred covariance (A - mean A) * (logp - mean logp) lies strictly inside (low, high) and
+    that the PPO clip has not clipped already. Those high-covariance tokens are the ones whose
+    update lowers the entropy most. Returns the weights (detached) and how many were dropped."""
+    m = mask.bool()
+    lp = logp.detach()
+    r = torch.exp((lp - old_logp).clamp(-20, 20))
+    clipped = (-adv * r.clamp(1 - clip_low, 1 + clip_high)) > (-adv * r)
+    cov = (adv - masked_mean(adv, mask)) * (lp - masked_mean(lp, mask))  # (N, T)
+    candidates = torch.nonzero(m & ~clipped & (cov > low) & (cov < high))  # (K, 2)
+    weights = torch.ones_like(lp)
+    count = min(max(int(ratio * m.sum().item()), 1), len(candidates))
+    if count:
+        pick = candidates[torch.randperm(len(candidates), generator=generator)[:count].to(candidates.device)]
+        weights[pick[:, 0], pick[:, 1]] = 0.0
+    return weights, count
+
+
 def policy_loss(
     name: str,
     logp: torch.Tensor,

@@ -40,6 +40,8 @@ class Policy(Protocol):
     def load_checkpoint(self, path: str) -> dict: ...
     def save_hf(self, path: str, dtype: str = "float32") -> None: ...
     def describe(self) -> str: ...
+    def routing(self, mode: str | None) -> AbstractContextManager: ...
+    def routing_metrics(self) -> dict[str, float]: ...
 
 
 @runtime_checkable
@@ -73,7 +75,7 @@ class Engines:
 
 
 def build_policy(model: ModelConfig, optim: OptimConfig, info: DistInfo, total_optim_steps: int,
-                 ep_size: int = 1) -> Policy:
+                 ep_size: int = 1, routing_replay: bool = False) -> Policy:
     from rlcore.engine_veomni import VeOmniPolicy
 
     return VeOmniPolicy(
@@ -82,7 +84,8 @@ def build_policy(model: ModelConfig, optim: OptimConfig, info: DistInfo, total_o
         betas=tuple(optim.betas), adam_eps=optim.eps, lr_schedule=optim.lr_schedule,
         warmup_steps=optim.warmup_steps, min_lr_ratio=optim.min_lr_ratio, total_steps=total_optim_steps,
         grad_clip=optim.grad_clip, ep_size=ep_size, moe_implementation=model.moe_implementation,
-        **({"freeze_vision_tower": True} if model.freeze_vision_tower else {}))
+        **({"freeze_vision_tower": True} if model.freeze_vision_tower else {}),
+        **({"routing_replay": True} if routing_replay else {}))
 
 
 def build_reference(model: ModelConfig, offload: OffloadConfig, info: DistInfo, ep_size: int = 1) -> Policy:
@@ -136,7 +139,7 @@ def build_engines(cfg: Config, info: DistInfo, timer: Timer, probe_prompts: list
     with quiet.filtered_output():
         ep = cfg.parallel.ep_size
         optim_steps = cfg.trainer.total_steps * cfg.algorithm.optim_steps_per_step
-        policy = build_policy(cfg.model, cfg.optim, info, optim_steps, ep)
+        policy = build_policy(cfg.model, cfg.optim, info, optim_steps, ep, cfg.algorithm.routing_replay is not None)
         ref = build_reference(cfg.model, cfg.offload, info, ep) if cfg.algorithm.kl_loss_coef > 0 else None
         if cfg.offload.params or cfg.offload.optimizer:
             # The run starts in the generation phase: the trainer's state waits on the host, so

@@ -18,19 +18,10 @@ import textwrap
 from dataclasses import dataclass, field
 from typing import Literal, Optional
 
-from rlcore import advantage
+from rlcore.config_algo import (  # noqa: F401  (re-exported: every section is importable from here)
+    AlgorithmConfig, ExplorationConfig, RolloutCorrectionConfig, _check_positive, check,
+)
 from rlcore.exit_codes import ConfigError, fail  # noqa: F401  (re-exported: the config's error type)
-
-
-def check(ok: bool, key: str, value, fix: str) -> None:
-    if not ok:
-        raise ConfigError(f"{key}={value!r} is invalid: {fix}")
-
-
-def _check_positive(section: str, obj, *names: str) -> None:
-    for name in names:
-        value = getattr(obj, name)
-        check(value is None or value > 0, f"{section}.{name}", value, "it must be > 0")
 
 
 @dataclass
@@ -185,90 +176,6 @@ class OffloadConfig:
     """Offload the optimizer state while generating."""
     ref: Optional[bool] = None
     """Keep the reference policy (kl_loss_coef > 0) on the host outside its forward; null = as params."""
-
-
-@dataclass
-class AlgorithmConfig:
-    """Advantages and the policy loss (rlcore/advantage.py)."""
-
-    adv_estimator: str = "grpo"
-    """grpo, rloo, reinforce_pp or reinforce_pp_baseline."""
-    norm_by_std: bool = True
-    """Divide GRPO advantages by the group's std; false = Dr.GRPO."""
-    policy_loss: str = "vanilla"
-    """vanilla (PPO clip with dual clip) or gspo."""
-    clip_low: float = 0.2
-    """PPO ratio clip below 1."""
-    clip_high: float = 0.2
-    """PPO ratio clip above 1; > clip_low is DAPO's clip-higher."""
-    dual_clip_c: float = 3.0
-    """Dual-clip bound for negative advantages."""
-    loss_agg_mode: str = "token-mean"
-    """token-mean, seq-mean-token-sum, seq-mean-token-mean or seq-mean-token-sum-norm."""
-    kl_loss_coef: float = 0.0
-    """Weight of the KL loss to a frozen reference policy; > 0 builds the reference."""
-    kl_loss_type: str = "low_var_kl"
-    """k1, abs, k2, k3 or low_var_kl."""
-    entropy_coef: float = 0.0
-    """Entropy bonus weight."""
-    ppo_epochs: int = 1
-    """Passes over each step's samples."""
-    mini_batches: int = 1
-    """Optimizer steps per epoch."""
-    micro_batch_size: int = 8
-    """Sequences per forward/backward on each rank (the gradient does not depend on it)."""
-    micro_batch_tokens: Optional[int] = None
-    """Pack micro-batches up to this many tokens instead of micro_batch_size sequences, balanced
-    so every rank runs the same number of micro-batches with similar token counts; null = off."""
-    gamma: float = 1.0
-    """reinforce_pp discount."""
-    overlong_buffer_len: int = 0
-    """DAPO overlong shaping: past max_response_length - buffer, the reward drops linearly by up to
-    overlong_penalty_factor; 0 = off."""
-    overlong_penalty_factor: float = 1.0
-    """Maximum overlong penalty."""
-    mask_truncated: bool = False
-    """Drop responses cut at rollout.max_response_length from the loss."""
-    dynamic_sampling: bool = False
-    """DAPO dynamic sampling: drop groups whose rewards are all equal and sample more prompts."""
-    max_sampling_rounds: int = 3
-    """Generation rounds per step at most with dynamic_sampling."""
-    share_prompt: Optional[bool] = None
-    """Compute each group's prompt once per micro-batch: the group is packed as [prompt, r1, ...,
-    rn] with an attention mask that lets each response see the prompt and itself only. The
-    gradient is unchanged. Needs sdpa or eager attention (a dense (L x L) mask); null = on where
-    model.attn_implementation resolves to one of them (CPU), off with flash kernels."""
-    response_only_logits: bool = True
-    """Project only the hidden states that predict response tokens to the vocabulary (the LM
-    head's cost then scales with response tokens, not prompt tokens). False only for benchmarks."""
-    use_rollout_logprobs: bool = False
-    """Take vLLM's sampling log-probs as the PPO ratio's old log-probs and skip the trainer's
-    recompute (only with ppo_epochs 1 and mini_batches 1)."""
-
-    def __post_init__(self):
-        for key, value, valid in (
-            ("adv_estimator", self.adv_estimator, advantage.ADV_ESTIMATORS),
-            ("policy_loss", self.policy_loss, advantage.POLICY_LOSSES),
-            ("loss_agg_mode", self.loss_agg_mode, advantage.AGG_MODES),
-            ("kl_loss_type", self.kl_loss_type, advantage.KL_KINDS),
-        ):
-            check(value in valid, f"algorithm.{key}", value, f"choose one of {', '.join(valid)}")
-        _check_positive("algorithm", self, "ppo_epochs", "mini_batches", "micro_batch_size", "micro_batch_tokens")
-        check(0 <= self.clip_low < 1, "algorithm.clip_low", self.clip_low, "it must be in [0, 1)")
-        check(self.clip_high >= 0, "algorithm.clip_high", self.clip_high, "it must be >= 0")
-        check(self.dual_clip_c > 1, "algorithm.dual_clip_c", self.dual_clip_c, "it must be > 1 (3.0 is usual)")
-        check(self.kl_loss_coef >= 0, "algorithm.kl_loss_coef", self.kl_loss_coef, "it must be >= 0")
-        check(self.overlong_buffer_len >= 0, "algorithm.overlong_buffer_len", self.overlong_buffer_len,
-              "it must be >= 0 (0 disables overlong shaping)")
-        check(self.max_sampling_rounds >= 1, "algorithm.max_sampling_rounds", self.max_sampling_rounds,
-              "it must be >= 1")
-        check(not self.use_rollout_logprobs or (self.ppo_epochs == 1 and self.mini_batches == 1),
-              "algorithm.use_rollout_logprobs", self.use_rollout_logprobs,
-              "it needs ppo_epochs=1 and mini_batches=1 (later updates need the trainer's old log-probs)")
-
-    @property
-    def optim_steps_per_step(self) -> int:
-        return self.ppo_epochs * self.mini_batches
 
 
 @dataclass
@@ -453,17 +360,6 @@ class ValConfig:
 
 
 @dataclass
-class RolloutCorrectionConfig:
-    tis_cap: Optional[float] = None
-    """Truncated importance sampling against the rollout/trainer mismatch: each token's loss is
-    weighted by min(exp(old_logp - rollout_logp), tis_cap), detached; null = off (2.0 is usual)."""
-
-    def __post_init__(self):
-        check(self.tis_cap is None or self.tis_cap >= 1, "rollout_correction.tis_cap", self.tis_cap,
-              "it must be >= 1 (e.g. 2.0), or null to turn truncated importance sampling off")
-
-
-@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -471,6 +367,7 @@ class Config:
     offload: OffloadConfig = field(default_factory=OffloadConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
+    exploration: ExplorationConfig = field(default_factory=ExplorationConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
     val: ValConfig = field(default_factory=ValConfig)
@@ -496,6 +393,28 @@ def model_num_experts(path: str) -> int:
             return num_experts(json.load(f))
     except (OSError, ValueError):
         return 0
+
+
+def check_routing_replay(mode: str | None, model_path: str, experts: int) -> None:
+    """Before loading: replay needs a mixture-of-experts model of a family VeOmni's replay hook is
+    wired into (its own list, veomni/utils/moe_router_replay.py)."""
+    if mode is None:
+        return
+    import json
+
+    from rlcore.engine_replay import supported_model_types
+
+    try:
+        with open(os.path.join(model_path, "config.json")) as f:
+            model_type = json.load(f).get("model_type")
+    except (OSError, ValueError):
+        model_type = None
+    families = ", ".join(sorted(supported_model_types()))
+    if not experts or model_type not in supported_model_types():
+        raise ConfigError(f"algorithm.routing_replay={mode!r} is invalid for model.path={model_path!r} "
+                          f"(model_type {model_type!r}, {experts} experts): routing replay needs a mixture-of-"
+                          f"experts model whose family VeOmni's replay hook is wired into ({families}); "
+                          f"set algorithm.routing_replay: null")
 
 
 def resolve(cfg: Config, device_type: str) -> Config:
@@ -528,6 +447,11 @@ def resolve(cfg: Config, device_type: str) -> Config:
         moe = pick_moe_implementation(m.moe_implementation, device_type, cfg.parallel.ep_size)
     except ValueError as e:
         raise ConfigError(f"model.moe_implementation={m.moe_implementation!r} is invalid: {e}") from e
+    check_routing_replay(cfg.algorithm.routing_replay, m.path, experts)
+    if cfg.algorithm.use_rollout_logprobs and cfg.rollout_correction.options() is not None:
+        raise ConfigError("rollout_correction.is_level/rs compare the trainer's old log-probs with vLLM's, but "
+                          "algorithm.use_rollout_logprobs=true replaces the former with the latter (every ratio 1): "
+                          "set algorithm.use_rollout_logprobs: false, or turn is_level and rs off")
     share = cfg.algorithm.share_prompt
     if share and attn not in ("sdpa", "eager"):
         raise ConfigError(f"algorithm.share_prompt=true needs a dense attention mask, but model.attn_implementation "
@@ -537,7 +461,8 @@ def resolve(cfg: Config, device_type: str) -> Config:
         cfg,
         model=dataclasses.replace(m, dtype=dtype, attn_implementation=attn, moe_implementation=moe),
         algorithm=dataclasses.replace(cfg.algorithm,
-                                      share_prompt=attn in ("sdpa", "eager") if share is None else share),
+                                      share_prompt=attn in ("sdpa", "eager") if share is None else share,
+                                      oversample=accel if cfg.algorithm.oversample is None else cfg.algorithm.oversample),
         rollout=dataclasses.replace(
             r, sleep_level=pick_sleep_level(device_type, r.sleep_level), weight_load=weight_load,
             enforce_eager=pick_enforce_eager(device_type, r.enforce_eager)),

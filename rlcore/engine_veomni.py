@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from rlcore import engine_moe, engine_vl, hf_export
+from rlcore import engine_moe, engine_replay, engine_vl, hf_export
 from rlcore.engine_kernels import describe_kernels, kernel_fields, ops_config
 from rlcore.engine_parts import (LrLambda, dim0_shard_group, eager_attention_mask, full_tensor, hf_name, hidden_rows,
                                  resume_lr_schedule)
@@ -169,6 +169,8 @@ class VeOmniPolicy:
         freeze_vision_tower: vision-language models: the whole vision tower (``model.visual.*``:
             patch/position embeddings, ViT blocks, merger and deepstack mergers) gets no gradient
             and no optimizer state; the language model trains (``rlcore.engine_vl``).
+        routing_replay: install a MoE routing-replay manager (``rlcore.engine_replay``), driven
+            by ``routing(mode)`` and the token keys of ``forward_logprobs``.
     """
 
     def __init__(self, model_path: str, info: DistInfo, *, dtype: str | torch.dtype = "float32", trainable: bool = True,
@@ -178,7 +180,7 @@ class VeOmniPolicy:
                  adam_eps: float = 1e-8, lr_schedule: str = "constant", warmup_steps: int = 0,
                  min_lr_ratio: float = 0.0, total_steps: int = 1, grad_clip: float | None = 1.0,
                  ops_overrides: dict | None = None, ep_size: int = 1, moe_implementation: str = "auto",
-                 freeze_vision_tower: bool = False):
+                 freeze_vision_tower: bool = False, routing_replay: bool = False):
         dtype = str(_to_dtype(dtype)).removeprefix("torch.")  # validate; VeOmni wants the name
         if offload_outside_forward and trainable:
             raise ValueError("offload_outside_forward is for frozen (trainable=False) policies; the phase switch "
@@ -212,6 +214,7 @@ class VeOmniPolicy:
         if self.freeze_vision_tower:  # before the optimizer, which then leaves the tower out
             engine_vl.freeze_vision_tower(self.model)
         self.router_stats = engine_moe.RouterStats(self.model) if trainable else None
+        self.replay = engine_replay.RoutingReplay(self.model) if routing_replay and trainable else None
         self.optimizer = self.lr_scheduler = None
         self.lr_schedule_changes: list[str] = []  # config vs the resumed checkpoint's schedule
         if trainable:
@@ -269,7 +272,8 @@ class VeOmniPolicy:
     def forward_logprobs(self, input_ids: torch.Tensor, position_ids: torch.Tensor, labels: torch.Tensor,
                          temperature: float = 1.0, with_entropy: bool = False, grad: bool = True,
                          select: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
-                         mm: dict | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                         mm: dict | None = None, token_keys: torch.Tensor | None = None
+                         ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Per-token log-probs (and entropy) of a packed batch.
 
         Args:
@@ -293,6 +297,7 @@ class VeOmniPolicy:
                 ``input_ids``; checked against the image-token count (``rlcore.engine_vl``).
             temperature: logits are divided by it before the softmax.
             grad: False runs under ``no_grad`` (always so for a frozen policy).
+            token_keys: ``(1, L)`` int64 name of each position (``grpo.pack``), for ``routing(mode)``.
 
         Offloaded parameters are loaded for a no-grad forward and offloaded again after it (wrap
         several in ``on_device()`` to move them once); a forward with grad raises instead.
@@ -311,6 +316,8 @@ class VeOmniPolicy:
         if attention_mask is not None and self.attn_implementation == "eager":
             attention_mask = eager_attention_mask(attention_mask, _to_dtype(self.dtype))
         images = engine_vl.forward_kwargs(self.model, input_ids, position_ids, mm, self.device)
+        if self.replay is not None and self.replay.mode is not None:
+            self.replay.keys = None if token_keys is None else token_keys.reshape(-1)
         with self._resident(params=True), torch.set_grad_enabled(grad), warnings.catch_warnings(), \
                 hidden_rows(self.model, select):
             # FSDP2 warns that the (reshaped) log-prob output is a view; only an in-place op on it
@@ -337,6 +344,18 @@ class VeOmniPolicy:
             # even under no_grad; detach so callers never build graphs on old/ref log-probs.
             logp, entropy = logp.detach(), entropy.detach()
         return logp, (entropy if with_entropy else None)
+
+    def routing(self, mode: str | None):
+        """Context: the MoE routers record or replay each token's experts (rlcore.engine_replay)."""
+        if mode is None or self.replay is None:
+            return contextlib.nullcontext()
+        if mode == "record":
+            self.replay.reset()
+        return self.replay.active(mode)
+
+    def routing_metrics(self) -> dict[str, float]:
+        """Replay agreement since the last call (collective); {} without a replay manager."""
+        return {} if self.replay is None else engine_replay.metrics(self.replay)
 
     def backward(self, loss: torch.Tensor) -> None:
         """Accumulate gradients (FSDP2 reduce-scatters and averages them over ranks)."""

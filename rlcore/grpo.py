@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from rlcore import advantage
+from rlcore import advantage, rollout_correction
 from rlcore.config import AlgorithmConfig
 from rlcore.dist import all_reduce_max, all_reduce_sum
 from rlcore.metrics import all_rank_means, all_rank_sums
@@ -30,10 +30,18 @@ class RolloutBatch:
     # Image prompts: each sample's rlcore.vision.VisionInputs (or None), one object per prompt shared
     # by its group; prompt_ids are then the expanded ids. None: a text-only batch.
     vision: list | None = None
+    # Routing replay's token keys: each sample's index in the step's batch, and the index of the
+    # run of equal prompts it belongs to (its group); both carried through select().
+    uids: list[int] | None = None
+    gids: list[int] | None = None
 
     def __post_init__(self):
         if self.keep is None:
             self.keep = [1.0] * len(self.response_ids)
+        if self.uids is None:
+            self.uids = list(range(len(self.response_ids)))
+        if self.gids is None:
+            self.gids = [k for k, (a, b) in enumerate(prompt_runs(self.prompt_ids, self.vision)) for _ in range(a, b)]
 
     def __len__(self) -> int:
         return len(self.response_ids)
@@ -42,7 +50,7 @@ class RolloutBatch:
         pick = lambda xs: [xs[i] for i in idx]  # noqa: E731
         return RolloutBatch(pick(self.prompt_ids), pick(self.response_ids), pick(self.rollout_logp),
                             pick(self.answers), pick(self.finish_reasons), self.group_size, pick(self.keep),
-                            None if self.vision is None else pick(self.vision))
+                            None if self.vision is None else pick(self.vision), pick(self.uids), pick(self.gids))
 
     def response_mask(self) -> torch.Tensor:
         """(N, T) 1 on response tokens of kept sequences: the loss mask."""
@@ -118,7 +126,8 @@ def prompt_runs(prompt_ids: list[list[int]], vision: list | None = None) -> list
 
 
 def pack(prompt_ids: list[list[int]], response_ids: list[list[int]], device, *, share_prompt: bool = False,
-         response_only: bool = True, vision: list | None = None) -> dict[str, torch.Tensor | None]:
+         response_only: bool = True, vision: list | None = None, uids: list[int] | None = None,
+         gids: list[int] | None = None) -> dict[str, torch.Tensor | None]:
     """Concatenate sequences without padding into one ``(1, L)`` row for ``forward_logprobs``.
 
     Unshared, each sequence is ``prompt + response`` with positions restarting at 0. With
@@ -138,8 +147,14 @@ def pack(prompt_ids: list[list[int]], response_ids: list[list[int]], device, *, 
     M-RoPE (t, h, w) positions on rows 1-3 (a response continues at its prompt's next position);
     ``mm`` holds the ``pixel_values`` and ``image_grid_thw`` of every prompt copy in the row, in
     order (a shared prompt's images once).
+
+    ``token_keys`` (1, L) int64 names each position for routing replay, the same however the
+    samples are packed: (sample uid, position) for a response token, (group gid, position) for a
+    prompt token, which every sample of the group sees alike (defaults: each sample its own).
     """
-    ids, pos, seg, run_of, select, labels = [], [], [], [], [], []
+    ids, pos, seg, run_of, select, labels, keys = [], [], [], [], [], [], []
+    uids = list(range(len(prompt_ids))) if uids is None else uids
+    gids = uids if gids is None else gids
     rope, pixels, grids = [], [], []  # image prompts: (3, len) position blocks, per-copy pixels and grids
     t_max = max(1, max(len(r) for r in response_ids))
     gather = torch.zeros(len(response_ids), t_max, dtype=torch.long)  # (N, T)
@@ -150,6 +165,7 @@ def pack(prompt_ids: list[list[int]], response_ids: list[list[int]], device, *, 
         ids += p
         pos += range(len(p))
         seg += [0] * len(p)
+        keys += [token_key(gids[a], j, prompt=True) for j in range(len(p))]
         if vision is not None:
             v = vision[a]
             rope.append(torch.arange(len(p)).expand(3, -1) if v is None else v.positions)
@@ -165,6 +181,7 @@ def pack(prompt_ids: list[list[int]], response_ids: list[list[int]], device, *, 
             ids += r if vision is None or not r else r[:-1] + [p[-1]]
             pos += range(len(p), len(p) + len(r))
             seg += [i + 1] * len(r)
+            keys += [token_key(uids[i], j) for j in range(len(p), len(p) + len(r))]
             if vision is not None:
                 nxt = len(p) if vision[a] is None else vision[a].next_position
                 rope.append(torch.arange(nxt, nxt + len(r)).expand(3, -1))
@@ -177,7 +194,7 @@ def pack(prompt_ids: list[list[int]], response_ids: list[list[int]], device, *, 
     as_row = lambda xs: torch.tensor(xs, dtype=torch.long, device=device).unsqueeze(0)  # noqa: E731
     out = {"input_ids": as_row(ids), "position_ids": as_row(pos), "attention_mask": None,
            "select": torch.tensor(select, dtype=torch.long, device=device), "labels": as_row(labels),
-           "gather": gather.to(device), "mm": None}
+           "gather": gather.to(device), "mm": None, "token_keys": as_row(keys)}
     if vision is not None:
         rows = torch.cat([torch.tensor(pos).unsqueeze(0), torch.cat(rope, dim=1)])  # (4, L)
         out["position_ids"] = rows.unsqueeze(1).to(device)  # (4, 1, L)
@@ -195,6 +212,11 @@ def pack(prompt_ids: list[list[int]], response_ids: list[list[int]], device, *, 
     return out
 
 
+def token_key(owner: int, position: int, prompt: bool = False) -> int:
+    """One int64 per (owner, position): owner a sample uid (response) or a group (prompt)."""
+    return ((2 * owner + int(prompt)) << 24) + position
+
+
 def shared_prompt_mask(run: torch.Tensor, seg: torch.Tensor) -> torch.Tensor:
     """(1, 1, L, L) bool, True where query q may attend to key k: same run, k not after q, and k
     in the prompt (segment 0) or in q's own response. Dense, as sdpa and eager take it."""
@@ -205,12 +227,14 @@ def shared_prompt_mask(run: torch.Tensor, seg: torch.Tensor) -> torch.Tensor:
 
 
 def logprob_matrix(policy, batch: RolloutBatch, temperature: float, *, grad: bool, with_entropy: bool,
-                   device, share_prompt: bool = False, response_only: bool = True
+                   device, share_prompt: bool = False, response_only: bool = True, routing_keys: bool = False
                    ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per-token log-probs (and entropy) of the response tokens as (N, T) matrices, 0 where masked."""
     packed = pack(batch.prompt_ids, batch.response_ids, device, share_prompt=share_prompt,
-                  response_only=response_only, vision=batch.vision)
+                  response_only=response_only, vision=batch.vision, uids=batch.uids, gids=batch.gids)
     extra = {"mm": packed["mm"]} if batch.vision is not None else {}  # text policies take no mm argument
+    if routing_keys:
+        extra["token_keys"] = packed["token_keys"]
     logp, ent = policy.forward_logprobs(packed["input_ids"], packed["position_ids"], packed["labels"],
                                         temperature=temperature, with_entropy=with_entropy, grad=grad,
                                         select=packed["select"], attention_mask=packed["attention_mask"], **extra)
@@ -233,7 +257,8 @@ def describe_train_phase(cfg: AlgorithmConfig) -> str:
 def _pack_options(cfg: AlgorithmConfig | int) -> dict[str, bool]:
     if not isinstance(cfg, AlgorithmConfig):  # a plain micro-batch size: the defaults
         return {}
-    return {"share_prompt": bool(cfg.share_prompt), "response_only": cfg.response_only_logits}
+    return {"share_prompt": bool(cfg.share_prompt), "response_only": cfg.response_only_logits,
+            "routing_keys": cfg.routing_replay is not None}
 
 
 def micro_batches(n: int, size: int) -> list[list[int]]:
@@ -307,11 +332,14 @@ class UpdateInputs:
     world_size: int
     norm_len: int | None = None  # seq-mean-token-sum-norm's fixed divisor
     tis_cap: float | None = None  # truncated importance sampling (rollout_correction.tis_cap)
+    clip_cov: dict | None = None  # Clip-Cov's ratio, low, high (exploration.clip_cov_*); None = off
+    is_weights: torch.Tensor | None = None  # (N, T) rollout-correction weights; None = 1
 
 
 def ppo_update(policy, batch: RolloutBatch, adv: torch.Tensor, old_logp: torch.Tensor | None,
                ref_logp: torch.Tensor | None, cfg: AlgorithmConfig, temperature: float,
-               world_size: int, device, norm_len: int | None = None, tis_cap: float | None = None
+               world_size: int, device, norm_len: int | None = None, tis_cap: float | None = None,
+               clip_cov: dict | None = None, correction: rollout_correction.Correction | None = None
                ) -> dict[str, float]:
     """ppo_epochs x mini_batches optimizer steps on this rank's samples.
 
@@ -320,10 +348,13 @@ def ppo_update(policy, batch: RolloutBatch, adv: torch.Tensor, old_logp: torch.T
     whatever the micro-batch size or the number of ranks. ``old_logp`` None means on-policy
     (one epoch, one mini-batch): the ratio's denominator is the current log-prob, detached.
     ``norm_len`` (the max response length) fixes seq-mean-token-sum-norm's divisor, which would
-    otherwise be each micro-batch's own padded length.
+    otherwise be each micro-batch's own padded length. ``correction``: rollout correction's
+    weights and the tokens it keeps (the others leave the loss and its normaliser).
     """
+    mask = batch.response_mask().to(device)
     inp = UpdateInputs(adv.to(device), old_logp, ref_logp, batch.rollout_logp_matrix().to(device),
-                       batch.response_mask().to(device), temperature, world_size, norm_len, tis_cap)
+                       mask if correction is None else mask * correction.keep.to(device), temperature, world_size,
+                       norm_len, tis_cap, clip_cov, None if correction is None else correction.weights)
     sums: dict[str, float] = {}
     step_metrics: list[dict] = []
     # The trainer's log-probs before any update, to compare with vLLM's: old_logp, or recorded by
@@ -336,7 +367,7 @@ def ppo_update(policy, batch: RolloutBatch, adv: torch.Tensor, old_logp: torch.T
             accumulate_gradients(policy, batch, mini, inp, cfg, sums, record=pre_update if record else None)
             step_metrics.append(policy.step())
     metrics = _reduce_update_metrics(sums, step_metrics, world_size)
-    metrics.update(mismatch_metrics(pre_update, inp.rollout_logp, inp.mask))
+    metrics.update(mismatch_metrics(pre_update, inp.rollout_logp, mask))  # every sampled token, rejected or not
     return metrics
 
 
@@ -373,10 +404,7 @@ def _micro_step(policy, batch: RolloutBatch, idx: list[int], inp: UpdateInputs, 
         record[idx, :t] = logp.detach()
     mask, a = inp.mask[idx, :t], inp.adv[idx, :t]
     old = logp.detach() if inp.old_logp is None else inp.old_logp[idx, :t]
-    is_weights = None
-    if inp.tis_cap is not None:
-        is_weights, clipped = tis_weights(old, inp.rollout_logp[idx, :t], mask, inp.tis_cap)
-        _add(sums, "rollout/tis_clip_frac", clipped)
+    is_weights = _token_weights(logp, old, idx, a, mask, inp, cfg, sums)
     pg_loss, pg_metrics = advantage.policy_loss(
         cfg.policy_loss, logp, old, a, mask, clip_low=cfg.clip_low, clip_high=cfg.clip_high,
         dual_clip_c=cfg.dual_clip_c, agg_mode=cfg.loss_agg_mode, is_weights=is_weights, **agg)
@@ -394,6 +422,23 @@ def _micro_step(policy, batch: RolloutBatch, idx: list[int], inp: UpdateInputs, 
     _add(sums, "tokens", ntok)
     for k, v in pg_metrics.items():  # masked means over this micro-batch -> token-weighted sums
         _add(sums, k, v * ntok)
+
+
+def _token_weights(logp, old, idx: list[int], adv, mask, inp: UpdateInputs, cfg: AlgorithmConfig, sums: dict
+                   ) -> torch.Tensor | None:
+    """(n, t) multipliers of the per-token policy loss: rollout correction's or TIS weights times
+    Clip-Cov's 0/1 mask; None when none is on."""
+    t = logp.shape[1]
+    weights = None if inp.is_weights is None else inp.is_weights[idx, :t]
+    if inp.tis_cap is not None:
+        weights, clipped = tis_weights(old, inp.rollout_logp[idx, :t], mask, inp.tis_cap)
+        _add(sums, "rollout/tis_clip_frac", clipped)
+    if inp.clip_cov is not None:
+        keep, dropped = advantage.clip_cov_weights(logp, old, adv, mask, clip_low=cfg.clip_low,
+                                                   clip_high=cfg.clip_high, **inp.clip_cov)
+        weights = keep if weights is None else weights * keep
+        _add(sums, "actor/clip_cov_frac", dropped)
+    return weights
 
 
 def tis_weights(old_logp: torch.Tensor, rollout_logp: torch.Tensor, mask: torch.Tensor, cap: float
@@ -422,20 +467,45 @@ def _reduce_update_metrics(sums: dict, step_metrics: list[dict], world_size: int
 
 
 def train_on_batch(policy, ref, batch: RolloutBatch, adv: torch.Tensor, cfg: AlgorithmConfig, temperature: float,
-                   world_size: int, device, norm_len: int, tis_cap: float | None = None) -> dict[str, float]:
+                   world_size: int, device, norm_len: int, tis_cap: float | None = None,
+                   clip_cov: dict | None = None, correction: dict | None = None) -> dict[str, float]:
     """The train phase of one step: old and reference log-probs when needed, then the update
-    (``tis_cap``: rollout_correction.tis_cap)."""
+    (``tis_cap``: rollout_correction.tis_cap; ``clip_cov``: advantage.clip_cov_weights' ratio, low,
+    high; ``correction``: RolloutCorrectionConfig.options(), which needs the old log-probs first).
+    With ``algorithm.routing_replay: r2`` the old log-prob forward records each token's experts
+    and every forward of the update replays them."""
     on_policy = cfg.ppo_epochs == 1 and cfg.mini_batches == 1
+    r2 = cfg.routing_replay == "r2"
     if cfg.use_rollout_logprobs:  # vLLM's log-probs as the ratio's denominator: no recompute
         old = batch.rollout_logp_matrix().to(device)
+    elif on_policy and correction is None and not r2:
+        old = None
     else:
-        old = None if on_policy else compute_logprobs_in_chunks(policy, batch, temperature, cfg, device)
+        with _routing(policy, "record" if r2 else None):
+            old = compute_logprobs_in_chunks(policy, batch, temperature, cfg, device)
     ref_logp = None
     if ref is not None:
         with ref.on_device():  # an offloaded reference comes to the device once per step, not per micro-batch
             ref_logp = compute_logprobs_in_chunks(ref, batch, temperature, cfg, device)
-    return ppo_update(policy, batch, adv.to(device), old, ref_logp, cfg, temperature, world_size, device,
-                      norm_len=norm_len, tis_cap=tis_cap)
+    corr, extra = None, {}
+    if correction is not None:
+        corr, sums = rollout_correction.correct(old, batch.rollout_logp_matrix().to(device),
+                                                batch.response_mask().to(device), **correction)
+        w_max = all_reduce_max([sums.pop("w_max", 0.0)])[0]
+        extra = rollout_correction.summarise(all_rank_sums(sums), w_max)
+    with _routing(policy, "replay" if r2 else None):
+        metrics = ppo_update(policy, batch, adv.to(device), old, ref_logp, cfg, temperature, world_size, device,
+                             norm_len=norm_len, tis_cap=tis_cap, clip_cov=clip_cov, correction=corr)
+    if r2:
+        extra.update(policy.routing_metrics())
+    return {**metrics, **extra}
+
+
+def _routing(policy, mode: str | None):
+    """The policy's routing-replay context for ``mode``; nothing when None."""
+    import contextlib
+
+    return contextlib.nullcontext() if mode is None else policy.routing(mode)
 
 
 def rollout_metrics(batch: RolloutBatch, scores: torch.Tensor, adv: torch.Tensor, metrics: dict,

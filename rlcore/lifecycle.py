@@ -13,6 +13,7 @@ from rlcore.build import Engines
 from rlcore.config import Config
 from rlcore.dist import DistInfo, exit_process
 from rlcore.exit_codes import Exit
+from rlcore.exploration import EntropyControl
 from rlcore.metrics import MetricsLogger, Timer, format_duration
 from rlcore.sampling import StepSampler
 
@@ -41,6 +42,8 @@ class Run:
     watchdog: preempt.Watchdog
     resume_from: str | None = None  # checkpoint folder found and checked before any model loaded
     val_prompts: list | None = None  # data.val_files, tokenized
+    entropy: EntropyControl | None = None  # the entropy coefficient of the next update
+    loss_options: dict = field(default_factory=dict)  # grpo.train_on_batch's tis_cap, clip_cov, correction
     state: RunState = field(default_factory=RunState)
     started_at: float = field(default_factory=time.perf_counter)  # for the end summary: the process start
 
@@ -57,6 +60,9 @@ def resume(run: Run) -> None:
     state = checkpoint.load(run.engines.policy, path, run.info.rank)
     run.state.step = run.state.saved_step = state["step"]
     run.sampler.prompts.load_state_dict(state["data"])
+    run.sampler.load_state_dict(state.get("sampling", {}))
+    if run.entropy is not None:
+        run.entropy.load_state_dict(state.get("exploration", {}))
     skips = state.get("skips", {})
     run.state.skips_total, run.state.skips_consecutive = skips.get("total", 0), skips.get("consecutive", 0)
     switch.to_generation()  # the engine still holds the initial weights: push the resumed ones
@@ -73,7 +79,8 @@ def resume(run: Run) -> None:
 
 def trainer_state(run: Run) -> dict:
     """What a checkpoint needs beyond the policy, optimizer, scheduler and RNG."""
-    return {"step": run.state.step, "data": run.sampler.prompts.state_dict(),
+    return {"step": run.state.step, "data": run.sampler.prompts.state_dict(), "sampling": run.sampler.state_dict(),
+            "exploration": run.entropy.state_dict() if run.entropy is not None else {},
             "skips": {"total": run.state.skips_total, "consecutive": run.state.skips_consecutive}}
 
 

@@ -1,22 +1,33 @@
-"""One step's samples: prompts -> generate (vLLM) -> score, with DAPO dynamic-sampling refills.
+"""One step's samples: prompts -> generate (vLLM) -> score, with DAPO dynamic sampling.
 
 ``StepSampler`` holds what these verbs use (the rollout engine, the prompt order, the tokenizer and
 the scorer) and their two config sections; nothing here trains or touches the policy.
+
+Dynamic sampling drops the groups whose rewards are all equal (zero advantage, no gradient). With
+``algorithm.oversample`` the step's first round already samples enough prompts for the groups it
+will keep (:func:`plan_prompts`, from a running estimate of the kept fraction), because the engine
+is far faster on one large batch than on several small ones; extra rounds are the fallback.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+import random
+from dataclasses import dataclass, field
 
 import torch
 
 from rlcore import grpo, vision
 from rlcore.config import AlgorithmConfig, RolloutConfig
 from rlcore.data import PromptSampler, derive_seed
-from rlcore.dist import all_reduce_sum
+from rlcore.dist import all_reduce_max, all_reduce_sum
 from rlcore.metrics import Timer
 
 _VALIDATION_OFFSET = 500_009  # validation seeds stay apart from the training steps'
+_SELECT_OFFSET = 700_001  # the kept-group draw of a step: apart from the generation seeds
+KEEP_RATE_PRIOR = 0.5  # the first step's guess of the kept fraction, before any measurement
+KEEP_RATE_WEIGHT = 0.5  # weight of the newest step in the running estimate (about 2 steps' memory)
+ALL_REPLICAS_OK = 0.8  # the round is sized so every replica keeps enough with this probability
 
 
 def generation_seed(seed: int, step: int, round_: int = 0, validation: bool = False) -> int:
@@ -24,6 +35,38 @@ def generation_seed(seed: int, step: int, round_: int = 0, validation: bool = Fa
     one did), per dynamic-sampling round (a round that reused the step's seed would draw the same
     random stream for its new prompts), and apart for validation."""
     return derive_seed(seed, step + (_VALIDATION_OFFSET if validation else 0)) + round_ * 2**62
+
+
+def binomial_at_least(m: int, p: float, k: int) -> float:
+    """P(X >= k) for X ~ Binomial(m, p)."""
+    if k <= 0:
+        return 1.0
+    return sum(math.comb(m, i) * p ** i * (1 - p) ** (m - i) for i in range(k, m + 1))
+
+
+def plan_prompts(needed: int, keep_rate: float, max_factor: float, replicas: int = 1) -> int:
+    """Prompts per replica for one round that must keep ``needed`` groups on every replica: the
+    fewest m with P(Binomial(m, keep_rate) >= needed) >= ALL_REPLICAS_OK ** (1 / replicas), between
+    ``needed`` and ``ceil(max_factor * needed)``. Each group is kept or not independently of where
+    it sits in the batch, so the binomial is the right count model."""
+    if needed <= 0:
+        return 0
+    cap = max(needed, math.ceil(max_factor * needed))
+    p = min(max(keep_rate, 1e-3), 1.0)
+    want = ALL_REPLICAS_OK ** (1.0 / max(replicas, 1))
+    for m in range(needed, cap + 1):
+        if binomial_at_least(m, p, needed) >= want:
+            return m
+    return cap
+
+
+def choose_groups(informative: list[int], target: int, seed: int) -> list[int]:
+    """``target`` of the informative group indices, drawn uniformly without replacement (seeded,
+    so a resumed step keeps the same ones), in batch order. A uniform draw, not the first ones:
+    the oversampled surplus must not favour the prompts that happen to come first."""
+    if len(informative) <= target:
+        return list(informative)
+    return sorted(random.Random(seed).sample(informative, target))
 
 
 @dataclass
@@ -38,47 +81,74 @@ class StepSampler:
     seed: int
     timer: Timer
     processor: object = None  # rlcore.vision.VisionProcessor when prompts carry images
+    keep_rate: float = field(default=KEEP_RATE_PRIOR)  # running estimate of the kept-group fraction
+
+    def state_dict(self) -> dict:
+        return {"keep_rate": self.keep_rate}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.keep_rate = state.get("keep_rate", KEEP_RATE_PRIOR)  # checkpoints before it: the prior
 
     def sample(self, step: int) -> tuple[grpo.RolloutBatch, torch.Tensor, dict]:
-        """This replica's samples of ``step``, their shaped rewards (N,) and reward metrics. With
-        DAPO dynamic sampling, groups whose rewards are all equal are dropped and more prompts are
-        sampled (at most max_sampling_rounds rounds, in lockstep over all replicas); a replica
-        still short then pads with dropped groups masked out of the loss."""
-        batch = self.generate(self.next_prompts(), step)
-        scores, metrics = self.score(batch)
-        # groups whose rewards are all equal have zero advantage: no gradient unless filtered out
-        groups = max(len(scores) // batch.group_size, 1)
-        informative = len(grpo.informative_groups(scores, batch.group_size))
-        metrics["rollout/zero_variance_groups_frac"] = 1.0 - informative / groups
+        """This replica's samples of ``step``, their shaped rewards (N,) and reward metrics."""
         if not self.algo.dynamic_sampling:
+            batch = self.generate(self.next_prompts(self.per_replica()), step)
+            scores, metrics = self.score(batch)
+            groups = max(len(scores) // batch.group_size, 1)
+            informative = len(grpo.informative_groups(scores, batch.group_size))
+            metrics["rollout/zero_variance_groups_frac"] = 1.0 - informative / groups
+            metrics["rollout/generated_per_trained"] = 1.0
             return batch, scores, metrics
-        n, target = batch.group_size, len(batch) // batch.group_size
-        kept, dropped, seen = [], [], 0
+        return self.sample_dynamic(step)
+
+    def sample_dynamic(self, step: int) -> tuple[grpo.RolloutBatch, torch.Tensor, dict]:
+        """DAPO dynamic sampling: keep ``target`` informative groups per replica. Round 0 samples
+        plan_prompts(target) prompts (each round target without oversample, as before it); while a replica is short, another
+        round samples for the largest shortfall, sized by this step's kept fraction so far (all
+        replicas in lockstep, at most max_sampling_rounds). Surplus informative groups are dropped by a uniform seeded draw; a
+        replica still short pads with dropped groups masked out of the loss."""
+        target, n = self.per_replica(), self.cfg.n
+        kept, dropped, metrics, seen, needed, rate = [], [], {}, 0, target, self.keep_rate
         for round_ in range(self.algo.max_sampling_rounds):
-            if round_ > 0:
-                batch = self.generate(self.next_prompts(), step, round_)
-                scores, _ = self.score(batch)
+            size = target if not self.algo.oversample else plan_prompts(
+                needed, rate, self.algo.oversample_max, self.rollout.dp_size)
+            batch = self.generate(self.next_prompts(size), step, round_)
+            scores, round_metrics = self.score(batch)
+            metrics = metrics or round_metrics  # reward metrics: those of the first round
             good = set(grpo.informative_groups(scores, n))
-            seen += len(scores) // n
             for g in range(len(scores) // n):
                 group = (batch.select(list(range(g * n, (g + 1) * n))), scores[g * n: (g + 1) * n])
                 (kept if g in good else dropped).append(group)
-            short, total_seen, total_kept = all_reduce_sum([float(len(kept) < target), seen, len(kept)])
-            if short == 0:
+            seen += len(scores) // n
+            needed = int(all_reduce_max([float(max(target - len(kept), 0))])[0])
+            total_seen, total_kept = all_reduce_sum([seen, len(kept)])
+            if needed == 0:
                 break
+            rate = total_kept / total_seen  # a fallback round: this step's own rate is the better guess
+        self.keep_rate += KEEP_RATE_WEIGHT * (total_kept / max(total_seen, 1) - self.keep_rate)
         for part, _ in dropped[: max(0, target - len(kept))]:
             part.keep = [0.0] * len(part)
-        chosen = (kept + dropped)[:target]
-        metrics["rollout/filtered_groups_frac"] = 1.0 - total_kept / max(total_seen, 1)
-        metrics["rollout/sampling_rounds"] = round_ + 1
+        chosen = [kept[i] for i in choose_groups(list(range(len(kept))), target,
+                                                  derive_seed(self.seed, _SELECT_OFFSET + step))]
+        chosen += dropped[: target - len(chosen)]
+        replicas = self.rollout.dp_size
+        metrics.update({
+            "rollout/filtered_groups_frac": 1.0 - total_kept / max(total_seen, 1),
+            "rollout/zero_variance_groups_frac": 1.0 - total_kept / max(total_seen, 1),
+            "rollout/sampling_rounds": round_ + 1,
+            "rollout/generated_per_trained": total_seen / (target * replicas),
+            "rollout/keep_rate_est": self.keep_rate})
         return grpo.concat([b for b, _ in chosen]), torch.cat([s for _, s in chosen]), metrics
 
-    def next_prompts(self) -> list:
-        """This rollout replica's share of the step's global prompt batch."""
+    def per_replica(self) -> int:
+        return self.prompts_per_step // self.rollout.dp_size
+
+    def next_prompts(self, per_replica: int) -> list:
+        """This rollout replica's ``per_replica`` prompts: its slice of the next per_replica x
+        dp_size prompts of the global order (every rank draws the same, so the order stays shared)."""
         dp_rank, dp_size = self.rollout.dp_rank, self.rollout.dp_size
-        batch = self.prompts.next_batch(self.prompts_per_step)
-        per = len(batch) // dp_size
-        return batch[dp_rank * per: (dp_rank + 1) * per]
+        batch = self.prompts.next_batch(per_replica * dp_size)
+        return batch[dp_rank * per_replica: (dp_rank + 1) * per_replica]
 
     def generate(self, prompts: list, step: int, round_: int = 0) -> grpo.RolloutBatch:
         r = self.cfg

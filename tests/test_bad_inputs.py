@@ -148,6 +148,12 @@ CASES = [
     ("max_num_batched_tokens", ["--rollout.max_num_batched_tokens", "16"], "rollout.max_num_batched_tokens=16", 2),
     ("micro_batch_tokens", ["--algorithm.micro_batch_tokens", "0"], "algorithm.micro_batch_tokens=0", 2),
     ("tis_cap", ["--rollout_correction.tis_cap", "0.5"], "rollout_correction.tis_cap=0.5", 2),
+    ("rs_without_threshold", ["--rollout_correction.rs", "seq_mean_k3"], "rollout_correction.rs_threshold=None", 2),
+    ("oversample_max", ["--algorithm.oversample_max", "0.5"], "algorithm.oversample_max=0.5", 2),
+    ("entropy_target", ["--exploration.entropy_target", "-1"], "exploration.entropy_target=-1", 2),
+    ("routing_replay_one_forward", ["--algorithm.routing_replay", "r2"], "algorithm.routing_replay='r2'", 2),
+    ("routing_replay_dense", ["--algorithm.routing_replay", "r2", "--algorithm.ppo_epochs", "2"],
+     "routing replay needs a mixture-of-experts model", 2),
     # mixture of experts
     ("ep_size_zero", ["--parallel.ep_size", "0"], "parallel.ep_size=0", 2),
     ("ep_not_dividing_world", ["--parallel.ep_size", "3"], "it must divide the world size 2", 2),

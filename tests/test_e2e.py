@@ -145,13 +145,15 @@ def test_single_rank_end_to_end_and_vllm_loads_export(tiny_model, toy_data, tmp_
     # DAPO dynamic sampling on a random model: most groups score all-zero and are dropped, so the
     # trainer samples up to 3 rounds, then pads with dropped groups masked out of the loss.
     train(1, tiny_model, toy_data[0], out, 2, "--algorithm.dynamic_sampling", "true",
-          "--algorithm.max_sampling_rounds", "3")
+          "--algorithm.max_sampling_rounds", "3", "--algorithm.oversample", "true")
     rows = read_metrics(out)
     assert [r["step"] for r in rows] == [1, 2]
     for r in rows:
         assert 0 < r["rollout/filtered_groups_frac"] <= 1 and 1 <= r["rollout/sampling_rounds"] <= 3
         # rounds stop early only once every group of the batch is informative
         assert r["rollout/sampling_rounds"] == 3 or r["rollout/filtered_groups_frac"] < 1
+        # oversampled rounds: at least the step's prompts, sized from the kept-fraction estimate
+        assert r["rollout/generated_per_trained"] >= 1 and 0 < r["rollout/keep_rate_est"] <= 1
     hf_dir = os.path.join(out, "hf_final")
     check_hf_export(hf_dir, tiny_model)
     # vLLM loads the export (single process): greedy generation of a few tokens works.

@@ -34,7 +34,11 @@ def args(model, data, out, *extra):
     return ["--config", os.path.join(REPO, "configs", "demo_cpu.yaml"), "--model.path", model,
             "--data.train_files", json.dumps([data]), "--data.val_files", "[]", "--trainer.output_dir", out,
             "--trainer.total_steps", str(STEPS), "--trainer.prompts_per_step", "4", "--rollout.n", "4",
-            "--checkpoint.keep_last", "10", *extra]
+            "--checkpoint.keep_last", "10",
+            # state carried across steps must resume too: the adaptive entropy coefficient (a target
+            # above any entropy here: it grows every step) and Clip-Cov's draws (the torch RNG)
+            "--exploration.entropy_target", "50", "--exploration.entropy_coef_step", "0.01",
+            "--exploration.clip_cov_ratio", "0.05", "--exploration.clip_cov_lb", "-100", *extra]
 
 
 @pytest.fixture(scope="module")
@@ -95,6 +99,8 @@ def test_kill9_and_preemption_then_resume_is_exact(runs, tmp_path):
     for ra, rb in zip(a_rows, b_rows):
         assert comparable(ra) == comparable(rb), (ra["step"], comparable(ra), comparable(rb))
     assert any(r["actor/grad_norm"] > 0 for r in a_rows[3:])  # steps 4-6 really trained
+    assert [r["actor/entropy_coef"] for r in b_rows] == pytest.approx([0.0, 0.01, 0.02, 0.03, 0.04, 0.05])
+    assert all(r["actor/clip_cov_frac"] > 0 for r in b_rows)
     sa = dcp_state(os.path.join(runs["a"], "checkpoints", "step_6"), tmp_path)
     sb = dcp_state(os.path.join(runs["b"], "checkpoints", "step_6"), tmp_path)
     assert sa["model"].keys() == sb["model"].keys() and len(sa["model"]) == 25
@@ -119,6 +125,9 @@ def test_resumes_covered_mid_epoch_and_epoch_boundary(runs):
     ckpts = os.path.join(runs["b"], "checkpoints")
     assert trainer_state(os.path.join(ckpts, "step_3"))["data"] == {"epoch": 1, "index": 4, "seed": 0}
     assert trainer_state(os.path.join(ckpts, "step_4"))["data"] == {"epoch": 1, "index": 8, "seed": 0}
+    # the coefficient used by step 5 (0.01 a step from 0) and dynamic sampling's estimate (off: the prior)
+    assert trainer_state(os.path.join(ckpts, "step_4"))["exploration"] == {"entropy_coef": pytest.approx(0.04)}
+    assert trainer_state(os.path.join(ckpts, "step_4"))["sampling"] == {"keep_rate": 0.5}
 
 
 def test_hf_exports_bf16_match_and_load_in_transformers(runs):

@@ -1,0 +1,209 @@
+"""The algorithm's config sections: advantages and the policy loss, rollout correction, exploration.
+
+Split from rlcore.config (which re-exports them) to keep each file short; the same rules hold:
+``__post_init__`` only checks, and a failed check names the key, the value and the fix.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, Optional
+
+from rlcore import advantage
+from rlcore.rollout_correction import IS_LEVELS, IS_MODES, RS_MODES
+from rlcore.exit_codes import ConfigError
+
+
+def check(ok: bool, key: str, value, fix: str) -> None:
+    if not ok:
+        raise ConfigError(f"{key}={value!r} is invalid: {fix}")
+
+
+def _check_positive(section: str, obj, *names: str) -> None:
+    for name in names:
+        value = getattr(obj, name)
+        check(value is None or value > 0, f"{section}.{name}", value, "it must be > 0")
+
+
+@dataclass
+class AlgorithmConfig:
+    """Advantages and the policy loss (rlcore/advantage.py)."""
+
+    adv_estimator: str = "grpo"
+    """grpo, rloo, reinforce_pp or reinforce_pp_baseline."""
+    norm_by_std: bool = True
+    """Divide GRPO advantages by the group's std; false = Dr.GRPO."""
+    policy_loss: str = "vanilla"
+    """vanilla (PPO clip with dual clip) or gspo."""
+    clip_low: float = 0.2
+    """PPO ratio clip below 1."""
+    clip_high: float = 0.2
+    """PPO ratio clip above 1; > clip_low is DAPO's clip-higher."""
+    dual_clip_c: float = 3.0
+    """Dual-clip bound for negative advantages."""
+    loss_agg_mode: str = "token-mean"
+    """token-mean, seq-mean-token-sum, seq-mean-token-mean or seq-mean-token-sum-norm."""
+    kl_loss_coef: float = 0.0
+    """Weight of the KL loss to a frozen reference policy; > 0 builds the reference."""
+    kl_loss_type: str = "low_var_kl"
+    """k1, abs, k2, k3 or low_var_kl."""
+    entropy_coef: float = 0.0
+    """Entropy bonus weight."""
+    ppo_epochs: int = 1
+    """Passes over each step's samples."""
+    mini_batches: int = 1
+    """Optimizer steps per epoch."""
+    micro_batch_size: int = 8
+    """Sequences per forward/backward on each rank (the gradient does not depend on it)."""
+    micro_batch_tokens: Optional[int] = None
+    """Pack micro-batches up to this many tokens instead of micro_batch_size sequences, balanced
+    so every rank runs the same number of micro-batches with similar token counts; null = off."""
+    gamma: float = 1.0
+    """reinforce_pp discount."""
+    overlong_buffer_len: int = 0
+    """DAPO overlong shaping: past max_response_length - buffer, the reward drops linearly by up to
+    overlong_penalty_factor; 0 = off."""
+    overlong_penalty_factor: float = 1.0
+    """Maximum overlong penalty."""
+    mask_truncated: bool = False
+    """Drop responses cut at rollout.max_response_length from the loss."""
+    dynamic_sampling: bool = False
+    """DAPO dynamic sampling: drop groups whose rewards are all equal and sample more prompts."""
+    max_sampling_rounds: int = 3
+    """Generation rounds per step at most with dynamic_sampling."""
+    oversample: Optional[bool] = None
+    """With dynamic_sampling: size the step's first round from a running estimate of the kept
+    fraction, so one generate call usually yields enough groups; extra rounds only as fallback.
+    null = on for cuda/npu (a round costs its longest sequence's decode, whatever the batch), off
+    on CPU (generation cost grows with the batch: measured in docs/learning.md)."""
+    oversample_max: float = 4.0
+    """The first round samples at most this many times the prompts it needs."""
+    share_prompt: Optional[bool] = None
+    """Compute each group's prompt once per micro-batch: the group is packed as [prompt, r1, ...,
+    rn] with an attention mask that lets each response see the prompt and itself only. The
+    gradient is unchanged. Needs sdpa or eager attention (a dense (L x L) mask); null = on where
+    model.attn_implementation resolves to one of them (CPU), off with flash kernels."""
+    response_only_logits: bool = True
+    """Project only the hidden states that predict response tokens to the vocabulary (the LM
+    head's cost then scales with response tokens, not prompt tokens). False only for benchmarks."""
+    routing_replay: Optional[Literal["r2"]] = None
+    """Mixture-of-experts routing replay. r2: the old log-prob forward of a step records each
+    token's experts and every forward of the update replays them, recomputing only the gate
+    weights (needs ppo_epochs > 1 or mini_batches > 1, and a family VeOmni's replay hook is wired
+    into: qwen3_moe, qwen3_5_moe, deepseek_v4); null = off."""
+    use_rollout_logprobs: bool = False
+    """Take vLLM's sampling log-probs as the PPO ratio's old log-probs and skip the trainer's
+    recompute (only with ppo_epochs 1 and mini_batches 1)."""
+
+    def __post_init__(self):
+        for key, value, valid in (
+            ("adv_estimator", self.adv_estimator, advantage.ADV_ESTIMATORS),
+            ("policy_loss", self.policy_loss, advantage.POLICY_LOSSES),
+            ("loss_agg_mode", self.loss_agg_mode, advantage.AGG_MODES),
+            ("kl_loss_type", self.kl_loss_type, advantage.KL_KINDS),
+        ):
+            check(value in valid, f"algorithm.{key}", value, f"choose one of {', '.join(valid)}")
+        _check_positive("algorithm", self, "ppo_epochs", "mini_batches", "micro_batch_size", "micro_batch_tokens")
+        check(0 <= self.clip_low < 1, "algorithm.clip_low", self.clip_low, "it must be in [0, 1)")
+        check(self.clip_high >= 0, "algorithm.clip_high", self.clip_high, "it must be >= 0")
+        check(self.dual_clip_c > 1, "algorithm.dual_clip_c", self.dual_clip_c, "it must be > 1 (3.0 is usual)")
+        check(self.kl_loss_coef >= 0, "algorithm.kl_loss_coef", self.kl_loss_coef, "it must be >= 0")
+        check(self.overlong_buffer_len >= 0, "algorithm.overlong_buffer_len", self.overlong_buffer_len,
+              "it must be >= 0 (0 disables overlong shaping)")
+        check(self.oversample_max >= 1, "algorithm.oversample_max", self.oversample_max,
+              "it must be >= 1 (1 = no oversampling)")
+        check(self.routing_replay is None or self.ppo_epochs * self.mini_batches > 1, "algorithm.routing_replay",
+              self.routing_replay, "r2 replays the old log-prob forward's routing in the later forwards of a "
+              "step; with ppo_epochs 1 and mini_batches 1 the update is that forward: raise one of them, or null")
+        check(self.max_sampling_rounds >= 1, "algorithm.max_sampling_rounds", self.max_sampling_rounds,
+              "it must be >= 1")
+        check(not self.use_rollout_logprobs or (self.ppo_epochs == 1 and self.mini_batches == 1),
+              "algorithm.use_rollout_logprobs", self.use_rollout_logprobs,
+              "it needs ppo_epochs=1 and mini_batches=1 (later updates need the trainer's old log-probs)")
+
+    @property
+    def optim_steps_per_step(self) -> int:
+        return self.ppo_epochs * self.mini_batches
+
+
+@dataclass
+class RolloutCorrectionConfig:
+    tis_cap: Optional[float] = None
+    """Truncated importance sampling against the rollout/trainer mismatch: each token's loss is
+    weighted by min(exp(old_logp - rollout_logp), tis_cap), detached; null = off (2.0 is usual)."""
+
+    is_level: Optional[str] = None
+    """Importance weights pi_trainer / pi_rollout per token, sequence (product) or geometric
+    (the sequence's geometric mean); null = off. Needs the trainer's old log-probs: with one PPO
+    epoch and mini-batch they cost one extra forward per step."""
+    is_mode: str = "truncate"
+    """truncate (TIS: min(w, is_high)) or mask (MIS / IcePop: tokens or sequences with w outside
+    [is_low, is_high] leave the loss and its normaliser)."""
+    is_high: float = 2.0
+    """Upper bound of the importance weight."""
+    is_low: Optional[float] = None
+    """Lower bound for is_mode mask; null = 1 / is_high."""
+    rs: Optional[str] = None
+    """Rejection of tokens or whole sequences by divergence: token_k1..3, seq_sum_k1..3,
+    seq_mean_k1..3, seq_max_k2, seq_max_k3 (k1: bounds on the ratio, k2/k3: an upper bound);
+    null = off. Rejected tokens leave the loss and its normaliser."""
+    rs_threshold: Optional[float] = None
+    """k2/k3: the largest divergence kept (e.g. 0.005 for seq_mean_k3); k1: the upper ratio bound."""
+    rs_low: Optional[float] = None
+    """k1 only: the lower ratio bound; null = 1 / rs_threshold."""
+
+    def __post_init__(self):
+        check(self.tis_cap is None or self.tis_cap >= 1, "rollout_correction.tis_cap", self.tis_cap,
+              "it must be >= 1 (e.g. 2.0), or null to turn truncated importance sampling off")
+        check(self.is_level is None or self.is_level in IS_LEVELS, "rollout_correction.is_level", self.is_level,
+              f"choose one of {', '.join(IS_LEVELS)}, or null")
+        check(self.is_mode in IS_MODES, "rollout_correction.is_mode", self.is_mode, f"choose one of {', '.join(IS_MODES)}")
+        check(self.tis_cap is None or self.is_level is None, "rollout_correction.tis_cap", self.tis_cap,
+              "tis_cap is token-level TIS, which is_level: token with is_mode: truncate and is_high replaces: set one")
+        check(self.is_high > 0 and (self.is_low is None or 0 < self.is_low < self.is_high),
+              "rollout_correction.is_low/is_high", (self.is_low, self.is_high), "need 0 < is_low < is_high")
+        check(self.rs is None or self.rs in RS_MODES, "rollout_correction.rs", self.rs,
+              f"choose one of {', '.join(RS_MODES)}, or null")
+        check(self.rs is None or (self.rs_threshold is not None and self.rs_threshold > 0),
+              "rollout_correction.rs_threshold", self.rs_threshold,
+              "rs needs a threshold > 0 (e.g. 0.005 for seq_mean_k3, 2.0 as a k1 ratio bound)")
+
+    def options(self) -> dict | None:
+        """rlcore.rollout_correction.correct's settings; None when neither is_level nor rs is on."""
+        if self.is_level is None and self.rs is None:
+            return None
+        return {"is_level": self.is_level, "is_mode": self.is_mode, "is_high": self.is_high,
+                "is_low": self.is_low if self.is_low is not None else 1.0 / self.is_high,
+                "rs": self.rs, "rs_threshold": self.rs_threshold, "rs_low": self.rs_low}
+
+
+@dataclass
+class ExplorationConfig:
+    """Keeping the policy's entropy from collapsing before the task is learned (rlcore/exploration.py)."""
+
+    entropy_target: Optional[float] = None
+    """Adaptive entropy bonus (Skywork-OR1): after each step the coefficient (starting at
+    algorithm.entropy_coef) moves by entropy_coef_step towards keeping actor/entropy at this value
+    (up when below, down when above, within [0, entropy_coef_max]); null = fixed entropy_coef."""
+    entropy_coef_step: float = 0.005
+    """Change of the adaptive entropy coefficient per step."""
+    entropy_coef_max: float = 0.05
+    """Upper bound of the adaptive entropy coefficient."""
+    clip_cov_ratio: float = 0.0
+    """Clip-Cov (Cui et al. 2025): this fraction of a micro-batch's tokens, drawn among those whose
+    centred cov(log-prob, advantage) lies in (clip_cov_lb, clip_cov_ub) and not already clipped,
+    get no gradient (they drive the entropy down); 0 = off, 2e-4 in the paper's large batches."""
+    clip_cov_lb: float = 1.0
+    """Lower bound of the covariance band Clip-Cov draws from."""
+    clip_cov_ub: float = 5.0
+    """Upper bound of the covariance band Clip-Cov draws from."""
+
+    def __post_init__(self):
+        check(self.entropy_target is None or self.entropy_target > 0, "exploration.entropy_target",
+              self.entropy_target, "it must be > 0 (nats per token), or null for a fixed algorithm.entropy_coef")
+        check(self.entropy_coef_step > 0 and self.entropy_coef_max > 0, "exploration.entropy_coef_step/max",
+              (self.entropy_coef_step, self.entropy_coef_max), "both must be > 0")
+        check(0 <= self.clip_cov_ratio < 1, "exploration.clip_cov_ratio", self.clip_cov_ratio,
+              "it must be in [0, 1); 0 turns Clip-Cov off")
+        check(self.clip_cov_lb < self.clip_cov_ub, "exploration.clip_cov_lb", self.clip_cov_lb,
+              f"it must be below clip_cov_ub ({self.clip_cov_ub})")

@@ -1,0 +1,137 @@
+"""MoE routing replay for the policy engine: R2 (record the routing of the step's first training
+forward, replay it in the later ones), keyed by token identity so the later forwards may pack the
+samples differently. An engine module: it talks to VeOmni's own hook.
+
+VeOmni's hook (veomni/utils/moe_router_replay.py): a manager installed with
+``set_active_replay`` gets ``on_router_forward(router, scores, top_k_indices)`` from every wired
+``SparseMoeBlock.forward`` and returns the indices to use; the block then recomputes only the
+gate weights from the router's own scores at those indices (softmax, gather, renorm, cast:
+patched_modeling_qwen3_moe_gpu.py:356-368). The families wired are VeOmni's
+``SUPPORTED_MOE_MODEL_TYPES`` (qwen3_moe, qwen3_5_moe, deepseek_v4 in veomni 0.1.12);
+``validate_model_for_replay`` refuses the others (Qwen3-VL-MoE among them).
+
+Token keys: the trainer packs samples into one (1, L) row per micro-batch (rlcore.grpo.pack) and
+passes a key per position: a response token is (its sample, its position), a prompt token (its
+group, its position), since every sample of a group sees the same prompt (shared or copied). The
+router sees the row's tokens in order (hidden_states.view(-1, H)), on this rank only (expert
+parallelism exchanges tokens after routing), so the keys line up with the hook's rows.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator
+
+import torch
+
+MODES = ("record", "replay")
+
+
+def supported_model_types() -> frozenset[str]:
+    """The families VeOmni's replay hook is wired into (its own list)."""
+    from veomni.utils.moe_router_replay import SUPPORTED_MOE_MODEL_TYPES
+
+    return SUPPORTED_MOE_MODEL_TYPES
+
+
+class RoutingReplay:
+    """A VeOmni router-replay manager. ``record`` stores each token's top-k per layer; ``replay``
+    returns the stored top-k for every token it has (the native choice otherwise, counted as
+    missing) and counts, per layer, the tokens whose native top-k (as a set) already agreed."""
+
+    def __init__(self, model):
+        from veomni.utils.moe_router_replay import validate_model_for_replay
+
+        validate_model_for_replay(model)  # VeOmni's own check: a RuntimeError naming the wired families
+        routers = [m for _, m in model.named_modules() if type(m).__name__.endswith("TopKRouter")]
+        self.layer_of = {id(m): i for i, m in enumerate(routers)}
+        self.mode: str | None = None
+        self.keys: torch.Tensor | None = None  # (L,) int64 keys of the forward in flight
+        self._chunks: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        self._tables: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.reset_counts()
+
+    def reset(self) -> None:
+        """Forget the step's routing (a new step routes anew)."""
+        self._chunks, self._tables = {}, {}
+        self.reset_counts()
+
+    def reset_counts(self) -> None:
+        n = len(self.layer_of)
+        self.agree, self.seen, self.missing = torch.zeros(n), torch.zeros(n), 0
+
+    @contextlib.contextmanager
+    def active(self, mode: str) -> Iterator["RoutingReplay"]:
+        from veomni.utils.moe_router_replay import set_active_replay
+
+        if mode not in MODES:
+            raise ValueError(f"unknown routing replay mode {mode!r}; valid: {', '.join(MODES)}")
+        self.mode = mode
+        set_active_replay(self)
+        try:
+            yield self
+        finally:
+            set_active_replay(None)
+            self.mode, self.keys = None, None
+
+    def on_router_forward(self, module, routing_scores: torch.Tensor, top: torch.Tensor) -> torch.Tensor:
+        layer = self.layer_of[id(module)]
+        keys = self.keys
+        if keys is None or keys.numel() != top.shape[0]:
+            raise RuntimeError(f"routing replay: the router saw {top.shape[0]} tokens but the forward was given "
+                               f"{None if keys is None else keys.numel()} token keys (forward_logprobs(token_keys=))")
+        keys = keys.to(top.device)
+        if self.mode == "record":
+            self._chunks.setdefault(layer, []).append((keys, top.detach().clone()))
+            self._tables.pop(layer, None)
+            return top
+        sorted_keys, table = self._table(layer, top)
+        at = torch.searchsorted(sorted_keys, keys).clamp(max=max(len(sorted_keys) - 1, 0))
+        found = sorted_keys[at] == keys if len(sorted_keys) else torch.zeros_like(keys, dtype=torch.bool)
+        target = torch.where(found.unsqueeze(-1), table[at] if len(table) else top, top)  # (L, K)
+        same = (target.sort(-1).values == top.sort(-1).values).all(-1) & found
+        self.agree[layer] += same.sum().item()
+        self.seen[layer] += found.sum().item()
+        self.missing += int((~found).sum())
+        return target
+
+    def _table(self, layer: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if layer not in self._tables:
+            chunks = self._chunks.get(layer, [])
+            if not chunks:
+                self._tables[layer] = (torch.zeros(0, dtype=torch.long, device=like.device), like[:0])
+            else:
+                keys = torch.cat([k for k, _ in chunks])
+                top = torch.cat([t for _, t in chunks])
+                order = torch.argsort(keys, stable=True)
+                self._tables[layer] = (keys[order], top[order])
+        return self._tables[layer]
+
+    def indices(self, layer: int, keys: torch.Tensor) -> torch.Tensor:
+        """The recorded top-k of ``keys`` at ``layer`` (for tests and debugging)."""
+        sorted_keys, table = self._table(layer, torch.zeros(0, 1, dtype=torch.long))
+        return table[torch.searchsorted(sorted_keys, keys.to(sorted_keys.device))]
+
+    def counts(self) -> dict[str, float]:
+        """This rank's sums since the last reset_counts: agreeing and replayed tokens over all
+        layers, per-layer agreement, and tokens that had no recording."""
+        out = {"agree": self.agree.sum().item(), "seen": self.seen.sum().item(), "missing": float(self.missing)}
+        out.update({f"agree_layer{i}": self.agree[i].item() for i in range(len(self.agree))})
+        out.update({f"seen_layer{i}": self.seen[i].item() for i in range(len(self.seen))})
+        return out
+
+
+def metrics(replay: RoutingReplay) -> dict[str, float]:
+    """Global over ranks (collective), then reset: ``actor/router_agreement`` (replayed tokens
+    whose native top-k already was the recorded set, over all MoE layers), ``actor/router_replay_missing``
+    (tokens that had no recording: 0 unless the packing lost track of a token), and per layer
+    ``debug/router_agreement_layer{i}``."""
+    from rlcore.metrics import all_rank_sums
+
+    total = all_rank_sums(replay.counts())
+    replay.reset_counts()
+    out = {"actor/router_agreement": total["agree"] / max(total["seen"], 1.0),
+           "actor/router_replay_missing": total["missing"]}
+    for i in range(len(replay.layer_of)):
+        out[f"debug/router_agreement_layer{i}"] = total[f"agree_layer{i}"] / max(total[f"seen_layer{i}"], 1.0)
+    return out

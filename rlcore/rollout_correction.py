@@ -1,0 +1,157 @@
+"""Rollout correction: importance weights and rejection of samples whose rollout (vLLM) and
+trainer probabilities disagree. Pure tensor math on this rank's (N, T) matrices; the trainer sums
+the returned statistics over ranks.
+
+With rho_t = pi_old(y_t) / pi_rollout(y_t) (the trainer's pre-update probability over vLLM's
+sampling probability; log rho = old_logp - rollout_logp, clamped to +-20 before any exp):
+
+- importance weights (``is_level``): ``token`` w_t = rho_t; ``sequence`` w = prod_t rho_t (one
+  weight per sequence, unbiased, high variance); ``geometric`` w = exp(mean_t log rho_t) (the
+  sequence's geometric mean, length-independent). ``is_mode: truncate`` (TIS) uses min(w, high);
+  ``mask`` (MIS / IcePop) keeps w where low <= w <= high and drops the token (or sequence) from
+  the loss otherwise.
+- rejection (``rs``): a whole sequence (``seq_*``) or token (``token_*``) is dropped when its
+  divergence passes the threshold: k1 = -log rho (bounds on rho itself: low <= exp(agg log rho)
+  <= high), k2 = (log rho)^2 / 2, k3 = rho - 1 - log rho (an upper bound on the aggregate), the
+  aggregate being the token's own value, the sequence's sum, mean or max (max: k2 and k3 only).
+
+Dropped tokens leave the loss *and its normaliser* (the mask shrinks), the convention verl's
+rollout-correction and slime's MIS follow: a rejected token must not dilute the others' gradient.
+Weights are detached: they change the measure, not the objective.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+SAFETY_BOUND = 20.0  # exp(+-20): no overflow in fp32, and a bound no real weight reaches
+IS_LEVELS = ("token", "sequence", "geometric")
+IS_MODES = ("truncate", "mask")
+RS_MODES = tuple(f"token_k{k}" for k in (1, 2, 3)) + tuple(
+    f"seq_{agg}_k{k}" for agg in ("sum", "mean") for k in (1, 2, 3)) + ("seq_max_k2", "seq_max_k3")
+
+
+@dataclass
+class Correction:
+    """What the update applies: (N, T) loss weights (None = 1) and the mask of tokens still in the loss."""
+
+    weights: torch.Tensor | None
+    keep: torch.Tensor  # (N, T) 0/1, response mask times what rejection and MIS left
+
+
+def _seq(x: torch.Tensor, mask: torch.Tensor, how: str) -> torch.Tensor:
+    """Per-sequence sum, mean or max of x over the masked tokens, (N, 1)."""
+    m = mask.to(x.dtype)
+    if how == "sum":
+        return (x * m).sum(-1, keepdim=True)
+    if how == "mean":
+        return (x * m).sum(-1, keepdim=True) / m.sum(-1, keepdim=True).clamp(min=1)
+    return x.masked_fill(m == 0, float("-inf")).amax(-1, keepdim=True).clamp(min=0)  # an empty row: 0
+
+
+def log_weights(log_rho: torch.Tensor, mask: torch.Tensor, level: str) -> torch.Tensor:
+    """log w at each position, (N, T): per token, or the sequence's sum / mean broadcast."""
+    if level == "token":
+        return log_rho
+    if level not in IS_LEVELS:
+        raise ValueError(f"unknown is_level {level!r}; valid: {', '.join(IS_LEVELS)}")
+    return _seq(log_rho, mask, "sum" if level == "sequence" else "mean").expand_as(log_rho)
+
+
+def importance(log_rho: torch.Tensor, mask: torch.Tensor, level: str, mode: str, low: float, high: float
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights, keep), both (N, T): TIS weights min(w, high) with everything kept, or MIS weights
+    w with keep = low <= w <= high (tested in log space: no overflow decides it)."""
+    lw = log_weights(log_rho, mask, level).clamp(-SAFETY_BOUND, SAFETY_BOUND)
+    w = torch.exp(lw)
+    if mode == "truncate":
+        return w.clamp(max=high), torch.ones_like(w)
+    if mode != "mask":
+        raise ValueError(f"unknown is_mode {mode!r}; valid: {', '.join(IS_MODES)}")
+    keep = ((lw >= torch.log(torch.tensor(low))) & (lw <= torch.log(torch.tensor(high)))).to(w.dtype)
+    return w * keep, keep
+
+
+def token_divergence(log_rho: torch.Tensor, k: str) -> torch.Tensor:
+    lr = log_rho.clamp(-SAFETY_BOUND, SAFETY_BOUND)
+    return {"k1": -lr, "k2": 0.5 * lr ** 2, "k3": torch.exp(lr) - 1.0 - lr}[k]
+
+
+def rejection(log_rho: torch.Tensor, mask: torch.Tensor, mode: str, threshold: float, low: float | None
+              ) -> torch.Tensor:
+    """keep (N, T): 0 where ``mode`` rejects (the token, or its whole sequence)."""
+    if mode not in RS_MODES:
+        raise ValueError(f"unknown rs {mode!r}; valid: {', '.join(RS_MODES)}")
+    scope, k = mode.rsplit("_k", 1)
+    k = "k" + k
+    if k == "k1":  # bounds on the ratio: low <= exp(aggregate log rho) <= high
+        agg = log_rho if scope == "token" else _seq(log_rho, mask, scope.split("_")[1])
+        lo = torch.log(torch.tensor(low if low is not None else 1.0 / threshold))
+        ok = (agg >= lo) & (agg <= torch.log(torch.tensor(threshold)))
+    else:
+        d = token_divergence(log_rho, k)
+        agg = d if scope == "token" else _seq(d, mask, scope.split("_")[1])
+        ok = agg <= threshold
+    return ok.expand_as(log_rho).to(log_rho.dtype)
+
+
+def diagnostics(log_rho: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
+    """Sums over this rank's tokens / sequences of the off-policy estimates (the caller divides
+    by the global counts): KL(rollout || trainer) by k1 (mean of -log rho) and k3, the token and
+    sequence chi-squared divergences E[rho^2] - 1, E[prod rho^2] - 1."""
+    m = mask.to(log_rho.dtype)
+    lr = log_rho.clamp(-SAFETY_BOUND, SAFETY_BOUND)
+    seq_lr = (lr * m).sum(-1).clamp(-SAFETY_BOUND / 2, SAFETY_BOUND / 2)  # rho^2 of a sequence: exp(2 x)
+    has = (m.sum(-1) > 0).to(lr.dtype)
+    return {"kl_k1": (-lr * m).sum().item(), "kl_k3": (token_divergence(lr, "k3") * m).sum().item(),
+            "chi2_token": ((torch.exp(2 * lr) - 1) * m).sum().item(),
+            "chi2_seq": ((torch.exp(2 * seq_lr) - 1) * has).sum().item()}
+
+
+def weight_stats(weights: torch.Tensor, keep: torch.Tensor) -> dict[str, float]:
+    """Sums for the weights' mean and effective sample size (sum w)^2 / (n sum w^2) over the kept tokens."""
+    k = keep.to(weights.dtype)
+    return {"w": (weights * k).sum().item(), "w2": (weights ** 2 * k).sum().item(), "n_kept": k.sum().item()}
+
+
+def correct(old_logp: torch.Tensor, rollout_logp: torch.Tensor, mask: torch.Tensor, *, is_level: str | None,
+            is_mode: str, is_low: float, is_high: float, rs: str | None, rs_threshold: float | None,
+            rs_low: float | None) -> tuple[Correction, dict[str, float]]:
+    """The correction of this rank's samples and the sums its metrics need (see ``summarise``)."""
+    mask = mask.to(old_logp.dtype)
+    log_rho = (old_logp.detach() - rollout_logp) * mask  # (N, T)
+    keep = mask.clone()
+    sums = {"tokens": mask.sum().item(), "seqs": float((mask.sum(-1) > 0).sum())}
+    if rs is not None:
+        ok = rejection(log_rho, mask, rs, rs_threshold, rs_low) * mask
+        sums["rs_tokens"] = (mask - ok).sum().item()
+        sums["rs_seqs"] = float(((mask - ok).sum(-1) > 0).sum())
+        keep = keep * ok
+    weights = None
+    if is_level is not None:
+        weights, in_band = importance(log_rho, mask, is_level, is_mode, is_low, is_high)
+        sums["is_masked"] = (keep * (1 - in_band)).sum().item()
+        keep = keep * in_band
+        sums.update(weight_stats(weights, keep))
+        sums["w_max"] = (weights * keep).max().item() if keep.any() else 0.0
+    sums.update(diagnostics(log_rho, mask))
+    return Correction(weights.detach() if weights is not None else None, keep), sums
+
+
+def summarise(total: dict[str, float], w_max: float | None) -> dict[str, float]:
+    """Metrics from the sums of every rank (``total``) and the global largest weight."""
+    tokens, seqs = max(total["tokens"], 1.0), max(total["seqs"], 1.0)
+    out = {f"rollout_corr/{k}": total[k] / tokens for k in ("kl_k1", "kl_k3", "chi2_token")}
+    out["rollout_corr/chi2_seq"] = total["chi2_seq"] / seqs
+    if "rs_tokens" in total:
+        out["rollout_corr/rs_rejected_token_frac"] = total["rs_tokens"] / tokens
+        out["rollout_corr/rs_rejected_seq_frac"] = total["rs_seqs"] / seqs
+    if "w" in total:
+        kept = max(total["n_kept"], 1.0)
+        out["rollout_corr/is_weight_mean"] = total["w"] / kept
+        out["rollout_corr/is_weight_max"] = w_max
+        out["rollout_corr/is_masked_frac"] = total["is_masked"] / tokens
+        out["rollout_corr/ess"] = total["w"] ** 2 / max(kept * total["w2"], 1e-30)  # in (0, 1]
+    return out
