@@ -103,10 +103,11 @@ class StepSampler:
 
     def sample_dynamic(self, step: int) -> tuple[grpo.RolloutBatch, torch.Tensor, dict]:
         """DAPO dynamic sampling: keep ``target`` informative groups per replica. Round 0 samples
-        plan_prompts(target) prompts (each round target without oversample, as before it); while a replica is short, another
-        round samples for the largest shortfall, sized by this step's kept fraction so far (all
-        replicas in lockstep, at most max_sampling_rounds). Surplus informative groups are dropped by a uniform seeded draw; a
-        replica still short pads with dropped groups masked out of the loss."""
+        plan_prompts(target) prompts (without oversample: target, each round, as before it);
+        while a replica is short, another round samples for the largest shortfall, sized by this
+        step's kept fraction so far (all replicas in lockstep, at most max_sampling_rounds).
+        Surplus informative groups are dropped by a uniform seeded draw; a replica still short
+        pads with dropped groups masked out of the loss."""
         target, n = self.per_replica(), self.cfg.n
         kept, dropped, metrics, seen, needed, rate = [], [], {}, 0, target, self.keep_rate
         for round_ in range(self.algo.max_sampling_rounds):
@@ -131,12 +132,12 @@ class StepSampler:
         chosen = [kept[i] for i in choose_groups(list(range(len(kept))), target,
                                                   derive_seed(self.seed, _SELECT_OFFSET + step))]
         chosen += dropped[: target - len(chosen)]
-        replicas = self.rollout.dp_size
+        ranks = self.rollout.dp_size * self.rollout.tp_size  # the sums count each TP rank of a replica
         metrics.update({
             "rollout/filtered_groups_frac": 1.0 - total_kept / max(total_seen, 1),
             "rollout/zero_variance_groups_frac": 1.0 - total_kept / max(total_seen, 1),
             "rollout/sampling_rounds": round_ + 1,
-            "rollout/generated_per_trained": total_seen / (target * replicas),
+            "rollout/generated_per_trained": total_seen / (target * ranks),
             "rollout/keep_rate_est": self.keep_rate})
         return grpo.concat([b for b, _ in chosen]), torch.cat([s for _, s in chosen]), metrics
 
