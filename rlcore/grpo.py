@@ -6,6 +6,7 @@ Works with any policy exposing ``forward_logprobs``/``backward``/``step`` (rlcor
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -126,8 +127,7 @@ def prompt_runs(prompt_ids: list[list[int]], vision: list | None = None) -> list
 
 
 def pack(prompt_ids: list[list[int]], response_ids: list[list[int]], device, *, share_prompt: bool = False,
-         response_only: bool = True, vision: list | None = None, uids: list[int] | None = None,
-         gids: list[int] | None = None) -> dict[str, torch.Tensor | None]:
+         response_only: bool = True, vision: list | None = None) -> dict[str, torch.Tensor | None]:
     """Concatenate sequences without padding into one ``(1, L)`` row for ``forward_logprobs``.
 
     Unshared, each sequence is ``prompt + response`` with positions restarting at 0. With
@@ -147,14 +147,8 @@ def pack(prompt_ids: list[list[int]], response_ids: list[list[int]], device, *, 
     M-RoPE (t, h, w) positions on rows 1-3 (a response continues at its prompt's next position);
     ``mm`` holds the ``pixel_values`` and ``image_grid_thw`` of every prompt copy in the row, in
     order (a shared prompt's images once).
-
-    ``token_keys`` (1, L) int64 names each position for routing replay, the same however the
-    samples are packed: (sample uid, position) for a response token, (group gid, position) for a
-    prompt token, which every sample of the group sees alike (defaults: each sample its own).
     """
-    ids, pos, seg, run_of, select, labels, keys = [], [], [], [], [], [], []
-    uids = list(range(len(prompt_ids))) if uids is None else uids
-    gids = uids if gids is None else gids
+    ids, pos, seg, run_of, select, labels = [], [], [], [], [], []
     rope, pixels, grids = [], [], []  # image prompts: (3, len) position blocks, per-copy pixels and grids
     t_max = max(1, max(len(r) for r in response_ids))
     gather = torch.zeros(len(response_ids), t_max, dtype=torch.long)  # (N, T)
@@ -165,7 +159,6 @@ def pack(prompt_ids: list[list[int]], response_ids: list[list[int]], device, *, 
         ids += p
         pos += range(len(p))
         seg += [0] * len(p)
-        keys += [token_key(gids[a], j, prompt=True) for j in range(len(p))]
         if vision is not None:
             v = vision[a]
             rope.append(torch.arange(len(p)).expand(3, -1) if v is None else v.positions)
@@ -181,7 +174,6 @@ def pack(prompt_ids: list[list[int]], response_ids: list[list[int]], device, *, 
             ids += r if vision is None or not r else r[:-1] + [p[-1]]
             pos += range(len(p), len(p) + len(r))
             seg += [i + 1] * len(r)
-            keys += [token_key(uids[i], j) for j in range(len(p), len(p) + len(r))]
             if vision is not None:
                 nxt = len(p) if vision[a] is None else vision[a].next_position
                 rope.append(torch.arange(nxt, nxt + len(r)).expand(3, -1))
@@ -194,7 +186,7 @@ def pack(prompt_ids: list[list[int]], response_ids: list[list[int]], device, *, 
     as_row = lambda xs: torch.tensor(xs, dtype=torch.long, device=device).unsqueeze(0)  # noqa: E731
     out = {"input_ids": as_row(ids), "position_ids": as_row(pos), "attention_mask": None,
            "select": torch.tensor(select, dtype=torch.long, device=device), "labels": as_row(labels),
-           "gather": gather.to(device), "mm": None, "token_keys": as_row(keys)}
+           "gather": gather.to(device), "mm": None}
     if vision is not None:
         rows = torch.cat([torch.tensor(pos).unsqueeze(0), torch.cat(rope, dim=1)])  # (4, L)
         out["position_ids"] = rows.unsqueeze(1).to(device)  # (4, 1, L)
@@ -217,6 +209,20 @@ def token_key(owner: int, position: int, prompt: bool = False) -> int:
     return ((2 * owner + int(prompt)) << 24) + position
 
 
+def token_keys(batch: RolloutBatch, device, share_prompt: bool = False) -> torch.Tensor:
+    """(1, L) int64 name of each position of ``pack``'s row, for routing replay: the same however
+    the samples are packed, (sample uid, position) for a response token and (group gid, position)
+    for a prompt token, which every sample of the group sees alike. Built only when replay is on."""
+    runs = prompt_runs(batch.prompt_ids, batch.vision) if share_prompt else [(i, i + 1) for i in range(len(batch))]
+    keys = []
+    for a, b in runs:
+        n = len(batch.prompt_ids[a])
+        keys += [token_key(batch.gids[a], j, prompt=True) for j in range(n)]
+        for i in range(a, b):
+            keys += [token_key(batch.uids[i], j) for j in range(n, n + len(batch.response_ids[i]))]
+    return torch.tensor(keys, dtype=torch.long, device=device).unsqueeze(0)
+
+
 def shared_prompt_mask(run: torch.Tensor, seg: torch.Tensor) -> torch.Tensor:
     """(1, 1, L, L) bool, True where query q may attend to key k: same run, k not after q, and k
     in the prompt (segment 0) or in q's own response. Dense, as sdpa and eager take it."""
@@ -231,10 +237,10 @@ def logprob_matrix(policy, batch: RolloutBatch, temperature: float, *, grad: boo
                    ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per-token log-probs (and entropy) of the response tokens as (N, T) matrices, 0 where masked."""
     packed = pack(batch.prompt_ids, batch.response_ids, device, share_prompt=share_prompt,
-                  response_only=response_only, vision=batch.vision, uids=batch.uids, gids=batch.gids)
+                  response_only=response_only, vision=batch.vision)
     extra = {"mm": packed["mm"]} if batch.vision is not None else {}  # text policies take no mm argument
     if routing_keys:
-        extra["token_keys"] = packed["token_keys"]
+        extra["token_keys"] = token_keys(batch, device, share_prompt)
     logp, ent = policy.forward_logprobs(packed["input_ids"], packed["position_ids"], packed["labels"],
                                         temperature=temperature, with_entropy=with_entropy, grad=grad,
                                         select=packed["select"], attention_mask=packed["attention_mask"], **extra)
@@ -503,8 +509,6 @@ def train_on_batch(policy, ref, batch: RolloutBatch, adv: torch.Tensor, cfg: Alg
 
 def _routing(policy, mode: str | None):
     """The policy's routing-replay context for ``mode``; nothing when None."""
-    import contextlib
-
     return contextlib.nullcontext() if mode is None else policy.routing(mode)
 
 

@@ -51,8 +51,10 @@ def test_token_keys_name_the_same_tokens_however_packed():
     assert batch.gids == [0, 0, 0, 1, 1]
 
     def keyed(b, share):
-        packed = grpo.pack(b.prompt_ids, b.response_ids, "cpu", share_prompt=share, uids=b.uids, gids=b.gids)
-        return dict(zip(packed["token_keys"][0].tolist(), packed["input_ids"][0].tolist()))
+        packed = grpo.pack(b.prompt_ids, b.response_ids, "cpu", share_prompt=share)
+        keys = grpo.token_keys(b, "cpu", share_prompt=share)
+        assert keys.shape == packed["input_ids"].shape  # one key per packed position
+        return dict(zip(keys[0].tolist(), packed["input_ids"][0].tolist()))
 
     shared, copied = keyed(batch, True), keyed(batch, False)
     assert shared == copied  # every key names the same token either way
