@@ -13,7 +13,7 @@ quiet.install()  # offline, quiet environment and warning filters: before the he
 import sys  # noqa: E402
 import time  # noqa: E402
 
-from rlcore import grpo, preempt, validation  # noqa: E402
+from rlcore import agent, grpo, preempt, validation  # noqa: E402
 from rlcore.build import build_engines  # noqa: E402
 from rlcore.cli import parse_config  # noqa: E402
 from rlcore.config import Config, ConfigError, fail  # noqa: E402
@@ -28,7 +28,7 @@ from rlcore.lifecycle import (  # noqa: E402
 from rlcore.metrics import MetricsLogger, Timer  # noqa: E402
 from rlcore.ownership import tie_to_launcher  # noqa: E402
 from rlcore.preflight import prepare_scoring, preflight, resolve_image_limit  # noqa: E402
-from rlcore.sampling import StepSampler, generation_seed, shard_for_training  # noqa: E402
+from rlcore.sampling import StepSampler, generation_seed, response_budget, shard_for_training  # noqa: E402
 from rlcore.sync_check import SyncMismatchError  # noqa: E402
 
 
@@ -70,7 +70,7 @@ def loop(run: Run) -> None:
             with run.timer("train"):
                 train_metrics = grpo.train_on_batch(
                     e.policy, e.ref, batch, adv, run.entropy.algorithm(), cfg.rollout.temperature,
-                    run.info.world_size, run.info.device, norm_len=cfg.rollout.max_response_length,
+                    run.info.world_size, run.info.device, norm_len=response_budget(cfg.rollout),
                     **run.loss_options)  # rollout correction, Clip-Cov
         train_metrics.update(count_skips(run, train_metrics))
         train_metrics.update(run.entropy.after_step(train_metrics))  # the adaptive coefficient's next value
@@ -95,13 +95,14 @@ def build(cfg: Config, info: DistInfo, stop, watchdog) -> Run:
     cfg = resolve_image_limit(cfg, prompts, val_prompts)
     timer = Timer()
     engines = build_engines(cfg, info, timer, probe_prompts=[p.ids for p in prompts[:64]])
+    tool_agent = agent.build_agent(cfg, tokenizer)  # None: single-turn
     if info.is_main:
         described = [engines.policy, engines.ref, engines.rollout, engines.switch]
         print(*(x.describe() for x in described if x is not None), grpo.describe_train_phase(cfg.algorithm),
-              sep="\n", flush=True)
+              *([agent.describe(tool_agent)] if tool_agent else []), sep="\n", flush=True)
     t = cfg.trainer
     sampler = StepSampler(engines.rollout, PromptSampler(prompts, cfg.data.seed, cfg.data.shuffle), tokenizer, scorer,
-                          cfg.rollout, cfg.algorithm, t.prompts_per_step, t.seed, timer, processor)
+                          cfg.rollout, cfg.algorithm, t.prompts_per_step, t.seed, timer, processor, tool_agent)
     logger = MetricsLogger(t.output_dir, info.is_main, cfg.logging.tensorboard, cfg.logging.console_every,
                            total_steps=t.total_steps)
     return Run(cfg, info, engines, sampler, logger, timer, stop, watchdog, resume_from=resume_from,
@@ -132,7 +133,7 @@ def validate(run: Run) -> None:
     start = time.perf_counter()
     with run.watchdog.phase("validate"):
         metrics, examples = validation.validate(run.engines.rollout, run.sampler.tokenizer, run.sampler.scorer,
-                                                run.val_prompts, settings)
+                                                run.val_prompts, settings, run.sampler.agent)
     metrics["timing/val_s"] = time.perf_counter() - start
     if run.info.is_main:
         path = validation.write_examples(run.cfg.trainer.output_dir, step, examples)

@@ -79,8 +79,13 @@ def to_yaml(cfg: Config) -> str:
     from rlcore.config import _field_docs
 
     lines = []
+    top_docs = _field_docs(type(cfg))
     for section in dataclasses.fields(cfg):
         sub = getattr(cfg, section.name)
+        if not dataclasses.is_dataclass(sub):  # a top-level list (tools)
+            lines += [f"# {d}" for d in textwrap.wrap(top_docs.get(section.name, ""), 98)]
+            lines.append(yaml.safe_dump({section.name: sub}, default_flow_style=True, width=10_000).strip()[1:-1])
+            continue
         lines.append(f"{section.name}:  # {_one_line(type(sub).__doc__)}")
         docs = _field_docs(type(sub))
         for f in dataclasses.fields(sub):
@@ -88,6 +93,7 @@ def to_yaml(cfg: Config) -> str:
                 lines.append(f"  # {doc_line}")
             value = getattr(sub, f.name)
             value = list(value) if isinstance(value, tuple) else value
+            value = dataclasses.asdict(value) if dataclasses.is_dataclass(value) else value  # rollout.multi_turn
             dumped = yaml.safe_dump({f.name: value}, default_flow_style=True, sort_keys=False, width=10_000)
             lines.append("  " + dumped.strip().removeprefix("{").removesuffix("}"))
     return "\n".join(lines) + "\n"

@@ -16,8 +16,9 @@ import dataclasses
 import os
 import textwrap
 from dataclasses import dataclass, field
-from typing import Literal, Optional
+from typing import Any, Literal, Optional
 
+from rlcore.agent.config import EnvConfig, MultiTurnConfig, check_agent
 from rlcore.config_algo import (  # noqa: F401  (re-exported: every section is importable from here)
     AlgorithmConfig, ExplorationConfig, RolloutCorrectionConfig, _check_positive, check,
 )
@@ -140,6 +141,11 @@ class RolloutConfig:
     check_sync_tol: Optional[float] = None
     """Largest |trainer - vLLM| log-prob of a probe token that passes; null = per model.dtype:
     1e-3 float32, 0.1 bfloat16, 0.05 float16."""
+    multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
+    """Multi-turn, tool-using conversations (rlcore/agent/)."""
+    tool_parser: str = "hermes"
+    """vLLM tool parser that reads the model's calls (vllm.tool_parsers: hermes for Qwen2.5/Qwen3
+    <tool_call> JSON, llama3_json, pythonic, ...); used with multi_turn.enable."""
     check_sync_every: int = 1
     """Check the first sync and every N-th after it. Each check costs one trainer forward of the
     probe (an FSDP all-gather of the weights, like a training forward) and one small vLLM prefill:
@@ -228,8 +234,8 @@ class RewardConfig:
         components = self.effective_components()
         check(len(components) > 0, "reward.components", components, "name at least one reward")
         for name in components:
-            check(name in REWARDS or name == CUSTOM, "reward.components", name,
-                  f"choose from {', '.join(REWARDS)}, or {CUSTOM} together with reward.fn")
+            check(name in REWARDS or name in (CUSTOM, "env"), "reward.components", name,
+                  f"choose from {', '.join(REWARDS)}, {CUSTOM} together with reward.fn, or env with env.cls")
         check(CUSTOM not in components or self.fn, "reward.components", CUSTOM,
               "the custom component needs reward.fn=package.module:function")
         if self.fn:
@@ -375,6 +381,10 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    tools: list[Any] = field(default_factory=list)
+    """Tools of multi-turn rollouts: built-in names (calculator, python), "path/file.py:function" /
+    "package.module:function" (schema from type hints + Google docstring), or {fn: ..., schema: {...}}."""
+    env: EnvConfig = field(default_factory=EnvConfig)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -448,6 +458,7 @@ def resolve(cfg: Config, device_type: str) -> Config:
     except ValueError as e:
         raise ConfigError(f"model.moe_implementation={m.moe_implementation!r} is invalid: {e}") from e
     check_routing_replay(cfg.algorithm.routing_replay, m.path, experts)
+    check_agent(cfg)
     if cfg.algorithm.use_rollout_logprobs and cfg.rollout_correction.options() is not None:
         raise ConfigError("rollout_correction.is_level/rs compare the trainer's old log-probs with vLLM's, but "
                           "algorithm.use_rollout_logprobs=true replaces the former with the latter (every ratio 1): "

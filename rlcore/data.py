@@ -30,6 +30,7 @@ class Prompt:
     text: str
     answer: str
     images: list[bytes] | None = None  # encoded images, in placeholder order (data.image_key)
+    row: dict | None = None  # the data row (multi-turn environments reset on it)
 
 
 def get_key(row: dict, key: str):
@@ -154,8 +155,14 @@ def read_rows(path: str, cfg: DataConfig) -> tuple[list[dict], int]:
     return rows, bad
 
 
-def render_prompt(row: dict, cfg: DataConfig, tokenizer, processor=None) -> str:
+def render_prompt(row: dict, cfg: DataConfig, tokenizer, processor=None, chat=None) -> str:
+    """The prompt text; ``chat`` (rlcore.agent.chat.ChatRenderer): multi-turn, rendered with the tools."""
     prompt = get_key(row, cfg.prompt_key)
+    if chat is not None:
+        messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
+        if cfg.system_prompt and messages[0]["role"] != "system":
+            messages = [{"role": "system", "content": cfg.system_prompt}] + messages
+        return chat.prompt_text(messages)
     if not cfg.apply_chat_template:
         if isinstance(prompt, list):
             raise ConfigError(f"data.apply_chat_template=false but {cfg.prompt_key!r} holds chat messages; "
@@ -177,18 +184,19 @@ def render_prompt(row: dict, cfg: DataConfig, tokenizer, processor=None) -> str:
     return owner.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 
 
-def load_prompts(files: list[str], cfg: DataConfig, tokenizer, processor=None) -> tuple[list[Prompt], dict]:
+def load_prompts(files: list[str], cfg: DataConfig, tokenizer, processor=None, chat=None) -> tuple[list[Prompt], dict]:
     """Tokenize every row; filter or reject over-long prompts. Returns (prompts, data/* stats).
-    ``processor`` (a ``rlcore.vision.VisionProcessor``) is needed for rows with images."""
+    ``processor`` (a ``rlcore.vision.VisionProcessor``) is needed for rows with images; ``chat``
+    renders multi-turn prompts with the tools."""
     prompts, bad, too_long = [], 0, 0
     for path in files:
         rows, nbad = read_rows(path, cfg)
         bad += nbad
         base_dir = os.path.dirname(os.path.abspath(path))
         for row in rows:
-            text = render_prompt(row, cfg, tokenizer, processor)
+            text = render_prompt(row, cfg, tokenizer, processor, chat)
             # The chat template already holds the special tokens (BOS etc.).
-            ids = tokenizer(text, add_special_tokens=not cfg.apply_chat_template)["input_ids"]
+            ids = tokenizer(text, add_special_tokens=not (cfg.apply_chat_template or chat))["input_ids"]
             images = [vision.open_image(e, base_dir) for e in image_entries(row, cfg)]
             length = len(ids) + sum(processor.num_tokens(im) - 1 for im in images) if images else len(ids)
             if length > cfg.max_prompt_length:
@@ -200,7 +208,8 @@ def load_prompts(files: list[str], cfg: DataConfig, tokenizer, processor=None) -
                 too_long += 1
                 continue
             prompts.append(Prompt(ids=ids, text=text, answer=str(get_key(row, cfg.answer_key)),
-                                  images=[vision.encode_image(im) for im in images] or None))
+                                  images=[vision.encode_image(im) for im in images] or None,
+                                  row=None if images else row))
     if not prompts:
         raise ConfigError(f"data files {files} hold no usable prompt after filtering "
                           f"({bad} bad rows, {too_long} over data.max_prompt_length); check the files and keys")

@@ -35,6 +35,13 @@ class RolloutBatch:
     # run of equal prompts it belongs to (its group); both carried through select().
     uids: list[int] | None = None
     gids: list[int] | None = None
+    # Multi-turn (rlcore.agent): per response token 1 = sampled by the policy (trained), 0 = a tool's
+    # or environment's token (context only); the ids of each sample's final model turn (what the
+    # rule rewards read); the environment's reward. None: single-turn.
+    env_mask: list[list[int]] | None = None
+    final_ids: list[list[int]] | None = None
+    env_rewards: list[float | None] | None = None
+    conversations: list | None = None  # each sample's rlcore.agent.loop.Conversation (metrics, val samples)
 
     def __post_init__(self):
         if self.keep is None:
@@ -48,10 +55,9 @@ class RolloutBatch:
         return len(self.response_ids)
 
     def select(self, idx: list[int]) -> "RolloutBatch":
-        pick = lambda xs: [xs[i] for i in idx]  # noqa: E731
-        return RolloutBatch(pick(self.prompt_ids), pick(self.response_ids), pick(self.rollout_logp),
-                            pick(self.answers), pick(self.finish_reasons), self.group_size, pick(self.keep),
-                            None if self.vision is None else pick(self.vision), pick(self.uids), pick(self.gids))
+        values = {f: getattr(self, f) for f in _PER_SAMPLE}
+        return RolloutBatch(group_size=self.group_size,
+                            **{f: None if v is None else [v[i] for i in idx] for f, v in values.items()})
 
     def response_mask(self) -> torch.Tensor:
         """(N, T) 1 on response tokens of kept sequences: the loss mask."""
@@ -59,6 +65,8 @@ class RolloutBatch:
         mask = torch.zeros(n, t)  # (N, T)
         for i, r in enumerate(self.response_ids):
             mask[i, : len(r)] = self.keep[i]
+            if self.env_mask is not None:  # tool/environment tokens: context, never trained
+                mask[i, : len(r)] *= torch.tensor(self.env_mask[i], dtype=mask.dtype)
         return mask
 
     def rollout_logp_matrix(self) -> torch.Tensor:
@@ -101,14 +109,19 @@ def informative_groups(scores: torch.Tensor, group_size: int) -> list[int]:
     return [g for g in range(len(degenerate)) if not degenerate[g]]
 
 
+# RolloutBatch's per-sample lists, carried by select() and concat() (uids/gids are renumbered by concat)
+_PER_SAMPLE = ("prompt_ids", "response_ids", "rollout_logp", "answers", "finish_reasons", "keep", "vision", "uids",
+               "gids", "env_mask", "final_ids", "env_rewards", "conversations")
+
+
 def concat(batches: list[RolloutBatch]) -> RolloutBatch:
-    first = batches[0]
-    cat = lambda attr: [x for b in batches for x in getattr(b, attr)]  # noqa: E731
-    vision = None
-    if any(b.vision is not None for b in batches):
-        vision = [v for b in batches for v in (b.vision if b.vision is not None else [None] * len(b))]
-    return RolloutBatch(cat("prompt_ids"), cat("response_ids"), cat("rollout_logp"), cat("answers"),
-                        cat("finish_reasons"), first.group_size, cat("keep"), vision)
+    def cat(attr: str):
+        if all(getattr(b, attr) is None for b in batches):
+            return None
+        return [x for b in batches for x in (getattr(b, attr) if getattr(b, attr) is not None else [None] * len(b))]
+
+    return RolloutBatch(group_size=batches[0].group_size,
+                        **{f: cat(f) for f in _PER_SAMPLE if f not in ("uids", "gids")})
 
 
 def prompt_runs(prompt_ids: list[list[int]], vision: list | None = None) -> list[tuple[int, int]]:

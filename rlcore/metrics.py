@@ -117,6 +117,10 @@ class Timer:
         finally:
             self.times[name] = self.times.get(name, 0.0) + time.perf_counter() - start
 
+    def add(self, name: str, seconds: float) -> None:
+        """Time measured elsewhere (e.g. the tools' share inside generate)."""
+        self.times[name] = self.times.get(name, 0.0) + seconds
+
     def pop_metrics(self) -> dict[str, float]:
         out = {f"timing/{k}_s": v for k, v in self.times.items()}
         self.times = {}

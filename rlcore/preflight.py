@@ -7,7 +7,7 @@ import dataclasses
 import json
 import os
 
-from rlcore import checkpoint, rewards
+from rlcore import agent, checkpoint, rewards
 from rlcore.config import Config, ConfigError, check, fail
 from rlcore.data import load_prompts
 from rlcore.ownership import claim_output_dir
@@ -30,7 +30,8 @@ def preflight(cfg: Config, rank: int, world_size: int):
             checkpoint.validate_resume(resume_from, rank, world_size)
         tokenizer = load_tokenizer(cfg.model.path)
         processor = load_vision(cfg) if cfg.data.image_key else None
-        prompts, stats = load_prompts(cfg.data.train_files, cfg.data, tokenizer, processor)
+        prompts, stats = load_prompts(cfg.data.train_files, cfg.data, tokenizer, processor,
+                                      agent.renderer_for(cfg, tokenizer))
         check_image_limit(cfg, prompts)
     except ConfigError as e:
         fail(str(e))
@@ -48,7 +49,8 @@ def prepare_scoring(cfg: Config, tokenizer, rank: int, processor=None):
         scorer = rewards.Scorer(cfg.reward)
         val_prompts = None
         if cfg.data.val_files:
-            val_prompts = load_prompts(cfg.data.val_files, cfg.data, tokenizer, processor)[0]
+            val_prompts = load_prompts(cfg.data.val_files, cfg.data, tokenizer, processor,
+                                       agent.renderer_for(cfg, tokenizer))[0]
             check_image_limit(cfg, val_prompts)
     except (ConfigError, ValueError) as e:
         fail(str(e))

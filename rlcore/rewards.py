@@ -34,6 +34,7 @@ from typing import Callable
 
 RewardFn = Callable[[str, str], float]
 REWARDS: dict[str, RewardFn] = {}
+ENV = "env"  # the component that is a multi-turn environment's own reward (rlcore.agent)
 CUSTOM = "custom"  # component name of reward.fn
 
 
@@ -249,15 +250,22 @@ def _component_values(name: str, fn: Callable, responses: list[str], answers: li
 
 def score_samples(responses: list[str], answers: list[str], components: dict[str, float], *,
                   custom_fn: Callable | None = None, timeout_s: float | None = None,
-                  error_value: float = 0.0) -> tuple[list[float], list[bool], dict]:
+                  error_value: float = 0.0, env_rewards: list | None = None) -> tuple[list[float], list[bool], dict]:
     """Weighted sum of the components for each response, the per-sample "fully correct" flag
     (every component >= 1), and metrics of these samples: ``reward/{name}`` component means,
     ``reward/accuracy`` and ``reward/errors`` (failed sample-component calls). The timeout
-    applies to ``custom_fn``."""
+    applies to ``custom_fn``. The ``env`` component is each sample's environment reward (a
+    multi-turn env.cls; None, when it gave none, counts 0)."""
     n = len(responses)
     totals, correct = [0.0] * n, [True] * n
     metrics, errors = {}, 0
     for name, weight in components.items():
+        if name == ENV:
+            values = [0.0 if r is None else float(r) for r in (env_rewards or [None] * n)]
+            totals = [t + weight * v for t, v in zip(totals, values)]
+            correct = [c and v >= 1.0 - 1e-6 for c, v in zip(correct, values)]
+            metrics[f"reward/{name}"] = sum(values) / max(n, 1)
+            continue
         if name == CUSTOM:
             if custom_fn is None:
                 raise ValueError("the 'custom' reward component needs reward.fn")
@@ -283,10 +291,12 @@ class Scorer:
         self.custom_fn = load_custom_fn(cfg.fn) if cfg.fn else None
         self.timeout_s, self.error_value = cfg.timeout_s, cfg.error_value
 
-    def score_samples(self, responses: list[str], answers: list[str]) -> tuple[list[float], list[bool], dict]:
+    def score_samples(self, responses: list[str], answers: list[str], env_rewards: list | None = None
+                      ) -> tuple[list[float], list[bool], dict]:
         return score_samples(responses, answers, self.components, custom_fn=self.custom_fn,
-                             timeout_s=self.timeout_s, error_value=self.error_value)
+                             timeout_s=self.timeout_s, error_value=self.error_value, env_rewards=env_rewards)
 
-    def score(self, responses: list[str], answers: list[str]) -> tuple[list[float], dict]:
-        totals, _, metrics = self.score_samples(responses, answers)
+    def score(self, responses: list[str], answers: list[str], env_rewards: list | None = None
+              ) -> tuple[list[float], dict]:
+        totals, _, metrics = self.score_samples(responses, answers, env_rewards)
         return totals, metrics

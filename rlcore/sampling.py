@@ -81,6 +81,7 @@ class StepSampler:
     seed: int
     timer: Timer
     processor: object = None  # rlcore.vision.VisionProcessor when prompts carry images
+    agent: object = None  # rlcore.agent.loop.Agent: multi-turn conversations with tools
     keep_rate: float = field(default=KEEP_RATE_PRIOR)  # running estimate of the kept-group fraction
 
     def state_dict(self) -> dict:
@@ -153,6 +154,10 @@ class StepSampler:
 
     def generate(self, prompts: list, step: int, round_: int = 0) -> grpo.RolloutBatch:
         r = self.cfg
+        if self.agent is not None:
+            with self.timer("generate"):
+                return multi_turn_batch(self.agent, self.rollout, prompts, r, generation_seed(self.seed, step, round_),
+                                        self.timer)
         images = vision.prompt_images(prompts)  # None for text-only prompts
         with self.timer("generate"):
             out = self.rollout.generate([p.ids for p in prompts], n=r.n, temperature=r.temperature, top_p=r.top_p,
@@ -173,11 +178,60 @@ class StepSampler:
     def score(self, batch: grpo.RolloutBatch) -> tuple[torch.Tensor, dict]:
         """Rule-based rewards (N,), then DAPO overlong shaping / truncation masking when configured."""
         with self.timer("reward"):
-            texts = self.tokenizer.batch_decode(batch.response_ids, skip_special_tokens=True)
-            values, metrics = self.scorer.score(texts, batch.answers)
+            texts = self.tokenizer.batch_decode(batch.final_ids or batch.response_ids, skip_special_tokens=True)
+            values, metrics = (self.scorer.score(texts, batch.answers) if batch.env_rewards is None
+                               else self.scorer.score(texts, batch.answers, batch.env_rewards))
+            if batch.conversations is not None:
+                metrics.update(agent_metrics(batch.conversations, self.rollout.tp_size))
             shaped, shape_metrics = grpo.shape_rewards(torch.tensor(values, dtype=torch.float32), batch,
-                                                       self.algo, self.cfg.max_response_length)
+                                                       self.algo, response_budget(self.cfg))
         return shaped, {**metrics, **shape_metrics}
+
+
+def agent_metrics(conversations: list, tp_size: int = 1) -> dict[str, float]:
+    """rollout/turns_mean, tool_calls_mean, tool_errors_frac, tool_timeout_frac, finish_* fractions over
+    all ranks' conversations (collective; each replica counted once)."""
+    from rlcore.agent.loop import FINISH_REASONS, conversation_metrics
+
+    local = conversation_metrics(conversations)
+    keys = ["samples", "turns", "tool_calls", "tool_errors", "tool_timeouts", "malformed_calls",
+            *[f"finish_{r}" for r in FINISH_REASONS]]
+    total = dict(zip(keys, (v / tp_size for v in all_reduce_sum([local.get(k, 0.0) for k in keys]))))
+    n, calls = max(total["samples"], 1.0), max(total["tool_calls"] + total["malformed_calls"], 1.0)
+    out = {"rollout/turns_mean": total["turns"] / n, "rollout/tool_calls_mean": total["tool_calls"] / n,
+           "rollout/tool_errors_frac": total["tool_errors"] / calls,
+           "rollout/tool_timeout_frac": total["tool_timeouts"] / calls,
+           "rollout/malformed_calls_mean": total["malformed_calls"] / n}
+    out.update({f"rollout/finish_{r}_frac": total[f"finish_{r}"] / n for r in FINISH_REASONS})
+    return out
+
+
+def response_budget(cfg: RolloutConfig) -> int:
+    """Tokens after the prompt a sample may have: one response, or a whole conversation."""
+    return cfg.multi_turn.max_total_tokens if cfg.multi_turn.enable else cfg.max_response_length
+
+
+def multi_turn_batch(agent, rollout, prompts: list, r: RolloutConfig, seed: int, timer: Timer | None = None,
+                     **overrides) -> grpo.RolloutBatch:
+    """The prompts' conversations (rlcore.agent.loop) as a RolloutBatch with its env mask. The
+    timer records the tools' share of the generate time (timing/tool_s); ``overrides`` replace
+    rollout's sampling settings (validation: greedy)."""
+    sampling = {"temperature": r.temperature, "top_p": r.top_p, "top_k": r.top_k, **overrides}
+    n = sampling.pop("n", r.n)
+    per_turn = sampling.pop("max_tokens", r.max_response_length)
+    groups = agent.run(rollout, [p.ids for p in prompts], [p.row for p in prompts], n=n, seed=seed,
+                       sampling=sampling, per_turn_tokens=per_turn)
+    if timer is not None:  # inside timing/generate_s: the tools' share, and each turn's generate call
+        timer.add("tool", agent.stats["tool_s"])
+        for turn, seconds in enumerate(agent.stats["generate_s"], 1):
+            timer.add(f"generate_turn{turn}", seconds)
+    flat = [(p, c) for p, g in zip(prompts, groups) for c in g]
+    return grpo.RolloutBatch(
+        prompt_ids=[c.prompt_ids for _, c in flat], response_ids=[c.response_ids for _, c in flat],
+        rollout_logp=[c.logprobs for _, c in flat], answers=[p.answer for p, _ in flat],
+        finish_reasons=[c.finish for _, c in flat], group_size=n, env_mask=[c.env_mask for _, c in flat],
+        final_ids=[c.final_text_ids() for _, c in flat], env_rewards=[c.env_reward for _, c in flat],
+        conversations=[c for _, c in flat])
 
 
 def shard_for_training(rollout, batch: grpo.RolloutBatch, adv: torch.Tensor, scores: torch.Tensor):

@@ -35,10 +35,14 @@ class _Scored:
     rewards: list[float]
     correct: list[bool]
     errors: float
+    conversations: list[str] | None = None  # multi-turn: the whole decoded conversation of each sample
+    tool_calls: list[int] | None = None
 
 
-def _generate_and_score(rollout, tokenizer, scorer, prompts, **gen) -> tuple[list[list], _Scored]:
+def _generate_and_score(rollout, tokenizer, scorer, prompts, agent=None, **gen) -> tuple[list[list], _Scored]:
     """Generate for ``prompts`` (flattened prompt-major: n per prompt) and score every sample."""
+    if agent is not None:
+        return None, _converse_and_score(agent, rollout, tokenizer, scorer, prompts, **gen)
     images = prompt_images(prompts)
     out = rollout.generate([p.ids for p in prompts], **gen, **({"images": images} if images else {}))
     samples = [s for group in out for s in group]
@@ -49,24 +53,43 @@ def _generate_and_score(rollout, tokenizer, scorer, prompts, **gen) -> tuple[lis
                         metrics.get("reward/errors", 0.0))
 
 
-def validate(rollout, tokenizer, scorer, prompts: list, settings: ValSettings) -> tuple[dict, list[dict]]:
+def _converse_and_score(agent, rollout, tokenizer, scorer, prompts, *, n: int, temperature: float,
+                        max_tokens: int, top_p: float = 1.0, seed: int | None = None) -> _Scored:
+    """Multi-turn validation: the rule rewards read each conversation's final model turn."""
+    groups = agent.run(rollout, [p.ids for p in prompts], [p.row for p in prompts], n=n, seed=seed or 0,
+                       sampling={"temperature": temperature, "top_p": top_p}, per_turn_tokens=max_tokens)
+    convs = [c for g in groups for c in g]
+    answers = [p.answer for p in prompts for _ in range(n)]
+    texts = tokenizer.batch_decode([c.final_text_ids() for c in convs], skip_special_tokens=True)
+    rewards, correct, metrics = (scorer.score_samples(texts, answers, [c.env_reward for c in convs])
+                                 if texts else ([], [], {}))
+    return _Scored(texts, [sum(c.env_mask) for c in convs], rewards, correct, metrics.get("reward/errors", 0.0),
+                   [tokenizer.decode(c.response_ids, skip_special_tokens=False) for c in convs],
+                   [c.tool_calls for c in convs])
+
+
+def validate(rollout, tokenizer, scorer, prompts: list, settings: ValSettings, agent=None) -> tuple[dict, list[dict]]:
     """Returns (``val/*`` metrics over all ranks, the greedy rows of the first
-    ``num_examples`` prompts), the same on every rank (collective)."""
+    ``num_examples`` prompts), the same on every rank (collective). ``agent``: multi-turn, tools on."""
     chosen = prompts[: settings.max_samples] if settings.max_samples else prompts
     mine = chosen[rollout.dp_rank:: rollout.dp_size]
     counts = 1.0 if rollout.tp_rank == 0 else 0.0  # count each replica's outputs once
-    _, greedy = _generate_and_score(rollout, tokenizer, scorer, mine, n=1, temperature=0.0,
+    _, greedy = _generate_and_score(rollout, tokenizer, scorer, mine, agent, n=1, temperature=0.0,
                                     max_tokens=settings.max_tokens)
     local = [len(mine), sum(greedy.correct), sum(greedy.rewards), sum(greedy.lens), greedy.errors]
     sampled = None
     if settings.n > 1:
-        _, sampled = _generate_and_score(rollout, tokenizer, scorer, mine, n=settings.n,
+        _, sampled = _generate_and_score(rollout, tokenizer, scorer, mine, agent, n=settings.n,
                                          temperature=settings.temperature, top_p=settings.top_p,
                                          max_tokens=settings.max_tokens, seed=settings.seed)
         per_prompt = [sampled.correct[i * settings.n: (i + 1) * settings.n] for i in range(len(mine))]
         local += [sum(sampled.correct), sum(sampled.rewards), sum(any(c) for c in per_prompt), sampled.errors]
+    if agent is not None:
+        local.append(float(sum(greedy.tool_calls)))
     totals = all_reduce_sum([v * counts for v in local])
     metrics = _metrics(totals, settings.n)
+    if agent is not None:
+        metrics["val/tool_calls_mean"] = totals[-1] / max(totals[0], 1.0)
     return metrics, _first_examples(rollout, mine, greedy, settings.num_examples)
 
 
@@ -78,6 +101,9 @@ def _first_examples(rollout, mine: list, greedy: _Scored, k: int) -> list[dict]:
          "reward": r, "correct": bool(c), "response_len": ln}
         for i, (p, t, r, c, ln) in enumerate(zip(mine, greedy.texts, greedy.rewards, greedy.correct, greedy.lens))
     ][:k] if rollout.tp_rank == 0 else []  # TP ranks of a replica hold the same rows
+    if greedy.conversations is not None:  # multi-turn: the whole conversation, tool messages included
+        for row, conv, calls in zip(rows, greedy.conversations, greedy.tool_calls):
+            row.update(conversation=conv, tool_calls=calls)
     return sorted((r for part in all_gather_objects(rows) for r in part), key=lambda r: r["index"])[:k]
 
 

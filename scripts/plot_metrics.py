@@ -20,6 +20,7 @@ PANELS = [
     ("KL to reference", [("actor/kl", "actor/kl")]),
     ("entropy", [("actor/entropy", "actor/entropy")]),
     ("response length (tokens)", [("rollout/response_len_mean", "train"), ("val/response_len_mean", "val")]),
+    ("tool calls per sample", [("rollout/tool_calls_mean", "train"), ("val/tool_calls_mean", "val greedy")]),
     ("step time (s)", [("timing/step_s", "timing/step_s")]),
 ]
 

@@ -14,7 +14,7 @@ import torch
 
 from rlcore import advantage, grpo, sampling
 from rlcore.colocate_rollout import Sample
-from rlcore.config import AlgorithmConfig, ExplorationConfig
+from rlcore.config import AlgorithmConfig, ExplorationConfig, RolloutConfig
 from rlcore.exploration import EntropyControl, clip_cov_options, next_entropy_coef
 
 pytestmark = pytest.mark.unit
@@ -85,7 +85,7 @@ def make_sampler(answers: list[str], algo: AlgorithmConfig, prompts_per_step: in
     from rlcore.data import PromptSampler
 
     prompts = [types.SimpleNamespace(ids=[1, i], answer=a, images=None) for i, a in enumerate(answers)]
-    cfg = types.SimpleNamespace(n=4, temperature=1.0, top_p=1.0, top_k=-1, max_response_length=4)
+    cfg = RolloutConfig(n=4, temperature=1.0, top_p=1.0, top_k=-1, max_response_length=4)
     rollout = ScriptedRollout()
     s = sampling.StepSampler(rollout, PromptSampler(prompts, 0, shuffle=False), Tokenizer(), Scorer(), cfg, algo,
                              prompts_per_step, 3, lambda _: contextlib.nullcontext())

@@ -1,0 +1,74 @@
+"""Multi-turn, tool-using rollouts on the colocated engine (a rollout capability: it may import vLLM).
+
+- :mod:`rlcore.agent.loop`: conversations turn by turn, one batched generate per turn.
+- :mod:`rlcore.agent.chat`: token-exact tool deltas from the chat template; vLLM's tool parsers.
+- :mod:`rlcore.agent.tools`: built-in and user tools, their schemas, a bounded pool.
+- :mod:`rlcore.agent.sandbox`: the python tool's child process and its limits.
+- :mod:`rlcore.agent.config`: the config sections and their checks.
+"""
+
+from __future__ import annotations
+
+
+def renderer_for(cfg, tokenizer):
+    """The chat renderer with the run's tool schemas, or None when multi-turn is off."""
+    mt = cfg.rollout.multi_turn
+    if not mt.enable:
+        return None
+    from rlcore.agent.chat import ChatRenderer
+    from rlcore.agent.config import load_env_class
+    from rlcore.agent.tools import load_tools
+    from rlcore.rewards import load_custom_fn
+
+    schemas = [t.schema for t in load_tools(cfg.tools, load_custom_fn).values()]
+    if cfg.env.cls is not None:
+        schemas += list(getattr(load_env_class(cfg.env.cls), "tool_schemas", []) or [])
+    template = None
+    if mt.chat_template is not None:
+        with open(mt.chat_template) as f:
+            template = f.read()
+    from rlcore.agent.chat import TemplateError
+    from rlcore.exit_codes import ConfigError
+
+    try:
+        return ChatRenderer(tokenizer, schemas, template, mt.first_turn_prefix or "")
+    except TemplateError as e:
+        raise ConfigError(f"rollout.multi_turn.chat_template={mt.chat_template!r}: {e}") from e
+
+
+def build_agent(cfg, tokenizer):
+    """The rank's Agent (rlcore.agent.loop), or None when multi-turn is off."""
+    mt = cfg.rollout.multi_turn
+    if not mt.enable:
+        return None
+    import functools
+
+    from rlcore.agent.chat import ToolCallParser
+    from rlcore.agent.config import load_env_class
+    from rlcore.agent.loop import Agent
+    from rlcore.agent.sandbox import Limits
+    from rlcore.agent.tools import ToolRunner, load_tools
+    from rlcore.rewards import load_custom_fn
+
+    renderer = renderer_for(cfg, tokenizer)
+    tools = load_tools(cfg.tools, load_custom_fn)
+    limits = Limits(timeout_s=mt.tool_timeout_s, cpu_s=mt.tool_cpu_s, memory_mb=mt.tool_memory_mb,
+                    output_bytes=mt.tool_output_bytes)
+    env_factory = None
+    if cfg.env.cls is not None:
+        env_factory = functools.partial(load_env_class(cfg.env.cls), **cfg.env.kwargs)
+    stop_ids = [tokenizer.convert_tokens_to_ids(t) for t in mt.stop_on]
+    return Agent(tokenizer, renderer, ToolCallParser(cfg.rollout.tool_parser, tokenizer, renderer.tools),
+                 ToolRunner(tools, limits, mt.tool_workers), mt.max_turns, mt.max_total_tokens,
+                 mt.max_tool_response_tokens, env_factory, stop_ids)
+
+
+def describe(agent) -> str:
+    from rlcore.agent import sandbox
+
+    names = ", ".join(agent.runner.tools) or "none"
+    text = (f"multi-turn: {agent.max_turns} turns, {agent.max_total_tokens} tokens per conversation, tools: {names}"
+            + (", environment" if agent.env_factory else ""))
+    if any(t.sandboxed for t in agent.runner.tools.values()):
+        text += "\n" + sandbox.describe(agent.runner.limits)
+    return text
