@@ -95,7 +95,7 @@ def build(cfg: Config, info: DistInfo, stop, watchdog) -> Run:
     cfg = resolve_image_limit(cfg, prompts, val_prompts)
     timer = Timer()
     engines = build_engines(cfg, info, timer, probe_prompts=[p.ids for p in prompts[:64]])
-    tool_agent = agent.build_agent(cfg, tokenizer)  # None: single-turn
+    tool_agent = agent.build_agent(cfg, tokenizer, engines.rollout)  # None: single-turn
     if info.is_main:
         described = [engines.policy, engines.ref, engines.rollout, engines.switch]
         print(*(x.describe() for x in described if x is not None), grpo.describe_train_phase(cfg.algorithm),

@@ -241,4 +241,6 @@ def shard_for_training(rollout, batch: grpo.RolloutBatch, adv: torch.Tensor, sco
         return batch, adv, scores
     per = len(batch) // tp
     idx = list(range(tp_rank * per, (tp_rank + 1) * per))
-    return batch.select(idx), adv[idx], scores[idx]
+    mine = batch.select(idx)
+    t = mine.response_mask().shape[1]  # the slice's longest response: adv's columns past it are padding
+    return mine, adv[idx][:, :t], scores[idx]

@@ -7,6 +7,7 @@ run killed with kill -9 and resumed writes the same metrics rows as one run stra
   B2  relaunched with checkpoint.resume=auto, preempted by SIGUSR1 in step 4's generation phase
       (after its conversations, before training): step 4 is dropped, step 3 checkpointed, exit 75.
   B3  resumed again, to step 4.
+  TP2 2 steps with one vLLM engine sharded over both ranks (tools run on the leader only).
 """
 
 from __future__ import annotations
@@ -55,7 +56,12 @@ def runs(tmp_path_factory):
     finally:
         preempted.close()
     resumed = run_torchrun(TRAIN, 2, *b_args)
-    return {"a": a, "b": b, "straight": straight.stdout, "resumed": resumed.stdout, "preempted": preempted.output}
+    # One engine sharded over both ranks: the leader runs the tools, the other rank takes its answers.
+    tp2 = str(root / "tp2")
+    run_torchrun(TRAIN, 2, *args(model, data, tp2, "--rollout.tensor_parallel_size", "2", "--trainer.total_steps", "2",
+                                 "--trainer.val_every", "2", "--trainer.prompts_per_step", "2"))
+    return {"a": a, "b": b, "straight": straight.stdout, "resumed": resumed.stdout, "preempted": preempted.output,
+            "tp2": tp2}
 
 
 def test_multi_turn_run_logs_tool_metrics_and_conversations(runs):
@@ -74,6 +80,13 @@ def test_multi_turn_run_logs_tool_metrics_and_conversations(runs):
     val = [json.loads(line) for line in open(os.path.join(runs["a"], "val", f"step_{STEPS}.jsonl"))]
     assert val and all("conversation" in v and "tool_calls" in v for v in val)
     assert "val/tool_calls_mean" in rows[-1]
+
+
+def test_tensor_parallel_ranks_share_the_leaders_tool_answers(runs):
+    rows = read_rows(runs["tp2"])
+    train = [r for r in rows if "rollout/turns_mean" in r]
+    assert [r["step"] for r in train] == [1, 2] and all(r["rollout/mismatch_max"] < 1e-4 for r in train)
+    assert any(r["rollout/tool_calls_mean"] > 0 for r in train) and "val/tool_calls_mean" in rows[-1]
 
 
 def test_kill9_and_preemption_then_resume_is_exact_with_multi_turn(runs):

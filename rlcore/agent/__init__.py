@@ -36,8 +36,19 @@ def renderer_for(cfg, tokenizer):
         raise ConfigError(f"rollout.multi_turn.chat_template={mt.chat_template!r}: {e}") from e
 
 
-def build_agent(cfg, tokenizer):
-    """The rank's Agent (rlcore.agent.loop), or None when multi-turn is off."""
+def tp_share(tp_size: int, tp_rank: int, dp_rank: int):
+    """With TP > 1: ``share(obj)`` -> the object of this rank's TP leader (an all-gather over all
+    ranks; every rank calls it once per turn). None with TP 1."""
+    if tp_size == 1:
+        return None
+    from rlcore.dist import all_gather_objects
+
+    leader = dp_rank * tp_size  # TP rank 0 of this replica (rlcore.colocate_rollout: rank = dp * tp + tp_rank)
+    return lambda obj: all_gather_objects(obj)[leader]
+
+
+def build_agent(cfg, tokenizer, rollout):
+    """The rank's Agent (rlcore.agent.loop) for ``rollout``'s TP group, or None when multi-turn is off."""
     mt = cfg.rollout.multi_turn
     if not mt.enable:
         return None
@@ -60,7 +71,8 @@ def build_agent(cfg, tokenizer):
     stop_ids = [tokenizer.convert_tokens_to_ids(t) for t in mt.stop_on]
     return Agent(tokenizer, renderer, ToolCallParser(cfg.rollout.tool_parser, tokenizer, renderer.tools),
                  ToolRunner(tools, limits, mt.tool_workers), mt.max_turns, mt.max_total_tokens,
-                 mt.max_tool_response_tokens, env_factory, stop_ids)
+                 mt.max_tool_response_tokens, env_factory, stop_ids, leader=rollout.tp_rank == 0,
+                 share=tp_share(rollout.tp_size, rollout.tp_rank, rollout.dp_rank))
 
 
 def describe(agent) -> str:

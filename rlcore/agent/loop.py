@@ -57,6 +57,10 @@ class Agent:
     max_tool_response_tokens: int
     env_factory: object = None  # callable -> a fresh environment, or None
     stop_token_ids: list[int] = field(default_factory=list)  # end a turn besides EOS (multi_turn.stop_on)
+    # TP > 1: the ranks of a replica hold the same conversations; only the leader (TP rank 0) runs
+    # tools and environments, ``share(obj)`` hands its answers to the others (a collective per turn).
+    leader: bool = True
+    share: object = None
     stats: dict = field(default_factory=dict)  # timing of the last call: generate per turn, tools
 
     def start(self, prompt_ids: list[int], row: dict | None, n: int) -> list[Conversation]:
@@ -82,27 +86,39 @@ class Agent:
         self.stats = {"generate_s": [], "tool_s": 0.0}
         for turn in range(self.max_turns):
             active = [c for c in flat if c.finish is None]
-            if not active:
-                break
-            room = max(self.max_total_tokens - len(c.response_ids) for c in active)
+            if not active and self.share is None:
+                break  # with TP ranks every rank keeps the turn count: each turn ends in a collective
+            outs = self.generate_turn(rollout, prompts, active, n, seed, turn, sampling, per_turn_tokens)
+            pending = [(c, p) for c, p in ((c, self.take_turn(c, s)) for c, s in zip(active, outs)) if p is not None]
             start = time.perf_counter()
-            if turn == 0:  # n samples per prompt, exactly as a single-turn step draws them
-                outs = [s for g in rollout.generate(prompts, n=n, seed=seed, max_tokens=min(per_turn_tokens, room),
-                                                    **sampling) for s in g]
-            else:
-                outs = [g[0] for g in rollout.generate([c.prompt_ids + c.response_ids for c in active], n=1,
-                                                       seed=seed + turn * _TURN_SEED,
-                                                       max_tokens=min(per_turn_tokens, room), **sampling)]
-            self.stats["generate_s"].append(time.perf_counter() - start)
-            pending = [self.take_turn(c, s) for c, s in zip(active, outs)]
-            self.answer_calls([(c, p) for c, p in zip(active, pending) if p is not None], last=turn + 1 == self.max_turns)
+            outcomes = self.outcomes(pending) if self.leader else None
+            if self.share is not None:  # the TP ranks of a replica continue with its leader's tool answers
+                outcomes = self.share(outcomes)
+            self.apply(pending, outcomes, last=turn + 1 == self.max_turns)
+            self.stats["tool_s"] += time.perf_counter() - start
         for c in flat:
             c.finish = c.finish or "max_turns"
         return groups
 
-    def take_turn(self, c: Conversation, sample) -> list | None:
-        """Append the turn's sampled ids; return its calls (or the environment's messages), or None
-        when the conversation ended here."""
+    def generate_turn(self, rollout, prompts, active, n, seed, turn, sampling, per_turn_tokens) -> list:
+        """One batched generate over the active conversations: each one's sample of this turn."""
+        if not active:
+            return []
+        room = max(self.max_total_tokens - len(c.response_ids) for c in active)
+        start = time.perf_counter()
+        if turn == 0:  # n samples per prompt, exactly as a single-turn step draws them
+            outs = [s for g in rollout.generate(prompts, n=n, seed=seed, max_tokens=min(per_turn_tokens, room),
+                                                **sampling) for s in g]
+        else:
+            outs = [g[0] for g in rollout.generate([c.prompt_ids + c.response_ids for c in active], n=1,
+                                                   seed=seed + turn * _TURN_SEED,
+                                                   max_tokens=min(per_turn_tokens, room), **sampling)]
+        self.stats["generate_s"].append(time.perf_counter() - start)
+        return outs
+
+    def take_turn(self, c: Conversation, sample) -> tuple | None:
+        """Append the turn's sampled ids; return what the tools or the environment must answer
+        (``(kind, parsed turn)``), or None when the conversation ended here."""
         budget = self.max_total_tokens - len(c.response_ids)
         ids, logp = list(sample.response_ids[:budget]), list(sample.logprobs[:budget])
         c.last_turn = (len(c.response_ids), len(c.response_ids) + len(ids))
@@ -112,24 +128,21 @@ class Agent:
         c.turns += 1
         prefix = self.renderer.first_turn_prefix if c.turns == 1 else ""  # the first turn continues it
         parsed = self.parser.parse(prefix + self.turn_text(ids))
+        c.malformed += parsed.malformed
         c.messages.append({"role": "assistant", "content": parsed.content,
                            **({"tool_calls": [{"type": "function", "function": {"name": nm, "arguments": a}}
                                               for nm, a in parsed.calls]} if parsed.calls else {})})
         if sample.finish_reason == "length" or len(ids) < len(sample.response_ids):
             c.finish = "length"  # cut: no call of it runs; an environment still scores the conversation
-            if c.env is not None:
-                reward = c.env.step(list(c.messages))[1]
-                c.env_reward = c.env_reward if reward is None else float(reward)
-            return None
+            return ("env_final", parsed) if c.env is not None else None
         if c.env is not None:
-            return [("env", parsed)]
+            return ("env", parsed)
         if parsed.malformed:
-            c.malformed += 1
-            return [("malformed", None)]
+            return ("malformed", parsed)
         if not parsed.calls:
             c.finish = "stop"
             return None
-        return parsed.calls
+        return ("calls", parsed)
 
     def turn_text(self, ids: list[int]) -> str:
         """A turn's text for the parser: special tokens kept (some templates' call markers are
@@ -137,18 +150,46 @@ class Agent:
         eos = self.tokenizer.eos_token_id
         return self.tokenizer.decode(ids[:-1] if ids and ids[-1] == eos else ids, skip_special_tokens=False)
 
-    def answer_calls(self, pending: list[tuple[Conversation, list]], last: bool) -> None:
-        """Run every call of the turn together, then give each conversation its new messages."""
-        calls = [(name, args) for _, items in pending for name, args in items if name not in ("env", "malformed")]
-        start = time.perf_counter()
+    def outcomes(self, pending: list[tuple[Conversation, tuple]]) -> list[dict]:
+        """What the tools and environments answer, per pending conversation (plain data, so the
+        TP ranks of a replica can take their leader's): the new messages (None: the conversation
+        ended), a reward, and the call counts. Every call of the turn runs together."""
+        calls = [call for _, (kind, parsed) in pending if kind == "calls" for call in parsed.calls]
         results = iter(self.runner.run(calls)) if calls else iter(())
-        for c, items in pending:
-            new = self.respond(c, items, results)
-            if new is None:
+        out = []
+        for c, (kind, parsed) in pending:
+            o = {"new": None, "reward": None, "done": False, "calls": 0, "errors": 0, "timeouts": 0}
+            if kind in ("env", "env_final"):
+                new, o["reward"], o["done"] = c.env.step(list(c.messages))
+                o["new"] = [dict(m) for m in new] if kind == "env" and not o["done"] else None
+                o["calls"] = len(parsed.calls)
+            elif kind == "malformed":
+                o["new"] = [{"role": "tool", "content": "Error: the tool call could not be parsed; write it in "
+                             "the format the system prompt shows"}]
+                o["errors"] = 1
+            else:
+                rs: list[CallResult] = [next(results) for _ in parsed.calls]
+                o["new"] = [{"role": "tool", "content": r.content} for r in rs]
+                o.update(calls=len(rs), errors=sum(r.error is not None for r in rs),
+                         timeouts=sum(r.timed_out for r in rs))
+            out.append(o)
+        return out
+
+    def apply(self, pending: list[tuple[Conversation, tuple]], outcomes: list[dict], last: bool) -> None:
+        """Each conversation gets its answers as template-rendered delta ids, or ends."""
+        for (c, (kind, _)), o in zip(pending, outcomes):
+            c.env_reward = c.env_reward if o["reward"] is None else float(o["reward"])
+            c.tool_calls, c.tool_errors, c.tool_timeouts = (c.tool_calls + o["calls"], c.tool_errors + o["errors"],
+                                                            c.tool_timeouts + o["timeouts"])
+            if c.finish is not None:  # ended this turn (cut by a budget): only scored
+                continue
+            if o["new"] is None:
+                c.finish = "env_done"
                 continue
             if last:
                 c.finish = "max_turns"
                 continue
+            new = [self.clip(m) for m in o["new"]]
             delta = self.renderer.delta_ids(new, ended_with_eos=bool(c.response_ids)
                                             and c.response_ids[-1] == self.tokenizer.eos_token_id)
             if len(c.response_ids) + len(delta) >= self.max_total_tokens:
@@ -158,30 +199,6 @@ class Agent:
             c.response_ids += delta
             c.env_mask += [0] * len(delta)
             c.logprobs += [0.0] * len(delta)
-        self.stats["tool_s"] += time.perf_counter() - start
-
-    def respond(self, c: Conversation, items: list, results) -> list[dict] | None:
-        """This conversation's new messages (None: it ended)."""
-        if items[0][0] == "env":
-            new, reward, done = c.env.step(list(c.messages))
-            c.env_reward = c.env_reward if reward is None else float(reward)
-            c.tool_calls += len(items[0][1].calls)
-            if done:
-                c.finish = "env_done"
-                return None
-            return [self.clip(m) for m in new]
-        if items[0][0] == "malformed":
-            c.tool_errors += 1
-            return [self.clip({"role": "tool", "content": "Error: the tool call could not be parsed; write it "
-                               "in the format the system prompt shows"})]
-        out = []
-        for _ in items:
-            r: CallResult = next(results)
-            c.tool_calls += 1
-            c.tool_errors += r.error is not None
-            c.tool_timeouts += r.timed_out
-            out.append(self.clip({"role": "tool", "content": r.content}))
-        return out
 
     def clip(self, message: dict) -> dict:
         """A tool / environment message cut to max_tool_response_tokens tokens of content."""
