@@ -323,3 +323,44 @@ def test_bad_multi_turn_config_exits_2_before_any_model(extra, expected, tool_mo
     err = capsys.readouterr().err
     assert expected in err, err
     assert "import vllm" not in err
+
+
+@pytest.mark.unit
+def test_first_turn_prefix_is_prompt_and_the_parser_reads_the_turn_with_it(chatml_model):
+    """first_turn_prefix opens the first turn in the prompt (not trained); the turn's text the
+    parser reads starts with it, so a call the prefix opened is a call."""
+    from transformers import AutoTokenizer
+
+    from rlcore.agent.chat import ChatRenderer, ToolCallParser
+    from rlcore.agent.loop import Agent, Conversation
+    from rlcore.agent.sandbox import Limits
+    from rlcore.agent.tools import ToolRunner, load_tools
+    from rlcore.colocate_rollout import Sample
+
+    tok = AutoTokenizer.from_pretrained(chatml_model)
+    tools = load_tools(["calculator"], None)
+    prefix = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "'
+    r = ChatRenderer(tok, [t.schema for t in tools.values()], first_turn_prefix=prefix)
+    user = [{"role": "user", "content": "What is 2+3?"}]
+    assert r.prompt_text(user) == r.render(user, True) + prefix
+    agent = Agent(tok, r, ToolCallParser("hermes", tok, r.tools), ToolRunner(tools, Limits(), 1), max_turns=2,
+                  max_total_tokens=64, max_tool_response_tokens=8)
+    ids = tok('2 + 3"}}\n</tool_call>', add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+    c = Conversation(r.prompt_ids(user), [])
+    kind, parsed = agent.take_turn(c, Sample(ids, [0.0] * len(ids), "stop"))
+    assert kind == "calls" and parsed.calls == [("calculator", '{"expression": "2 + 3"}')]
+    [outcome] = agent.outcomes([(c, (kind, parsed))])
+    agent.apply([(c, (kind, parsed))], [outcome], last=False)
+    agent.runner.shutdown()
+    assert c.tool_calls == 1 and c.finish is None
+    assert tok.decode(c.response_ids).endswith("<tool_response>\n5\n</tool_response><|im_end|>\n<|im_start|>assistant\n")
+
+
+@pytest.mark.unit
+def test_env_reward_combines_with_rule_rewards():
+    from rlcore.rewards import score_samples
+
+    totals, correct, metrics = score_samples(["7", "7", "3"], ["7", "7", "7"], {"env": 1.0, "first_word_match": 0.5},
+                                             env_rewards=[1.0, None, 0.2])
+    assert totals == pytest.approx([1.5, 0.5, 0.2])
+    assert correct == [True, False, False] and metrics["reward/env"] == pytest.approx(0.4)
