@@ -211,16 +211,14 @@ def response_budget(cfg: RolloutConfig) -> int:
     return cfg.multi_turn.max_total_tokens if cfg.multi_turn.enable else cfg.max_response_length
 
 
-def multi_turn_batch(agent, rollout, prompts: list, r: RolloutConfig, seed: int, timer: Timer | None = None,
-                     **overrides) -> grpo.RolloutBatch:
+def multi_turn_batch(agent, rollout, prompts: list, r: RolloutConfig, seed: int,
+                     timer: Timer | None = None) -> grpo.RolloutBatch:
     """The prompts' conversations (rlcore.agent.loop) as a RolloutBatch with its env mask. The
-    timer records the tools' share of the generate time (timing/tool_s); ``overrides`` replace
-    rollout's sampling settings (validation: greedy)."""
-    sampling = {"temperature": r.temperature, "top_p": r.top_p, "top_k": r.top_k, **overrides}
-    n = sampling.pop("n", r.n)
-    per_turn = sampling.pop("max_tokens", r.max_response_length)
+    timer records the tools' share of the generate time (timing/tool_s) and each turn's generate."""
+    n = r.n
     groups = agent.run(rollout, [p.ids for p in prompts], [p.row for p in prompts], n=n, seed=seed,
-                       sampling=sampling, per_turn_tokens=per_turn)
+                       sampling={"temperature": r.temperature, "top_p": r.top_p, "top_k": r.top_k},
+                       per_turn_tokens=r.max_response_length)
     if timer is not None:  # inside timing/generate_s: the tools' share, and each turn's generate call
         timer.add("tool", agent.stats["tool_s"])
         for turn, seconds in enumerate(agent.stats["generate_s"], 1):
