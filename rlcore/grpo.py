@@ -530,9 +530,11 @@ def rollout_metrics(batch: RolloutBatch, scores: torch.Tensor, adv: torch.Tensor
     """Global (all-rank) statistics of the step's samples, merged with the phase ``metrics``
     (reward components and filter fractions are per-rank means: averaged over ranks)."""
     mask = batch.response_mask()
-    lens = [len(r) for r in batch.response_ids]
+    # Generated tokens: multi-turn conversations also hold tool answers (prefilled, not generated).
+    lens = [len(r) for r in batch.response_ids] if batch.env_mask is None else [sum(m) for m in batch.env_mask]
     g = all_rank_sums({
         "s": scores.sum().item(), "s2": (scores ** 2).sum().item(), "cnt": len(scores), "ntok": sum(lens),
+        "nall": float(sum(len(r) for r in batch.response_ids)),
         "trunc": float(sum(f == "length" for f in batch.finish_reasons)), "ntok_loss": mask.sum().item(),
         "a1": (adv * mask).sum().item(), "a2": (adv ** 2 * mask).sum().item()})
     out = dict(metrics)
@@ -545,6 +547,7 @@ def rollout_metrics(batch: RolloutBatch, scores: torch.Tensor, adv: torch.Tensor
         "reward/mean": mean, "reward/std": max(g["s2"] / g["cnt"] - mean ** 2, 0.0) ** 0.5,
         "rollout/response_len_mean": g["ntok"] / g["cnt"], "rollout/truncated_frac": g["trunc"] / g["cnt"],
         "rollout/tokens": g["ntok"],
+        **({"rollout/conversation_len_mean": g["nall"] / g["cnt"]} if batch.env_mask is not None else {}),
         "advantage/mean": a_mean, "advantage/std": max(g["a2"] / ntok_loss - a_mean ** 2, 0.0) ** 0.5,
     })
     return out
