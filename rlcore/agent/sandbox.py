@@ -32,6 +32,7 @@ import time
 from dataclasses import dataclass
 
 _CLONE_NEWNET = 0x40000000
+_CLONE_NEWUSER = 0x10000000
 
 # Runs in the child (``python -I -S``): limits and namespaces first, then the audit hook, then the
 # model's code with its own globals. It is done here rather than in a preexec_fn, which is unsafe in
@@ -49,7 +50,10 @@ resource.setrlimit(resource.RLIMIT_NOFILE, (64, 64))
 resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
 if _netns:
     import ctypes
-    ctypes.CDLL(None).unshare(0x40000000)  # CLONE_NEWNET: only a down loopback from here on
+    # CLONE_NEWNET: only a down loopback from here on; without CAP_SYS_ADMIN, inside a new user
+    # namespace (CLONE_NEWUSER), where unprivileged user namespaces are enabled
+    if ctypes.CDLL(None).unshare(0x40000000) != 0:
+        ctypes.CDLL(None).unshare(0x10000000 | 0x40000000)
     del ctypes
 if _drop:  # root ignores RLIMIT_NPROC and owns every file: become nobody
     os.chown(_cwd, 65534, 65534)
@@ -111,12 +115,14 @@ _ISOLATION: dict[str, bool] | None = None
 
 def isolation() -> dict[str, bool]:
     """Which layers are in effect on this host (printed at start-up), probed once per process:
-    unshare(CLONE_NEWNET) may be refused (containers without CAP_SYS_ADMIN or user namespaces);
+    unshare(CLONE_NEWNET) needs CAP_SYS_ADMIN or an unprivileged user namespace, and containers
+    often allow neither;
     a root trainer drops the child to nobody only if nobody can still import the standard library
     (an interpreter under a 0700 home directory cannot be read by nobody)."""
     global _ISOLATION
     if _ISOLATION is None:
-        netns = _probe(f"import ctypes, sys; sys.exit(ctypes.CDLL(None).unshare({_CLONE_NEWNET}) != 0)")
+        netns = _probe("import ctypes, sys; u = ctypes.CDLL(None).unshare; "
+                       f"sys.exit(u({_CLONE_NEWNET}) != 0 and u({_CLONE_NEWUSER | _CLONE_NEWNET}) != 0)")
         nobody = os.geteuid() == 0 and _probe(
             "import os; os.setgroups([]); os.setgid(65534); os.setuid(65534); import json, decimal, fractions")
         _ISOLATION = {"network_namespace": netns, "unprivileged_uid": nobody, "rlimits": True,
