@@ -27,9 +27,10 @@ class MultiTurnConfig:
     """A Jinja chat template file that renders tools (e.g. configs/chat_templates/qwen3.jinja);
     null = the tokenizer's own."""
     first_turn_prefix: Optional[str] = None
-    """Text the first model turn starts with, written into the prompt (not trained): e.g.
-    "<tool_call>\n" makes every conversation open with a call, like tool_choice=required, for a
-    model that does not call tools by itself. The parser reads the first turn with it."""
+    """Text the first model turn starts with, written into the prompt (not trained): e.g. the
+    opening of a call (<tool_call> and a newline, for hermes) makes every conversation start with
+    one, like tool_choice=required, for a model that does not call tools by itself. The parser reads
+    the first turn with it."""
     stop_on: list[str] = field(default_factory=list)
     """Tokens that end a model turn besides EOS (e.g. a call's closing token, when the vocabulary
     has it as one token): the turn's calls run without waiting for the end-of-turn token."""
