@@ -166,6 +166,8 @@ class ColocateRollout:
         self._unseeded_calls = 0  # generate(seed=None) calls so far (see unseeded_call_seed)
         multimodal_guess = is_multimodal_config(_model_config_json(model_path))
 
+        if info.device_type == "cpu" and tp_size > 1:  # a killed run's shm files would fail this engine
+            _clear_stale_shm(info)
         saved = ProcessState.capture(info.device_type)  # before llm_kwargs edits the env
         engine_kwargs = llm_kwargs(
             model_path, info.device_type, tp_size=tp_size, seed=seed + self.dp_rank, max_model_len=max_model_len,
@@ -523,6 +525,21 @@ class ColocateRollout:
 
 
 # ----------------------------------------------------------------------------- helpers
+
+
+def _clear_stale_shm(info) -> None:
+    """Local rank 0 removes the CPU TP communicator's files a killed run left; every rank waits
+    for it before any engine creates its own (collective, like the engine build)."""
+    import torch.distributed as dist
+
+    from rlcore.cpu_kv import remove_stale_cpu_shm
+
+    if info.local_rank == 0:
+        removed = remove_stale_cpu_shm()
+        if removed:
+            log.warning("removed %d stale vLLM CPU shared-memory files of a killed run: %s", len(removed), removed)
+    if dist.is_initialized():
+        dist.barrier()
 
 
 def _model_config_json(path: str) -> dict:

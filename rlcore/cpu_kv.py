@@ -69,3 +69,29 @@ def _madvise(addr: int, length: int, advice: int) -> bool:
     libc = ctypes.CDLL(None, use_errno=True)
     libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     return libc.madvise(addr, length, advice) == 0
+
+
+def remove_stale_cpu_shm() -> list[str]:
+    """vLLM's CPU tensor-parallel communicator maps /dev/shm files with fixed names
+    ("-tp:0-[0-1]-cpushm_N"); a run killed mid-way (kill -9, OOM) leaves them behind, and the next
+    tp > 1 engine on the host then fails with "create shm in SHMManager failed. errno: 17". Remove
+    those no live process maps (another job's live ones stay); returns the removed paths."""
+    import glob
+    import os
+
+    stale = set(glob.glob("/dev/shm/*cpushm*"))
+    for maps in glob.glob("/proc/[0-9]*/maps") if stale else []:
+        try:
+            with open(maps) as f:
+                text = f.read()
+        except OSError:
+            continue
+        stale = {path for path in stale if path not in text}
+    removed = []
+    for path in sorted(stale):
+        try:
+            os.unlink(path)
+            removed.append(path)
+        except OSError:
+            pass
+    return removed

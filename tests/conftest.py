@@ -28,26 +28,11 @@ os.environ.update(QUIET_ENV)
 
 
 def _remove_stale_vllm_shm() -> None:
-    """vLLM's CPU tensor-parallel communicator maps /dev/shm files with fixed names
-    ("-tp:0-[0-1]-cpushm_N"); a run killed mid-way leaves them, and the next tp=2 engine on this
-    host then fails with "create shm in SHMManager failed. errno: 17". Remove those no live process
-    has mapped."""
-    import glob
+    """A killed tp=2 run's /dev/shm files (rlcore.cpu_kv.remove_stale_cpu_shm): the trainer clears
+    them itself before a CPU TP engine; tests that build engines directly get them cleared here."""
+    from rlcore.cpu_kv import remove_stale_cpu_shm
 
-    stale = set(glob.glob("/dev/shm/*cpushm*"))
-    if not stale:
-        return
-    for maps in glob.glob("/proc/[0-9]*/maps"):
-        try:
-            with open(maps) as f:
-                stale -= {path for path in stale if path in f.read()}
-        except OSError:
-            continue
-    for path in stale:
-        try:
-            os.unlink(path)
-        except OSError:
-            pass
+    remove_stale_cpu_shm()
 
 
 _remove_stale_vllm_shm()

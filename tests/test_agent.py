@@ -35,11 +35,17 @@ def chatml_model(tmp_path_factory) -> str:
     return make_chatml_tool_model(str(tmp_path_factory.mktemp("chatml_model")), QWEN3_TEMPLATE)
 
 
-@pytest.fixture(scope="module", params=["tiny", "qwen3"])
-def conv_run(request, tool_model, chatml_model, tmp_path_factory) -> dict:
-    out = tmp_path_factory.mktemp(f"agent_{request.param}") / "result.json"
-    run_torchrun(WORKER, 1, tool_model if request.param == "tiny" else chatml_model, str(out), request.param)
-    return {"kind": request.param, **json.loads(out.read_text())}
+@pytest.fixture(scope="module")
+def conv_runs(tool_model, chatml_model, tmp_path_factory) -> dict:
+    """One launch, one engine per template in turn (a torchrun start and vLLM import saved)."""
+    out = tmp_path_factory.mktemp("agent_worker") / "result.json"
+    run_torchrun(WORKER, 1, str(out), f"tiny={tool_model}", f"qwen3={chatml_model}")
+    return json.loads(out.read_text())
+
+
+@pytest.fixture(params=["tiny", "qwen3"])
+def conv_run(request, conv_runs) -> dict:
+    return {"kind": request.param, **conv_runs[request.param]}
 
 
 # --------------------------------------------------------------------------- real engine

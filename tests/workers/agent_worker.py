@@ -1,8 +1,8 @@
 """torchrun worker (1 rank) for tests/test_agent.py: multi-turn conversations on the real vLLM engine.
 
-usage: agent_worker.py MODEL_DIR OUT_JSON KIND     KIND: tiny (word-level template, SecretEnv:
+usage: agent_worker.py OUT_JSON KIND=MODEL_DIR ...     KIND: tiny (word-level template, SecretEnv:
 the model's own hermes calls) | qwen3 (Qwen3's template, an environment that answers every turn
-with two tool messages)
+with two tool messages). One engine per kind, built and shut down in turn in one launch.
 
 Every ``generate`` call is recorded on its way through (the engine is the real one); the pytest
 side checks that each conversation is exactly prompt ids + the ids vLLM returned + template deltas.
@@ -56,8 +56,14 @@ class Recorder:
 
 
 def main() -> None:
-    model_dir, out_path, kind = sys.argv[1:4]
+    out_path, runs = sys.argv[1], [a.split("=", 1) for a in sys.argv[2:]]
     info = init_distributed("cpu", 600)
+    results = {kind: run_kind(info, kind, model_dir) for kind, model_dir in runs}
+    with open(out_path, "w") as f:
+        json.dump(results, f)
+
+
+def run_kind(info, kind: str, model_dir: str) -> dict:
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(model_dir)
@@ -99,10 +105,9 @@ def main() -> None:
         "deltas_no_eos": {json.dumps(m): renderer.delta_ids(m, False) for m in _distinct_tool_turns(groups)},
         "repeat_equal": [c.response_ids for g in groups for c in g] == [c.response_ids for g in again for c in g],
     }
-    with open(out_path, "w") as f:
-        json.dump(result, f)
     agent.runner.shutdown()
     ro.shutdown()
+    return result
 
 
 def _distinct_tool_turns(groups) -> list[list[dict]]:
