@@ -56,3 +56,22 @@ def test_exit_code_output_and_atexit(body, code, stderr_has):
     if stderr_has:
         assert stderr_has in proc.stderr, proc.stderr
         assert proc.stderr.index(stderr_has) < proc.stderr.index("atexit ran")
+
+
+@pytest.mark.unit
+def test_stale_cpu_shm_files_are_removed_unless_a_process_maps_them():
+    """A killed tp=2 run leaves /dev/shm/*cpushm* files; the next engine start removes only those
+    no live process maps."""
+    import mmap
+
+    from rlcore.cpu_kv import remove_stale_cpu_shm
+
+    stale, live = "/dev/shm/rlcore-test-cpushm_stale", "/dev/shm/rlcore-test-cpushm_live"
+    for path in (stale, live):
+        with open(path, "wb") as f:
+            f.write(b"\0" * 4096)
+    with open(live, "r+b") as f, mmap.mmap(f.fileno(), 4096):
+        removed = remove_stale_cpu_shm()
+        assert stale in removed and live not in removed and os.path.exists(live)
+    os.unlink(live)
+    assert not os.path.exists(stale)
