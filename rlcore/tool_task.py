@@ -11,11 +11,7 @@ vLLM's hermes parser reads), reads the tool's message and copies the digit.
 
 from __future__ import annotations
 
-import json
-import os
-import random
-
-from rlcore.toy_task import DIGITS, SPECIAL, make_tiny_model
+from rlcore.toy_task import DIGITS, SPECIAL, make_tiny_model, write_splits
 
 CALL = '<tool_call>{"name":"lookup","arguments":{}}</tool_call>'
 WORDS = ["user", "assistant", "tool", "tools", "lookup", "secret", "?", CALL]
@@ -56,16 +52,8 @@ def make_tool_model(out_dir: str, seed: int = 0) -> str:
 
 def make_tool_data(out_dir: str, *, n_train: int = 2000, n_val: int = 200, seed: int = 0) -> tuple[str, str]:
     """tool_train.jsonl / tool_val.jsonl: the one question, each row with its own secret digit."""
-    os.makedirs(out_dir, exist_ok=True)
-    paths = []
-    for name, n, s in (("tool_train.jsonl", n_train, seed), ("tool_val.jsonl", n_val, seed + 1_000_003)):
-        rng = random.Random(s)
-        path = os.path.join(out_dir, name)
-        with open(path, "w") as f:
-            for _ in range(n):
-                f.write(json.dumps({"prompt": "secret ?", "answer": rng.choice(DIGITS)}) + "\n")
-        paths.append(path)
-    return paths[0], paths[1]
+    return write_splits(out_dir, "tool", n_train, n_val, seed,
+                        lambda rng: {"prompt": "secret ?", "answer": rng.choice(DIGITS)})
 
 
 class SecretEnv:

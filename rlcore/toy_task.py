@@ -122,13 +122,18 @@ def make_example(rng: random.Random, num_digits: int = 4) -> dict:
 def make_toy_data(out_dir: str, *, n_train: int = 2000, n_val: int = 200, seed: int = 0,
                   num_digits: int = 2) -> tuple[str, str]:
     """Write toy_train.jsonl and toy_val.jsonl (``prompt``/``answer`` rows) from separate seeds."""
+    return write_splits(out_dir, "toy", n_train, n_val, seed, lambda rng: make_example(rng, num_digits))
+
+
+def write_splits(out_dir: str, stem: str, n_train: int, n_val: int, seed: int, make_row) -> tuple[str, str]:
+    """{stem}_train.jsonl and {stem}_val.jsonl of ``make_row(rng)`` rows, each split from its own seed."""
     os.makedirs(out_dir, exist_ok=True)
     paths = []
-    for name, n, s in (("toy_train.jsonl", n_train, seed), ("toy_val.jsonl", n_val, seed + 1_000_003)):
+    for name, n, s in ((f"{stem}_train.jsonl", n_train, seed), (f"{stem}_val.jsonl", n_val, seed + 1_000_003)):
         rng = random.Random(s)
         path = os.path.join(out_dir, name)
         with open(path, "w") as f:
             for _ in range(n):
-                f.write(json.dumps(make_example(rng, num_digits)) + "\n")
+                f.write(json.dumps(make_row(rng)) + "\n")
         paths.append(path)
     return paths[0], paths[1]

@@ -19,7 +19,7 @@ import os
 import pytest
 
 from conftest import REPO, run_torchrun
-from workers.launch import FAULTY, TRAIN, Launch, comparable, rank_exit_codes, read_rows
+from workers.launch import FAULTY, TRAIN, Launch, comparable, kill9_when, rank_exit_codes, read_rows
 
 STEPS = 4
 
@@ -44,13 +44,7 @@ def runs(tmp_path_factory):
     a, b = str(root / "a"), str(root / "b")
     straight = run_torchrun(TRAIN, 2, *args(model, data, a))
     b_args = args(model, data, b, "--checkpoint.resume", "auto")
-    killed = Launch(2, b_args)
-    try:
-        killed.wait_for(r"saved checkpoint .*step_2$", timeout=600)
-        killed.wait_for(r"^step +3/", timeout=300)
-        killed.kill9()
-    finally:
-        killed.close()
+    kill9_when(2, b_args, r"saved checkpoint .*step_2$", r"^step +3/")
     preempted = Launch(2, b_args, env={"RLCORE_TEST_SIGNAL_STEP": "4"}, script=FAULTY,
                        launcher_args=("--monitor-interval=5",))
     try:

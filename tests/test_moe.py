@@ -59,19 +59,13 @@ def test_expert_parallel_end_to_end_resume_and_export(tiny_moe, toy_data, tmp_pa
     """4 steps with EP=2 on 2 ranks (policy and reference), against the same run killed (-9) after
     step 2's checkpoint and resumed: equal metric rows and final weights; the HF export loads in
     transformers (per-expert names) and in vLLM; the sync kept vLLM on the trainer's weights."""
-    from workers.launch import TRAIN, Launch, comparable, read_rows
+    from workers.launch import TRAIN, comparable, kill9_when, read_rows
 
     a, b = str(tmp_path / "a"), str(tmp_path / "b")
     proc = run_torchrun(TRAIN, 2, *moe_args(tiny_moe, toy_data[0], a))
     assert "experts: torch_ep kernel, expert parallel 2" in proc.stdout
-    killed = Launch(2, moe_args(tiny_moe, toy_data[0], b, "--checkpoint.save_every", "2",
-                                "--checkpoint.resume", "auto", "--checkpoint.save_hf_final", "false"))
-    try:
-        killed.wait_for(r"saved checkpoint .*step_2$", timeout=600)
-        killed.wait_for(r"^step +3/", timeout=300)
-        killed.kill9()
-    finally:
-        killed.close()
+    kill9_when(2, moe_args(tiny_moe, toy_data[0], b, "--checkpoint.save_every", "2", "--checkpoint.resume", "auto",
+                           "--checkpoint.save_hf_final", "false"), r"saved checkpoint .*step_2$", r"^step +3/")
     run_torchrun(TRAIN, 2, *moe_args(tiny_moe, toy_data[0], b, "--checkpoint.save_every", "2",
                                      "--checkpoint.resume", "auto"))
     rows_a, rows_b = read_rows(a), read_rows(b)

@@ -105,6 +105,17 @@ class Launch:
             self.kill9()
 
 
+def kill9_when(nproc: int, args: list[str], *patterns: str, timeout: float = 600) -> None:
+    """Launch, wait for each output line pattern in turn, then kill -9 the launcher and its ranks."""
+    killed = Launch(nproc, args)
+    try:
+        for pattern in patterns:
+            killed.wait_for(pattern, timeout=timeout)
+        killed.kill9()
+    finally:
+        killed.close()
+
+
 def _is_zombie(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as f:
