@@ -16,11 +16,9 @@ def renderer_for(cfg, tokenizer):
     if not mt.enable:
         return None
     from rlcore.agent.chat import ChatRenderer
-    from rlcore.agent.config import load_env_class
-    from rlcore.agent.tools import load_tools
-    from rlcore.rewards import load_custom_fn
+    from rlcore.agent.config import configured_tools, load_env_class
 
-    schemas = [t.schema for t in load_tools(cfg.tools, load_custom_fn).values()]
+    schemas = [t.schema for t in configured_tools(cfg.tools).values()]
     if cfg.env.cls is not None:
         schemas += list(getattr(load_env_class(cfg.env.cls), "tool_schemas", []) or [])
     template = None
@@ -55,14 +53,13 @@ def build_agent(cfg, tokenizer, rollout):
     import functools
 
     from rlcore.agent.chat import ToolCallParser
-    from rlcore.agent.config import load_env_class
+    from rlcore.agent.config import configured_tools, load_env_class
     from rlcore.agent.loop import Agent
     from rlcore.agent.sandbox import Limits
-    from rlcore.agent.tools import ToolRunner, load_tools
-    from rlcore.rewards import load_custom_fn
+    from rlcore.agent.tools import ToolRunner
 
     renderer = renderer_for(cfg, tokenizer)
-    tools = load_tools(cfg.tools, load_custom_fn)
+    tools = configured_tools(cfg.tools)
     limits = Limits(timeout_s=mt.tool_timeout_s, cpu_s=mt.tool_cpu_s, memory_mb=mt.tool_memory_mb,
                     output_bytes=mt.tool_output_bytes)
     env_factory = None

@@ -37,6 +37,7 @@ class ChatRenderer:
                                 "with one: set rollout.multi_turn.chat_template to a Jinja file "
                                 "(e.g. configs/chat_templates/qwen3.jinja)")
         self.turn_end = self._turn_end()
+        self._before = self.render(_PLACEHOLDER, False)  # the fixed start every delta is cut from
 
     def render(self, messages: list[dict], generation_prompt: bool) -> str:
         return self.tokenizer.apply_chat_template(messages, tools=self.tools, chat_template=self.template,
@@ -64,8 +65,7 @@ class ChatRenderer:
         """Ids of ``new_messages`` (tool / environment turns) and the next generation prompt, as the
         template renders them after an assistant turn. ``ended_with_eos``: the sampled turn's last
         token is the EOS (the template's separator after it then comes first)."""
-        before = self.render(_PLACEHOLDER, False)
-        after = self.render(_PLACEHOLDER + new_messages, True)
+        before, after = self._before, self.render(_PLACEHOLDER + new_messages, True)
         if not after.startswith(before):
             raise TemplateError("the chat template renders a conversation's start differently once tool messages "
                                 "follow it, so no suffix rule applies; use a template whose earlier turns do not "

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import functools
+import json
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -62,6 +64,21 @@ class EnvConfig:
     """Keyword arguments of the class."""
 
 
+@functools.lru_cache(maxsize=8)
+def _tools(specs_json: str) -> dict:
+    from rlcore.agent.tools import load_tools
+    from rlcore.rewards import load_custom_fn
+
+    return load_tools(json.loads(specs_json), load_custom_fn)
+
+
+def configured_tools(specs: list) -> dict:
+    """name -> Tool of the ``tools`` config, loaded once per process: the config check, the prompt
+    renderer and the agent share them (a user's tool file is imported, and runs, once)."""
+    return _tools(json.dumps(specs, sort_keys=True))
+
+
+@functools.lru_cache(maxsize=8)
 def load_env_class(ref: str):
     from rlcore.rewards import load_custom_fn
 
@@ -87,15 +104,13 @@ def check_agent(cfg) -> None:
                               "remove the env component")
         return
     from rlcore.agent.chat import known_parsers
-    from rlcore.agent.tools import load_tools
-    from rlcore.rewards import load_custom_fn
 
     parsers = known_parsers()
     if cfg.rollout.tool_parser not in parsers:
         raise ConfigError(f"rollout.tool_parser={cfg.rollout.tool_parser!r} is not one of vLLM's tool parsers: "
                           f"choose from {', '.join(parsers)} (hermes for Qwen2.5/Qwen3 <tool_call> JSON)")
     try:
-        load_tools(cfg.tools, load_custom_fn)
+        configured_tools(cfg.tools)
     except ValueError as e:
         raise ConfigError(f"tools: {e}") from e
     if cfg.env.cls is not None:
