@@ -40,7 +40,7 @@ class Policy(Protocol):
     def load_checkpoint(self, path: str) -> dict: ...
     def save_hf(self, path: str, dtype: str = "float32") -> None: ...
     def describe(self) -> str: ...
-    def routing(self, mode: str | None) -> AbstractContextManager: ...
+    def routing(self, mode: str | None, rows: tuple | None = None) -> AbstractContextManager: ...
     def routing_metrics(self) -> dict[str, float]: ...
 
 
@@ -96,7 +96,8 @@ def build_reference(model: ModelConfig, offload: OffloadConfig, info: DistInfo, 
                         ep_size=ep_size, moe_implementation=model.moe_implementation)
 
 
-def build_rollout(model: ModelConfig, rollout: RolloutConfig, info: DistInfo, seed: int) -> Rollout:
+def build_rollout(model: ModelConfig, rollout: RolloutConfig, info: DistInfo, seed: int,
+                  routed_experts: bool = False) -> Rollout:
     from rlcore.colocate_rollout import ColocateRollout
 
     r = rollout
@@ -105,7 +106,7 @@ def build_rollout(model: ModelConfig, rollout: RolloutConfig, info: DistInfo, se
         dtype=model.dtype, kv_cache_gb=r.kv_cache_gb, gpu_memory_utilization=r.gpu_memory_utilization,
         sleep_level=r.sleep_level, weight_load=r.weight_load, enforce_eager=r.enforce_eager,
         max_num_seqs=r.max_num_seqs, max_num_batched_tokens=r.max_num_batched_tokens,
-        enable_prefix_caching=r.enable_prefix_caching,
+        enable_prefix_caching=r.enable_prefix_caching, return_routed_experts=routed_experts,
         **({"limit_mm_per_prompt": r.limit_mm_per_prompt} if r.limit_mm_per_prompt is not None else {}))
 
 
@@ -145,7 +146,8 @@ def build_engines(cfg: Config, info: DistInfo, timer: Timer, probe_prompts: list
             # The run starts in the generation phase: the trainer's state waits on the host, so
             # vLLM sizes its KV cache from the memory generation really has.
             policy.offload(params=cfg.offload.params, optimizer=cfg.offload.optimizer)
-        rollout = build_rollout(cfg.model, cfg.rollout, info, cfg.trainer.seed)
+        rollout = build_rollout(cfg.model, cfg.rollout, info, cfg.trainer.seed,
+                                routed_experts=cfg.algorithm.routing_replay == "r3")
     switch = build_switch(policy, rollout, cfg.model, cfg.rollout, cfg.offload, info, timer, probe_prompts)
     if cfg.logging.switch_trace:
         switch.trace_to_stderr()

@@ -28,6 +28,7 @@ import os
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -80,6 +81,7 @@ class Sample:
     response_ids: list[int]  # sampled tokens, the stop/EOS token included when it ended the sample
     logprobs: list[float]  # [len(response_ids)] log_softmax(logits / T) at each sampled token
     finish_reason: str  # "stop" | "length"
+    routed_experts: Any = None  # R3: vLLM's (P + R - 1, layers, K) experts per token run, else None
 
 
 # ----------------------------------------------------------------------------- the engine
@@ -87,14 +89,15 @@ class Sample:
 
 def llm_kwargs(model_path: str, device_type: str, *, tp_size: int, seed: int, max_model_len: int, dtype: str,
                kv_cache_gb: float, gpu_memory_utilization: float, enforce_eager: bool, multimodal: bool,
-               speed: dict, limit_mm_per_prompt: dict | None = None, mm_processor_cache_gb: float | None = None
-               ) -> dict:
+               speed: dict, limit_mm_per_prompt: dict | None = None, mm_processor_cache_gb: float | None = None,
+               routed_experts: bool = False) -> dict:
     """Every keyword ``ColocateRollout`` hands ``vllm.LLM(...)`` (and so vLLM's ``EngineArgs``),
     without building anything: the engine and scripts/check_config.py's dry run use this one.
     ``seed``: the engine seed plus the DP rank (same inside a TP group: ranks must sample the same
     token; different per replica, else every replica samples identical completions). On CPU it
     drops ``VLLM_CPU_KVCACHE_SPACE`` from the environment and on npu it sets vllm-ascend's NZ
-    switch (both read while the engine is built)."""
+    switch (both read while the engine is built). ``routed_experts``: vLLM returns each sample's
+    experts per token (R3 routing replay; rlcore.rollout_routing)."""
     if device_type == "cpu":
         # Explicit size: vLLM's auto sizing takes ~60% of host RAM per rank (OOM with 2 ranks).
         # The legacy env var would silently override it (restored by ProcessState).
@@ -110,7 +113,20 @@ def llm_kwargs(model_path: str, device_type: str, *, tp_size: int, seed: int, ma
         **cpu_prefill_kwargs(device_type),
         **multimodal_kwargs(multimodal, limit_mm_per_prompt=limit_mm_per_prompt,
                             mm_processor_cache_gb=mm_processor_cache_gb),
+        **({"enable_return_routed_experts": True} if routed_experts else {}),
     )
+
+
+def config_llm_kwargs(cfg, device_type: str) -> dict:
+    """``llm_kwargs`` of a run's config (``rlcore.config.Config``) for ``device_type``."""
+    r, m = cfg.rollout, cfg.model
+    return llm_kwargs(m.path, device_type, tp_size=r.tensor_parallel_size, seed=cfg.trainer.seed,
+                      max_model_len=r.max_model_len, dtype=m.dtype, kv_cache_gb=r.kv_cache_gb,
+                      gpu_memory_utilization=r.gpu_memory_utilization, enforce_eager=r.enforce_eager,
+                      multimodal=bool(cfg.data.image_key), limit_mm_per_prompt=r.limit_mm_per_prompt,
+                      speed=dict(max_num_seqs=r.max_num_seqs, max_num_batched_tokens=r.max_num_batched_tokens,
+                                 enable_prefix_caching=r.enable_prefix_caching),
+                      routed_experts=cfg.algorithm.routing_replay == "r3")
 
 
 
@@ -136,6 +152,7 @@ class ColocateRollout:
         enable_prefix_caching: bool | None = None,
         limit_mm_per_prompt: dict[str, int] | None = None,
         mm_processor_cache_gb: float | None = None,
+        return_routed_experts: bool = False,
     ):
         """``enforce_eager`` None: eager on CPU, CUDA/ACL graphs on accelerators (they survive
         sleep/wake: see rollout_checks.pick_enforce_eager). ``max_num_seqs``,
@@ -175,7 +192,8 @@ class ColocateRollout:
             enforce_eager=self.enforce_eager, multimodal=multimodal_guess,
             speed=dict(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                        enable_prefix_caching=enable_prefix_caching),
-            limit_mm_per_prompt=limit_mm_per_prompt, mm_processor_cache_gb=mm_processor_cache_gb)
+            limit_mm_per_prompt=limit_mm_per_prompt, mm_processor_cache_gb=mm_processor_cache_gb,
+            routed_experts=return_routed_experts)
         try:
             self.llm = self._build_engine(model_path, engine_kwargs)
             # The worker seeded the global RNG with seed + dp_rank: keep that as the engine's
@@ -567,11 +585,12 @@ def _to_sample(completion) -> Sample:
     ids = list(completion.token_ids)
     # logprobs=0 -> one {token_id: Logprob} dict per step holding the sampled token.
     logprobs = [step[tok].logprob for tok, step in zip(ids, completion.logprobs)]
-    return Sample(response_ids=ids, logprobs=logprobs, finish_reason=completion.finish_reason)
+    return Sample(response_ids=ids, logprobs=logprobs, finish_reason=completion.finish_reason,
+                  routed_experts=getattr(completion, "routed_experts", None))  # vllm 0.23 and 0.32: outputs.py
 
 
 def _copy_sample(s: Sample) -> Sample:
-    return Sample(list(s.response_ids), list(s.logprobs), s.finish_reason)
+    return Sample(list(s.response_ids), list(s.logprobs), s.finish_reason, s.routed_experts)
 
 
 def _detached(weights: Iterable[tuple[str, torch.Tensor]], names: list[str]) -> Iterator[tuple[str, torch.Tensor]]:

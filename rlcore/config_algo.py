@@ -86,11 +86,13 @@ class AlgorithmConfig:
     response_only_logits: bool = True
     """Project only the hidden states that predict response tokens to the vocabulary (the LM
     head's cost then scales with response tokens, not prompt tokens). False only for benchmarks."""
-    routing_replay: Optional[Literal["r2"]] = None
-    """Mixture-of-experts routing replay. r2: the old log-prob forward of a step records each
-    token's experts and every forward of the update replays them, recomputing only the gate
-    weights (needs ppo_epochs > 1 or mini_batches > 1, and a family VeOmni's replay hook is wired
-    into: qwen3_moe, qwen3_5_moe, deepseek_v4); null = off."""
+    routing_replay: Optional[Literal["r2", "r3"]] = None
+    """Mixture-of-experts routing replay: every forward of the update uses recorded experts for
+    each token, recomputing only the gate weights (a family VeOmni's replay hook is wired into:
+    qwen3_moe, qwen3_5_moe, deepseek_v4). r3: the experts vLLM routed each token to while
+    sampling (vLLM returns them: CUDA with its V2 model runner, Ascend; vLLM refuses on CPU), so
+    the trained policy routes like the one that sampled. r2: the step's first training forward
+    records them (needs ppo_epochs > 1 or mini_batches > 1). null = off."""
     use_rollout_logprobs: bool = False
     """Take vLLM's sampling log-probs as the PPO ratio's old log-probs and skip the trainer's
     recompute (only with ppo_epochs 1 and mini_batches 1)."""
@@ -112,7 +114,7 @@ class AlgorithmConfig:
               "it must be >= 0 (0 disables overlong shaping)")
         check(self.oversample_max >= 1, "algorithm.oversample_max", self.oversample_max,
               "it must be >= 1 (1 = no oversampling)")
-        check(self.routing_replay is None or self.ppo_epochs * self.mini_batches > 1, "algorithm.routing_replay",
+        check(self.routing_replay != "r2" or self.ppo_epochs * self.mini_batches > 1, "algorithm.routing_replay",
               self.routing_replay, "r2 replays the old log-prob forward's routing in the later forwards of a "
               "step; with ppo_epochs 1 and mini_batches 1 the update is that forward: raise one of them, or null")
         check(self.max_sampling_rounds >= 1, "algorithm.max_sampling_rounds", self.max_sampling_rounds,

@@ -129,16 +129,11 @@ def check_vllm(cfg: Config, device: str) -> Check:
     from vllm import LLM
     from vllm.engine.arg_utils import EngineArgs
 
-    from rlcore.colocate_rollout import llm_kwargs
+    from rlcore.colocate_rollout import config_llm_kwargs
     from rlcore.rollout_checks import check_engine_kwargs, check_sleep_level_supported
 
-    r, m = cfg.rollout, cfg.model
-    kwargs = llm_kwargs(m.path, device, tp_size=r.tensor_parallel_size, seed=cfg.trainer.seed, max_model_len=r.max_model_len,
-                        dtype=m.dtype, kv_cache_gb=r.kv_cache_gb, gpu_memory_utilization=r.gpu_memory_utilization,
-                        enforce_eager=r.enforce_eager, multimodal=bool(cfg.data.image_key),
-                        speed=dict(max_num_seqs=r.max_num_seqs, max_num_batched_tokens=r.max_num_batched_tokens,
-                                   enable_prefix_caching=r.enable_prefix_caching),
-                        limit_mm_per_prompt=r.limit_mm_per_prompt)
+    r = cfg.rollout
+    kwargs = config_llm_kwargs(cfg, device)
     fields = [f.name for f in dataclasses.fields(EngineArgs)]
     for step in (lambda: check_engine_kwargs(fields, kwargs), lambda: EngineArgs(**kwargs),
                  lambda: check_sleep_level_supported(LLM, device, r.sleep_level)):
@@ -147,6 +142,14 @@ def check_vllm(cfg: Config, device: str) -> Check:
             return Check("vllm_engine_args", FAIL, f"vLLM {vllm.__version__}: {problem}")
     pin = {"npu": "0.23.0", "cuda": "0.32.0"}.get(device)
     note = "" if pin in (None, vllm.__version__) else f" (the {device} pin is vLLM {pin}: install the cluster's set here)"
+    if cfg.algorithm.routing_replay == "r3":
+        from rlcore.dist import detect_device
+        from rlcore.rollout_routing import vllm_verdict
+
+        if detect_device()[0] != device:  # vLLM judges its own platform only
+            note += f"; r3's routed-experts check (vLLM's own) runs on the {device} machine at the run's start"
+        elif problem := _quiet(vllm_verdict, kwargs, device)[0]:
+            return Check("vllm_engine_args", FAIL, f"vLLM {vllm.__version__} refuses r3's routed experts: {problem}")
     return Check("vllm_engine_args", OK if not note else WARN,
                  f"vLLM {vllm.__version__} accepts all {len(kwargs)} LLM keywords{note}")
 

@@ -1,6 +1,8 @@
-"""MoE routing replay for the policy engine: R2 (record the routing of the step's first training
-forward, replay it in the later ones), keyed by token identity so the later forwards may pack the
-samples differently. An engine module: it talks to VeOmni's own hook.
+"""MoE routing replay for the policy engine, keyed by token identity so the forwards may pack the
+samples differently. R2: record the routing of the step's first training forward, replay it in
+the later ones. R3: replay the experts vLLM routed each token to while sampling (``load``; the
+rows come from rlcore.rollout_routing and grpo.rollout_routing). An engine module: it talks to
+VeOmni's own hook.
 
 VeOmni's hook (veomni/utils/moe_router_replay.py): a manager installed with
 ``set_active_replay`` gets ``on_router_forward(router, scores, top_k_indices)`` from every wired
@@ -20,6 +22,7 @@ parallelism exchanges tokens after routing), so the keys line up with the hook's
 from __future__ import annotations
 
 import contextlib
+import re
 from typing import Iterator
 
 import torch
@@ -43,18 +46,34 @@ class RoutingReplay:
         from veomni.utils.moe_router_replay import validate_model_for_replay
 
         validate_model_for_replay(model)  # VeOmni's own check: a RuntimeError naming the wired families
-        routers = [m for _, m in model.named_modules() if type(m).__name__.endswith("TopKRouter")]
-        self.layer_of = {id(m): i for i, m in enumerate(routers)}
+        routers = [(n, m) for n, m in model.named_modules() if type(m).__name__.endswith("TopKRouter")]
+        self.layer_of = {id(m): i for i, (_, m) in enumerate(routers)}
+        # each router's decoder layer (vLLM's routed-experts rows index layers so: dense ones stay empty)
+        self.decoder_layer = [int(re.search(r"layers\.(\d+)\.", n).group(1)) for n, _ in routers]
         self.mode: str | None = None
         self.keys: torch.Tensor | None = None  # (L,) int64 keys of the forward in flight
         self._chunks: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
         self._tables: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._free = torch.zeros(0, dtype=torch.long)  # sorted keys whose native choice is fine (R3)
         self.reset_counts()
 
     def reset(self) -> None:
         """Forget the step's routing (a new step routes anew)."""
-        self._chunks, self._tables = {}, {}
+        self._chunks, self._tables, self._free = {}, {}, torch.zeros(0, dtype=torch.long)
         self.reset_counts()
+
+    def load(self, keys: torch.Tensor, experts: torch.Tensor, free: torch.Tensor) -> None:
+        """R3: replace the step's routing with given rows: ``keys`` (M,), ``experts`` (M, layers, K)
+        indexed by decoder layer (vLLM's layout, grpo.rollout_routing), ``free`` the keys that
+        may route natively without counting as missing."""
+        self.reset()
+        if len(keys) and experts.shape[1] <= max(self.decoder_layer, default=-1):
+            raise RuntimeError(f"routing replay r3: vLLM returned {experts.shape[1]} layers of routed experts, "
+                               f"the policy routes in decoder layer {max(self.decoder_layer)}: not the same model")
+        order = torch.argsort(keys, stable=True)
+        for layer, d in enumerate(self.decoder_layer):
+            self._tables[layer] = (keys[order], experts[order, d])
+        self._free = free.sort().values
 
     def reset_counts(self) -> None:
         n = len(self.layer_of)
@@ -88,11 +107,12 @@ class RoutingReplay:
         sorted_keys, table = self._table(layer, top)
         at = torch.searchsorted(sorted_keys, keys).clamp(max=max(len(sorted_keys) - 1, 0))
         found = sorted_keys[at] == keys if len(sorted_keys) else torch.zeros_like(keys, dtype=torch.bool)
-        target = torch.where(found.unsqueeze(-1), table[at] if len(table) else top, top)  # (L, K)
+        given = table[at].to(device=top.device, dtype=top.dtype) if len(table) else top
+        target = torch.where(found.unsqueeze(-1), given, top)  # (L, K)
         same = (target.sort(-1).values == top.sort(-1).values).all(-1) & found
         self.agree[layer] += same.sum().item()
         self.seen[layer] += found.sum().item()
-        self.missing += int((~found).sum())
+        self.missing += int((~found & ~torch.isin(keys, self._free.to(keys.device))).sum())
         return target
 
     def _table(self, layer: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -105,12 +125,15 @@ class RoutingReplay:
                 top = torch.cat([t for _, t in chunks])
                 order = torch.argsort(keys, stable=True)
                 self._tables[layer] = (keys[order], top[order])
-        return self._tables[layer]
+        keys, top = self._tables[layer]
+        if keys.device != like.device:  # R3's rows arrive on the host: moved once per step and layer
+            self._tables[layer] = keys, top = keys.to(like.device), top.to(like.device)
+        return keys, top
 
     def indices(self, layer: int, keys: torch.Tensor) -> torch.Tensor:
         """The recorded top-k of ``keys`` at ``layer`` (for tests and debugging)."""
         sorted_keys, table = self._table(layer, torch.zeros(0, 1, dtype=torch.long))
-        return table[torch.searchsorted(sorted_keys, keys.to(sorted_keys.device))]
+        return table[torch.searchsorted(sorted_keys, keys.to(sorted_keys.device))].long()
 
     def counts(self) -> dict[str, float]:
         """This rank's sums since the last reset_counts: agreeing and replayed tokens over all

@@ -345,12 +345,15 @@ class VeOmniPolicy:
             logp, entropy = logp.detach(), entropy.detach()
         return logp, (entropy if with_entropy else None)
 
-    def routing(self, mode: str | None):
-        """Context: the MoE routers record or replay each token's experts (rlcore.engine_replay)."""
+    def routing(self, mode: str | None, rows: tuple | None = None):
+        """Context: the MoE routers record or replay each token's experts (rlcore.engine_replay);
+        ``rows`` (R3: grpo.rollout_routing) replace the step's routing before a replay."""
         if mode is None or self.replay is None:
             return contextlib.nullcontext()
         if mode == "record":
             self.replay.reset()
+        elif rows is not None:
+            self.replay.load(*rows)
         return self.replay.active(mode)
 
     def routing_metrics(self) -> dict[str, float]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from rlcore import advantage, rollout_correction
@@ -42,6 +43,9 @@ class RolloutBatch:
     final_ids: list[list[int]] | None = None
     env_rewards: list[float | None] | None = None
     conversations: list | None = None  # each sample's rlcore.agent.loop.Conversation (metrics, val samples)
+    # R3 (algorithm.routing_replay: r3): per sample vLLM's routed experts, (P + R - 1, layers, K)
+    # uint8/uint16 rows for every token it ran a forward for (rlcore.rollout_routing). None: off.
+    routed_experts: list | None = None
 
     def __post_init__(self):
         if self.keep is None:
@@ -111,7 +115,7 @@ def informative_groups(scores: torch.Tensor, group_size: int) -> list[int]:
 
 # RolloutBatch's per-sample lists, carried by select() and concat() (uids/gids are renumbered by concat)
 _PER_SAMPLE = ("prompt_ids", "response_ids", "rollout_logp", "answers", "finish_reasons", "keep", "vision", "uids",
-               "gids", "env_mask", "final_ids", "env_rewards", "conversations")
+               "gids", "env_mask", "final_ids", "env_rewards", "conversations", "routed_experts")
 
 
 def concat(batches: list[RolloutBatch]) -> RolloutBatch:
@@ -234,6 +238,31 @@ def token_keys(batch: RolloutBatch, device, share_prompt: bool = False) -> torch
         for i in range(a, b):
             keys += [token_key(batch.uids[i], j) for j in range(n, n + len(batch.response_ids[i]))]
     return torch.tensor(keys, dtype=torch.long, device=device).unsqueeze(0)
+
+
+def rollout_routing(batch: RolloutBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """R3's replay rows from vLLM's routed experts: keys (M,) as ``token_keys`` names the tokens,
+    experts (M, layers, K) in vLLM's dtype (its layer index is the decoder layer's), and the keys
+    of the tokens vLLM ran no forward for (each response's last token: nothing is predicted from
+    it, so its routing changes no log-prob), which keep their native choice. A group's prompt
+    rows come from its first sample (vLLM routes a shared prompt once; prefix-cached blocks keep
+    their routing)."""
+    keys, rows, free, groups = [], [], [], set()
+    for i, (p, r, experts) in enumerate(zip(batch.prompt_ids, batch.response_ids, batch.routed_experts)):
+        total = len(p) + len(r)
+        if experts is None or len(experts) != total - 1:
+            raise RuntimeError(f"routing replay r3: sample {i} has {None if experts is None else len(experts)} rows "
+                               f"of routed experts from vLLM for {total} tokens (expected {total - 1}: the prompt "
+                               f"and every sampled token but the last)")
+        gid, uid = batch.gids[i], batch.uids[i]
+        start = len(p) if gid in groups else 0
+        groups.add(gid)
+        keys += [token_key(gid, j, prompt=True) for j in range(start, len(p))]
+        keys += [token_key(uid, j) for j in range(max(start, len(p)), total - 1)]
+        part = torch.as_tensor(np.asarray(experts[start:]))
+        rows.append(part if part.dtype == torch.uint8 else part.to(torch.int32))  # torch indexes no uint16
+        free.append(token_key(uid, total - 1))
+    return torch.tensor(keys, dtype=torch.long), torch.cat(rows), torch.tensor(free, dtype=torch.long)
 
 
 def shared_prompt_mask(run: torch.Tensor, seg: torch.Tensor) -> torch.Tensor:
@@ -492,16 +521,18 @@ def train_on_batch(policy, ref, batch: RolloutBatch, adv: torch.Tensor, cfg: Alg
     (``tis_cap``: rollout_correction.tis_cap; ``clip_cov``: advantage.clip_cov_weights' ratio, low,
     high; ``correction``: RolloutCorrectionConfig.options(), which needs the old log-probs first).
     With ``algorithm.routing_replay: r2`` the old log-prob forward records each token's experts
-    and every forward of the update replays them."""
+    and every forward of the update replays them; with r3 every forward replays vLLM's."""
     on_policy = cfg.ppo_epochs == 1 and cfg.mini_batches == 1
-    r2 = cfg.routing_replay == "r2"
+    replay = {"r2": "record", "r3": "replay"}.get(cfg.routing_replay)
+    rows = rollout_routing(batch) if cfg.routing_replay == "r3" else None
     if cfg.use_rollout_logprobs:  # vLLM's log-probs as the ratio's denominator: no recompute
         old = batch.rollout_logp_matrix().to(device)
-    elif on_policy and correction is None and not r2:
+    elif on_policy and correction is None and replay != "record":
         old = None
     else:
-        with _routing(policy, "record" if r2 else None):
+        with _routing(policy, replay, rows):
             old = compute_logprobs_in_chunks(policy, batch, temperature, cfg, device)
+        rows = None  # loaded: the update replays the same
     ref_logp = None
     if ref is not None:
         with ref.on_device():  # an offloaded reference comes to the device once per step, not per micro-batch
@@ -512,17 +543,17 @@ def train_on_batch(policy, ref, batch: RolloutBatch, adv: torch.Tensor, cfg: Alg
                                                 batch.response_mask().to(device), **correction)
         w_max = all_reduce_max([sums.pop("w_max", 0.0)])[0]
         extra = rollout_correction.summarise(all_rank_sums(sums), w_max)
-    with _routing(policy, "replay" if r2 else None):
+    with _routing(policy, replay and "replay", rows):
         metrics = ppo_update(policy, batch, adv.to(device), old, ref_logp, cfg, temperature, world_size, device,
                              norm_len=norm_len, tis_cap=tis_cap, clip_cov=clip_cov, correction=corr)
-    if r2:
+    if replay:
         extra.update(policy.routing_metrics())
     return {**metrics, **extra}
 
 
-def _routing(policy, mode: str | None):
-    """The policy's routing-replay context for ``mode``; nothing when None."""
-    return contextlib.nullcontext() if mode is None else policy.routing(mode)
+def _routing(policy, mode: str | None, rows: tuple | None = None):
+    """The policy's routing-replay context for ``mode`` (R3's ``rows`` loaded first); nothing when None."""
+    return contextlib.nullcontext() if mode is None else policy.routing(mode, rows)
 
 
 def rollout_metrics(batch: RolloutBatch, scores: torch.Tensor, adv: torch.Tensor, metrics: dict,

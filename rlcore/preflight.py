@@ -7,9 +7,10 @@ import dataclasses
 import json
 import os
 
-from rlcore import agent, checkpoint, rewards
+from rlcore import agent, checkpoint, rewards, rollout_routing
 from rlcore.config import Config, ConfigError, check, fail
 from rlcore.data import load_prompts
+from rlcore.dist import detect_device
 from rlcore.ownership import claim_output_dir
 
 
@@ -23,6 +24,7 @@ def preflight(cfg: Config, rank: int, world_size: int):
     with code 2 here. Returns (tokenizer, image processor or None, prompts, checkpoint to resume)."""
     try:
         validate_against_world(cfg, world_size)
+        rollout_routing.check_config(cfg, detect_device(cfg.parallel.device)[0])  # r3: vLLM's own verdict
         claim_output_dir(cfg.trainer.output_dir, rank)  # before anything in it is read or written
         resume_from = checkpoint.find_resume(cfg.trainer.output_dir, cfg.checkpoint.resume,
                                              report=_print_main if rank == 0 else None)

@@ -173,7 +173,9 @@ class StepSampler:
             prompt_ids=[ids for _, (ids, _), _ in flat], response_ids=[s.response_ids for _, _, s in flat],
             rollout_logp=[s.logprobs for _, _, s in flat], answers=[p.answer for p, _, _ in flat],
             finish_reasons=[s.finish_reason for _, _, s in flat], group_size=r.n,
-            vision=[v for _, (_, v), _ in flat] if images else None)
+            vision=[v for _, (_, v), _ in flat] if images else None,
+            routed_experts=[s.routed_experts for _, _, s in flat] if flat and flat[0][2].routed_experts is not None
+            else None)
 
     def score(self, batch: grpo.RolloutBatch) -> tuple[torch.Tensor, dict]:
         """Rule-based rewards (N,), then DAPO overlong shaping / truncation masking when configured."""

@@ -154,6 +154,13 @@ CASES = [
     ("routing_replay_one_forward", ["--algorithm.routing_replay", "r2"], "algorithm.routing_replay='r2'", 2),
     ("routing_replay_dense", ["--algorithm.routing_replay", "r2", "--algorithm.ppo_epochs", "2"],
      "routing replay needs a mixture-of-experts model", 2),
+    # r3 on this CPU host: vLLM's own validation refuses an engine that returns routed experts
+    ("routing_replay_r3_on_cpu", ["--model.path", "{moe6}", "--algorithm.routing_replay", "r3"],
+     "refuses that engine on this cpu machine: AuxOutput Connector requires Model Runner V2", 2),
+    ("routing_replay_r3_multi_turn", ["--model.path", "{moe6}", "--algorithm.routing_replay", "r3",
+                                      "--rollout.multi_turn.enable", "true", "--tools", "[calculator]",
+                                      "--rollout.multi_turn.max_total_tokens", "32"],
+     "use algorithm.routing_replay: r2 for", 2),
     # mixture of experts
     ("ep_size_zero", ["--parallel.ep_size", "0"], "parallel.ep_size=0", 2),
     ("ep_not_dividing_world", ["--parallel.ep_size", "3"], "it must divide the world size 2", 2),

@@ -59,6 +59,8 @@ def gpu_check_config(tmp_path, model_args: list[str]) -> str:
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory, tiny_model, toy_data) -> dict[str, dict[str, list]]:
+    from rlcore.toy_task import make_tiny_moe_model
+
     tmp = tmp_path_factory.mktemp("check_config")
     cfg = lambda name: os.path.join(REPO, "configs", f"{name}.yaml")  # noqa: E731
     tiny = ["--model.path", tiny_model, "--data.train_files", json.dumps([toy_data[0]]), "--data.val_files", "[]"]
@@ -74,6 +76,11 @@ def results(tmp_path_factory, tiny_model, toy_data) -> dict[str, dict[str, list]
                       "cuda", 2, 1),
         "qwen3_8b_math_16npu": (["--config", cfg("qwen3_8b_math_16npu"), *stand_in(tmp, "d", "qwen3_8b")], "npu", 16, 1),
         "moe_on_npu": (["--config", cfg("qwen3_30b_a3b_math_16gpu"), *stand_in(tmp, "e", "qwen3_30b_a3b")], "npu", 16, 1),
+        "r3_cuda": (["--config", cfg("qwen3_30b_a3b_math_16gpu"), *stand_in(tmp, "h", "qwen3_30b_a3b"),
+                     "--algorithm.routing_replay", "r3"], "cuda", 8, 2),
+        "r3_cpu": (["--config", cfg("demo_moe_cpu"), "--model.path", make_tiny_moe_model(str(tmp / "moe")),
+                    "--data.train_files", json.dumps([toy_data[0]]), "--data.val_files", json.dumps([toy_data[0]]),
+                    "--trainer.output_dir", str(tmp / "r3"), "--algorithm.routing_replay", "r3"], "cpu", 2, 1),
     }
     # The CUDA set's pure-Python wheels on the path, as on a cluster's login node (scripts/setup_env.sh
     # installs them there): flash-attn-4's namespace-package trap is in play, and VeOmni's own
@@ -118,6 +125,14 @@ def test_the_dry_run_reports_what_each_device_would_run(results):
     for name in CUDA:
         assert "flash_attention_2" not in results[name]["config"][1]
     assert results["qwen3_8b_math_16gpu"]["attention"][0] == "warn"
+
+
+def test_r3_is_judged_by_vllm_on_its_own_platform_only(results):
+    """R3 (vLLM returns routed experts): this CPU host's vLLM refuses it (its own check, V2 model
+    runner); for CUDA the dry run cannot ask it and says where the check runs."""
+    cuda, cpu = results["r3_cuda"]["vllm_engine_args"], results["r3_cpu"]["vllm_engine_args"]
+    assert cuda[0] == "warn" and "r3's routed-experts check (vLLM's own) runs on the cuda machine" in cuda[1]
+    assert cpu[0] == "FAIL" and "AuxOutput Connector requires Model Runner V2" in cpu[1]
 
 
 def test_moe_on_npu_fails_the_dry_run_at_the_config(results):

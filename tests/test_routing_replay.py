@@ -62,3 +62,74 @@ def test_token_keys_name_the_same_tokens_however_packed():
     part = batch.select([4, 1])
     assert keyed(part, True).items() <= shared.items() and part.gids == [1, 0] and part.uids == [4, 1]
     assert grpo.token_key(1, 3, prompt=True) != grpo.token_key(1, 3) != grpo.token_key(0, 3)
+
+
+R3_WORKER = os.path.join(REPO, "tests", "workers", "routing_replay_r3.py")
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_r3_replays_vllm_format_rows_exactly(tiny_moe_8, tmp_path, world):
+    """R3's trainer side: rows in vLLM's format (an independent transformers routing, every third
+    token moved) reach the experts bit-exactly, the log-probs equal transformers forced to them,
+    and the agreement metric equals the reference's own count."""
+    out = tmp_path / "r3.pt"
+    run_torchrun(R3_WORKER, world, tiny_moe_8, str(out))
+    r = torch.load(out, weights_only=False)
+    print(f"EP {world}: {r}")
+    assert r["tokens"] > 0 and r["mismatched"] == 0
+    assert r["unreplayed"] > 0  # the last sampled tokens route natively (vLLM ran no forward for them)
+    assert r["diff_forced"] <= 1e-5
+    assert r["first"]["actor/router_replay_missing"] == 0
+    assert 0 < r["first"]["actor/router_agreement"] < 1
+    assert abs(r["first"]["actor/router_agreement"] - r["agree_ref"]) < 1e-9
+    assert r["step"]["actor/router_agreement"] == r["first"]["actor/router_agreement"]
+    # a deliberate disagreement (the trainer's routers moved by noise, experts untouched)
+    assert r["perturbed_agreement"] < 1
+    assert r["mismatch_with"] < r["mismatch_without"]
+
+
+@pytest.mark.unit
+def test_rollout_routing_rows_by_hand():
+    """vLLM's rows (P + R - 1 per sample: the last sampled token has none) become replay keys:
+    a group's prompt rows once (from its first sample), every response row under its sample's
+    key, the last tokens listed as free; a wrong row count is refused."""
+    import numpy as np
+
+    from rlcore import grpo
+
+    prompts, responses = [[5, 6]] * 2 + [[7]], [[1, 2, 3], [4, 5], [8, 9]]
+    rows = [np.arange(n * 2, dtype=np.uint8).reshape(n, 2, 1) + 10 * i
+            for i, n in enumerate([4, 3, 2])]  # (P+R-1, layers 2, K 1)
+    batch = grpo.RolloutBatch(prompts, responses, [[0.0] * len(r) for r in responses], ["x"] * 3, ["stop"] * 3, 2,
+                              routed_experts=rows)
+    keys, experts, free = grpo.rollout_routing(batch)
+    k = grpo.token_key
+    assert keys.tolist() == [k(0, 0, True), k(0, 1, True), k(0, 2), k(0, 3),  # sample 0: prompt, 2 of 3 tokens
+                             k(1, 2),  # sample 1: its group's prompt rows already given, 1 of 2 tokens
+                             k(1, 0, True), k(2, 1)]  # sample 2: its own group
+    assert experts.dtype == torch.uint8 and experts.shape == (7, 2, 1)
+    assert experts[:, 0, 0].tolist() == [0, 2, 4, 6, 14, 20, 22]
+    assert free.tolist() == [k(0, 4), k(1, 3), k(2, 2)]
+    # select / concat carry the rows with their samples
+    assert grpo.concat([batch.select([2]), batch.select([0])]).routed_experts[1] is rows[0]
+    batch.routed_experts[1] = rows[1][:1]
+    with pytest.raises(RuntimeError, match="sample 1 has 1 rows .* for 4 tokens"):
+        grpo.rollout_routing(batch)
+
+
+@pytest.mark.unit
+def test_vllm_completion_routed_experts_reach_the_sample():
+    """vLLM's own CompletionOutput (vllm 0.32 outputs.py:84) carries the rows into the Sample,
+    and greedy copies keep them."""
+    import numpy as np
+    from vllm.logprobs import Logprob
+    from vllm.outputs import CompletionOutput
+
+    from rlcore.colocate_rollout import _copy_sample, _to_sample
+
+    rows = np.zeros((4, 2, 2), dtype=np.uint8)
+    out = CompletionOutput(index=0, text="", token_ids=[3, 4], cumulative_logprob=None,
+                           logprobs=[{3: Logprob(-0.5)}, {4: Logprob(-1.0)}], routed_experts=rows, finish_reason="stop")
+    sample = _to_sample(out)
+    assert sample.routed_experts is rows and sample.logprobs == [-0.5, -1.0]
+    assert _copy_sample(sample).routed_experts is rows

