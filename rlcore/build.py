@@ -103,7 +103,7 @@ def build_rollout(model: ModelConfig, rollout: RolloutConfig, info: DistInfo, se
     r = rollout
     return ColocateRollout(
         model.path, info, tp_size=r.tensor_parallel_size, seed=seed, max_model_len=r.max_model_len,
-        dtype=model.dtype, kv_cache_gb=r.kv_cache_gb, gpu_memory_utilization=r.gpu_memory_utilization,
+        dtype=r.dtype or model.dtype, kv_cache_gb=r.kv_cache_gb, gpu_memory_utilization=r.gpu_memory_utilization,
         sleep_level=r.sleep_level, weight_load=r.weight_load, enforce_eager=r.enforce_eager,
         max_num_seqs=r.max_num_seqs, max_num_batched_tokens=r.max_num_batched_tokens,
         enable_prefix_caching=r.enable_prefix_caching, return_routed_experts=routed_experts,
@@ -120,11 +120,12 @@ def build_switch(policy: Policy, rollout: Rollout, model: ModelConfig, r: Rollou
     checker = None
     if probe_prompts and r.check_sync != "off":
         probe = probe_sequences(probe_prompts, skip_ids=getattr(rollout, "vision_token_ids", ()))
-        checker = SyncCheck(r.check_sync, model.dtype, probe, info.device, tol=r.check_sync_tol,
+        looser = "bfloat16" if "bfloat16" in (model.dtype, r.dtype) else model.dtype  # the coarser engine's tolerance
+        checker = SyncCheck(r.check_sync, looser, probe, info.device, tol=r.check_sync_tol,
                             is_main=info.is_main, every=r.check_sync_every)
     return PhaseSwitcher(policy, rollout, timer, info.device_type, offload_params=offload.params,
                          offload_optimizer=offload.optimizer, free_kv_cache=r.free_kv_cache,
-                         rollout_dtype=model.dtype, sync_bucket_mb=r.sync_bucket_mb, rank=info.rank, checker=checker)
+                         rollout_dtype=r.dtype or model.dtype, sync_bucket_mb=r.sync_bucket_mb, rank=info.rank, checker=checker)
 
 
 def build_engines(cfg: Config, info: DistInfo, timer: Timer, probe_prompts: list[list[int]] | None = None) -> Engines:

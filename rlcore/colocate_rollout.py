@@ -121,7 +121,7 @@ def config_llm_kwargs(cfg, device_type: str) -> dict:
     """``llm_kwargs`` of a run's config (``rlcore.config.Config``) for ``device_type``."""
     r, m = cfg.rollout, cfg.model
     return llm_kwargs(m.path, device_type, tp_size=r.tensor_parallel_size, seed=cfg.trainer.seed,
-                      max_model_len=r.max_model_len, dtype=m.dtype, kv_cache_gb=r.kv_cache_gb,
+                      max_model_len=r.max_model_len, dtype=r.dtype or m.dtype, kv_cache_gb=r.kv_cache_gb,
                       gpu_memory_utilization=r.gpu_memory_utilization, enforce_eager=r.enforce_eager,
                       multimodal=bool(cfg.data.image_key), limit_mm_per_prompt=r.limit_mm_per_prompt,
                       speed=dict(max_num_seqs=r.max_num_seqs, max_num_batched_tokens=r.max_num_batched_tokens,

@@ -104,6 +104,10 @@ class RolloutConfig:
     """Response tokens at most."""
     tensor_parallel_size: int = 1
     """Ranks that shard one vLLM engine; must divide the world size."""
+    dtype: Optional[Literal["float32", "bfloat16"]] = None
+    """vLLM's weight and compute dtype; null = model.dtype. bfloat16 under a float32 trainer samples
+    from a lower-precision copy of the policy, as GPU setups often do: the train/inference mismatch
+    rollout_correction exists for (on CPU, bf16 generation is about 4x slower than fp32)."""
     max_model_len: int = 512
     """vLLM's context length; must hold data.max_prompt_length + max_response_length."""
     kv_cache_gb: float = 0.5
@@ -423,7 +427,7 @@ def check_routing_replay(mode: str | None, model_path: str, experts: int) -> Non
     if not experts or model_type not in supported_model_types():
         raise ConfigError(f"algorithm.routing_replay={mode!r} is invalid for model.path={model_path!r} "
                           f"(model_type {model_type!r}, {experts} experts): routing replay needs a mixture-of-"
-                          f"experts model whose family VeOmni's replay hook is wired into ({families}); "
+                          f"experts model of a family replay is wired for ({families}); "
                           f"set algorithm.routing_replay: null")
 
 
@@ -475,7 +479,7 @@ def resolve(cfg: Config, device_type: str) -> Config:
                                       share_prompt=attn in ("sdpa", "eager") if share is None else share,
                                       oversample=accel if cfg.algorithm.oversample is None else cfg.algorithm.oversample),
         rollout=dataclasses.replace(
-            r, sleep_level=pick_sleep_level(device_type, r.sleep_level), weight_load=weight_load,
+            r, sleep_level=pick_sleep_level(device_type, r.sleep_level), weight_load=weight_load, dtype=r.dtype or dtype,
             enforce_eager=pick_enforce_eager(device_type, r.enforce_eager)),
         offload=dataclasses.replace(o, params=params, optimizer=accel if o.optimizer is None else o.optimizer,
                                     ref=params if o.ref is None else o.ref),

@@ -10,7 +10,12 @@ VeOmni's hook (veomni/utils/moe_router_replay.py): a manager installed with
 gate weights from the router's own scores at those indices (softmax, gather, renorm, cast:
 patched_modeling_qwen3_moe_gpu.py:356-368). The families wired are VeOmni's
 ``SUPPORTED_MOE_MODEL_TYPES`` (qwen3_moe, qwen3_5_moe, deepseek_v4 in veomni 0.1.12);
-``validate_model_for_replay`` refuses the others (Qwen3-VL-MoE among them).
+``validate_model_for_replay`` refuses the others. Qwen3-VL-MoE has no hook in veomni 0.1.12
+(its block, patched_modeling_qwen3_vl_moe_{gpu,npu}.py:482-493, calls the experts with the
+router's choice directly): the engine installs the same call at the same point on each of its
+blocks, once (``OWN_HOOKS``). The hook sits in the block, before the experts call, so every
+experts implementation (fused GPU/NPU kernels, rlcore.engine_moe's CPU EP path) gets the
+replayed indices.
 
 Token keys: the trainer packs samples into one (1, L) row per micro-batch (rlcore.grpo.pack) and
 passes a key per position: a response token is (its sample, its position), a prompt token (its
@@ -23,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import re
+import types
 from typing import Iterator
 
 import torch
@@ -30,11 +36,48 @@ import torch
 MODES = ("record", "replay")
 
 
+def _qwen3_vl_moe_block_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+    """Qwen3-VL-MoE's SparseMoeBlock.forward with VeOmni's replay call, as VeOmni wires it into
+    Qwen3-MoE's block (patched_modeling_qwen3_moe_gpu.py:345-370): only the indices may change,
+    the gate weights are recomputed from the router's own scores with its own math (Qwen3-VL-MoE's
+    router, patched_modeling_qwen3_vl_moe_gpu.py:471-479: fp32 softmax, top-k, renorm, cast), so
+    a replay of the native choice is bit-identical to the native forward."""
+    from veomni.utils.moe_router_replay import get_active_replay, maybe_replay_indices
+
+    batch, seq, hidden = hidden_states.shape
+    x = hidden_states.view(-1, hidden)
+    router_logits, routing_weights, selected = self.gate(x)
+    if get_active_replay() is not None:
+        scores = torch.nn.functional.softmax(router_logits, dtype=torch.float, dim=-1)
+        selected = maybe_replay_indices(self.gate, scores, selected)
+        weights = scores.gather(1, selected)
+        routing_weights = (weights / weights.sum(dim=-1, keepdim=True)).to(router_logits.dtype)
+    return self.experts(x, selected, routing_weights).reshape(batch, seq, hidden)
+
+
+# model_type -> the block forward installed where VeOmni has no replay hook for the family
+OWN_HOOKS = {"qwen3_vl_moe": _qwen3_vl_moe_block_forward}
+
+
 def supported_model_types() -> frozenset[str]:
-    """The families VeOmni's replay hook is wired into (its own list)."""
+    """The families replay works for: VeOmni's own list, and the ones the engine wires itself."""
     from veomni.utils.moe_router_replay import SUPPORTED_MOE_MODEL_TYPES
 
-    return SUPPORTED_MOE_MODEL_TYPES
+    return SUPPORTED_MOE_MODEL_TYPES | frozenset(OWN_HOOKS)
+
+
+def install_hook(model) -> None:
+    """VeOmni's own check for the families it wires; the engine's block forward for OWN_HOOKS."""
+    from veomni.utils.moe_router_replay import SUPPORTED_MOE_MODEL_TYPES, validate_model_for_replay
+
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    if model_type in SUPPORTED_MOE_MODEL_TYPES or model_type not in OWN_HOOKS:
+        validate_model_for_replay(model)  # a RuntimeError naming the wired families
+        return
+    for module in model.modules():
+        if type(module).__name__.endswith("SparseMoeBlock") and not getattr(module, "_rlcore_replay", False):
+            module.forward = types.MethodType(OWN_HOOKS[model_type], module)
+            module._rlcore_replay = True
 
 
 class RoutingReplay:
@@ -43,9 +86,7 @@ class RoutingReplay:
     missing) and counts, per layer, the tokens whose native top-k (as a set) already agreed."""
 
     def __init__(self, model):
-        from veomni.utils.moe_router_replay import validate_model_for_replay
-
-        validate_model_for_replay(model)  # VeOmni's own check: a RuntimeError naming the wired families
+        install_hook(model)
         routers = [(n, m) for n, m in model.named_modules() if type(m).__name__.endswith("TopKRouter")]
         self.layer_of = {id(m): i for i, (_, m) in enumerate(routers)}
         # each router's decoder layer (vLLM's routed-experts rows index layers so: dense ones stay empty)

@@ -1,6 +1,13 @@
 """Benchmark: where a GRPO step's time goes, on 2 CPU ranks, through the real trainer loop.
 
     .venv/bin/python scripts/bench_step.py [--steps 6] [--warmup 2] [--response-len 32]
+    .venv/bin/python scripts/bench_step.py --moe --variant base="--algorithm.mini_batches 2" \
+        --variant r2="--algorithm.mini_batches 2 --algorithm.routing_replay r2" ...
+
+``--variant NAME=OVERRIDES`` (repeatable) runs the benchmark once per variant, one after the other,
+with those trainer overrides, and prints each one's step and train time and its ratio to the first
+variant's: how replay and each rollout-correction mode cost (``--moe``: a small Qwen3-MoE, EP over
+the ranks, for routing replay).
 
 Starts its own ranks (torchrun) and runs ``train_grpo.main`` unchanged on a small random Qwen3
 and the toy task, instrumented from outside: the metrics logger notes when each step's row is
@@ -20,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import sys
 import tempfile
 import time
@@ -29,6 +37,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from scripts import bench_common as bc  # noqa: E402
 
 MODEL = dict(hidden_size=256, num_layers=4, num_heads=4, num_kv_heads=2, head_dim=64, intermediate_size=768)
+MOE_MODEL = dict(hidden_size=256, num_layers=4, num_heads=4, num_kv_heads=2, head_dim=64, num_experts=8,
+                 moe_intermediate_size=256)
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -40,7 +50,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--n", type=int, default=8)
     p.add_argument("--nproc", type=int, default=2)
     p.add_argument("--timeout-s", type=float, default=1800)
+    p.add_argument("--moe", action="store_true", help="a small Qwen3-MoE (8 experts, top-2), EP = ranks")
+    p.add_argument("--extra", default="", help="trainer overrides, one string (e.g. '--algorithm.ppo_epochs 2')")
+    p.add_argument("--variant", action="append", default=[], metavar="NAME=OVERRIDES",
+                   help="compare variants: one run each, with these trainer overrides")
     args = p.parse_args(argv)
+    if any("=" not in v for v in args.variant):
+        p.error("--variant takes NAME=OVERRIDES, e.g. r2='--algorithm.routing_replay r2'")
     if min(args.steps, args.response_len, args.prompts_per_step, args.n, args.nproc) < 1 or args.warmup < 1:
         p.error("every count must be >= 1 (--warmup too: the first step compiles)")
     return args
@@ -135,13 +151,16 @@ def prepare(args, info) -> str:
     """Rank 0 writes a small random model and the toy data; every rank gets the folder."""
     import torch.distributed as dist
 
-    from rlcore.toy_task import make_tiny_model, make_toy_data
+    from rlcore.toy_task import make_tiny_model, make_tiny_moe_model, make_toy_data
 
     holder = [tempfile.mkdtemp(prefix="bench_step_") if info.rank == 0 else None]
     dist.broadcast_object_list(holder, src=0)
     root = holder[0]
     if info.rank == 0:
-        make_tiny_model(os.path.join(root, "model"), max_position_embeddings=256, **MODEL)
+        if args.moe:
+            make_tiny_moe_model(os.path.join(root, "model"), max_position_embeddings=256, **MOE_MODEL)
+        else:
+            make_tiny_model(os.path.join(root, "model"), max_position_embeddings=256, **MODEL)
         make_toy_data(os.path.join(root, "data"), n_train=2000, n_val=10)
     dist.barrier()
     return root
@@ -158,6 +177,7 @@ def trainer_argv(args, root: str) -> list[str]:
         "--trainer.total_steps", str(args.warmup + args.steps), "--trainer.output_dir", os.path.join(root, "out"),
         "--algorithm.kl_loss_coef", "0", "--checkpoint.save_hf_final", "false", "--checkpoint.resume", "never",
         "--logging.console_every", "1000000",
+        *(["--parallel.ep_size", str(args.nproc)] if args.moe else []), *shlex.split(args.extra),
     ]
 
 
@@ -249,7 +269,41 @@ def worker(args) -> None:
         shutil.rmtree(root, ignore_errors=True)
 
 
+def without_variants(argv: list[str]) -> list[str]:
+    """``argv`` less its ``--variant`` options (each run gets one variant's overrides as --extra)."""
+    out, skip = [], False
+    for a in argv:
+        if skip or a.startswith("--variant="):
+            skip = False
+        elif a == "--variant":
+            skip = True
+        else:
+            out.append(a)
+    return out
+
+
+def compare(argv: list[str]) -> None:
+    """One run per --variant, one after the other; a table of step and train time vs the first."""
+    args, rows, base = parse_args(argv), [], without_variants(argv)
+    for spec in args.variant:
+        name, overrides = spec.split("=", 1)
+        print(f"== {name}: {overrides}", flush=True)
+        r = bc.relaunch(os.path.abspath(__file__), [*base, "--extra", f"{args.extra} {overrides}"], args.nproc,
+                        args.timeout_s)
+        rows.append({"variant": name, "overrides": overrides, "step_s": r["step_s"], "train_s": r["train_s"],
+                     "generate_s": r["generate_s"], "weight_sync_s": r["weight_sync_s"], "result": r})
+    first = rows[0]
+    print(f"{'variant':16s} {'step_s':>8s} {'train_s':>8s} {'train/first':>12s} {'step/first':>11s}")
+    for row in rows:
+        row.update(train_ratio=row["train_s"] / first["train_s"], step_ratio=row["step_s"] / first["step_s"])
+        print(f"{row['variant']:16s} {row['step_s']:8.3f} {row['train_s']:8.3f} {row['train_ratio']:12.3f} "
+              f"{row['step_ratio']:11.3f}")
+    print(json.dumps({"variants": rows}))
+
+
 def main(argv: list[str]) -> None:
+    if not bc.under_torchrun() and parse_args(argv).variant:
+        return compare(argv)
     r = bc.run_or_relaunch(os.path.abspath(__file__), argv, parse_args, worker)
     if r is None:  # this process was a rank
         return

@@ -3,6 +3,10 @@ KL, entropy, response length and step time, one panel each (panels without data 
 
     python scripts/plot_metrics.py outputs/smollm2_arith            -> outputs/smollm2_arith/curves.png
     python scripts/plot_metrics.py outputs/run/metrics.jsonl --out curves.png --smooth 5
+    python scripts/plot_metrics.py runs/a runs/b --keys rollout/mismatch_max,reward/mean --out ab.png
+
+Several runs: their curves side by side in each panel, labelled by folder name. ``--keys``: one
+panel per listed metric instead of the default panels.
 """
 
 from __future__ import annotations
@@ -62,14 +66,19 @@ def smooth(values: list[float], window: int) -> list[float]:
     return out
 
 
-def plot(rows: list[dict], out: str, window: int, title: str) -> list[str]:
-    """Write the PNG; returns the panel titles drawn."""
+def plot(runs: list[tuple[str, list[dict]]], out: str, window: int, title: str,
+         keys: list[str] | None = None) -> list[str]:
+    """Write the PNG of ``runs`` ((name, rows) each; one run: no name in the labels); returns
+    the panel titles drawn."""
     import matplotlib
 
     matplotlib.use("Agg")  # files only, no display
     import matplotlib.pyplot as plt
 
-    panels = [(t, [(k, lbl, *series(rows, k)) for k, lbl in keys]) for t, keys in PANELS]
+    layout = PANELS if not keys else [(k, [(k, k)]) for k in keys]
+    named = lambda run, lbl: lbl if len(runs) == 1 else f"{run}: {lbl}"  # noqa: E731
+    panels = [(t, [(k, named(run, lbl), *series(rows, k)) for run, rows in runs for k, lbl in pairs])
+              for t, pairs in layout]
     panels = [(t, [c for c in curves if c[2]]) for t, curves in panels]
     panels = [(t, curves) for t, curves in panels if curves]
     if not panels:
@@ -86,7 +95,7 @@ def plot(rows: list[dict], out: str, window: int, title: str) -> list[str]:
         ax.set_title(panel_title)
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
-        if len(curves) > 1:
+        if len(curves) > 1 or len(runs) > 1:
             ax.legend(fontsize=8)
     for ax in list(axes.flat)[len(panels):]:
         ax.axis("off")
@@ -99,18 +108,22 @@ def plot(rows: list[dict], out: str, window: int, title: str) -> list[str]:
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("metrics", help="a run's output_dir or its metrics.jsonl")
+    ap.add_argument("metrics", nargs="+", help="a run's output_dir or its metrics.jsonl (several: side by side)")
     ap.add_argument("--out", default=None, help="PNG path (default: curves.png next to metrics.jsonl)")
     ap.add_argument("--smooth", type=int, default=1, help="moving-average window for training curves")
     ap.add_argument("--title", default=None)
+    ap.add_argument("--keys", default=None, help="comma-separated metrics, one panel each (default: the usual panels)")
     args = ap.parse_args(argv)
-    path = os.path.join(args.metrics, "metrics.jsonl") if os.path.isdir(args.metrics) else args.metrics
-    if not os.path.isfile(path):
-        sys.exit(f"error: {path} does not exist; pass a run's output_dir or its metrics.jsonl")
-    rows = read_rows(path)
+    runs = []
+    for given in args.metrics:
+        path = os.path.join(given, "metrics.jsonl") if os.path.isdir(given) else given
+        if not os.path.isfile(path):
+            sys.exit(f"error: {path} does not exist; pass a run's output_dir or its metrics.jsonl")
+        runs.append((os.path.basename(os.path.dirname(os.path.abspath(path))), read_rows(path)))
     out = args.out or os.path.join(os.path.dirname(path) or ".", "curves.png")
-    drawn = plot(rows, out, args.smooth, args.title or os.path.dirname(os.path.abspath(path)))
-    print(f"wrote {out} ({', '.join(drawn)}; {len(rows)} rows)")
+    keys = [k.strip() for k in args.keys.split(",") if k.strip()] if args.keys else None
+    drawn = plot(runs, out, args.smooth, args.title or os.path.dirname(os.path.abspath(path)), keys)
+    print(f"wrote {out} ({', '.join(drawn)}; {sum(len(rows) for _, rows in runs)} rows)")
 
 
 if __name__ == "__main__":

@@ -10,6 +10,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from conftest import QUIET_ENV, REPO
 
 
@@ -47,9 +49,14 @@ def test_bench_weight_sync_moe_small():
 
 
 def test_bench_step_small():
-    # --n and --nproc prefix torchrun's own options: they must reach the script, not torchrun
-    r = run_bench("bench_step.py", "--steps", "1", "--warmup", "1", "--response-len", "4",
-                  "--prompts-per-step", "4", "--n", "2", "--nproc", "2")
+    # --n and --nproc prefix torchrun's own options: they must reach the script, not torchrun.
+    # One --variant (the comparison path, one run): the MoE model with EP 2 and R2 routing replay.
+    out = run_bench("bench_step.py", "--steps", "1", "--warmup", "1", "--response-len", "4",
+                    "--prompts-per-step", "4", "--n", "2", "--nproc", "2", "--moe",
+                    "--variant", "r2=--algorithm.mini_batches 2 --algorithm.routing_replay r2")
+    (row,) = out["variants"]
+    assert row["variant"] == "r2" and row["train_ratio"] == 1.0
+    r = row["result"]
     for key in ("overhead_ratio", "rollout_efficiency", "step_s", "generate_s", "train_s", "weight_sync_s"):
         assert key in r and r[key] > 0, key
     assert r["replay_same_tokens"] is True  # the bare vLLM call sampled exactly the trainer's tokens
@@ -57,6 +64,15 @@ def test_bench_step_small():
     phases = {"generate", "release_rollout", "onload", "train", "offload_optimizer", "wake_weights",
               "sync_weights", "offload_params", "wake_kv_cache"}
     assert {f"memory/{p}_rss_gb" for p in phases} <= set(r["phases"])
+
+
+@pytest.mark.unit
+def test_bench_step_variants_leave_the_base_arguments():
+    sys.path.insert(0, REPO)
+    from scripts.bench_step import without_variants
+
+    argv = ["--moe", "--variant", "a=--x 1", "--steps", "2", "--variant=b=--y", "--n", "2"]
+    assert without_variants(argv) == ["--moe", "--steps", "2", "--n", "2"]
 
 
 def test_bench_train_small():

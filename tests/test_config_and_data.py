@@ -144,6 +144,11 @@ def test_accelerator_defaults_resolve_per_device():
     cpu = resolve(Config(), "cpu")
     assert cpu.model.dtype == "float32" and cpu.rollout.weight_load == "reload" and cpu.rollout.enforce_eager
     assert cpu.algorithm.share_prompt is True  # sdpa: the block mask runs
+    assert cpu.rollout.dtype == "float32"  # vLLM's dtype follows the trainer's unless set
+    from rlcore.config import RolloutConfig
+
+    bf16 = resolve(Config(rollout=RolloutConfig(dtype="bfloat16")), "cpu")
+    assert (bf16.model.dtype, bf16.rollout.dtype) == ("float32", "bfloat16")
 
 
 @pytest.mark.unit

@@ -144,11 +144,16 @@ def test_single_rank_end_to_end_and_vllm_loads_export(tiny_model, toy_data, tmp_
     out = str(tmp_path / "run1")
     # DAPO dynamic sampling on a random model: most groups score all-zero and are dropped, so the
     # trainer samples up to 3 rounds, then pads with dropped groups masked out of the loss.
+    # vLLM in bf16 under the fp32 trainer (a real mismatch), corrected by geometric-mean masking.
     train(1, tiny_model, toy_data[0], out, 2, "--algorithm.dynamic_sampling", "true",
-          "--algorithm.max_sampling_rounds", "3", "--algorithm.oversample", "true")
+          "--algorithm.max_sampling_rounds", "3", "--algorithm.oversample", "true", "--rollout.dtype", "bfloat16",
+          "--rollout_correction.is_level", "geometric", "--rollout_correction.is_mode", "mask",
+          "--rollout_correction.is_low", "0.5")
     rows = read_metrics(out)
     assert [r["step"] for r in rows] == [1, 2]
     for r in rows:
+        assert r["rollout/mismatch_max"] > 1e-4  # bf16 rounding in vLLM shows against the fp32 trainer
+        assert 0 < r["rollout_corr/ess"] <= 1 and 0 <= r["rollout_corr/is_masked_frac"] <= 1
         assert 0 < r["rollout/filtered_groups_frac"] <= 1 and 1 <= r["rollout/sampling_rounds"] <= 3
         # rounds stop early only once every group of the batch is informative
         assert r["rollout/sampling_rounds"] == 3 or r["rollout/filtered_groups_frac"] < 1

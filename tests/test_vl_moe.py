@@ -74,9 +74,49 @@ def vl_moe_inputs(tiny_vl_moe, tmp_path_factory):
     for h in hooks:
         h.remove()
     grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+    packed = [pack(samples) for samples in rows]
+    forced_ref = []
+    for row, samples in zip(packed, rows):  # routing replay: the experts each token is forced to
+        row["replay_rows"], logp = forced_routing(Qwen3VLMoeForConditionalGeneration.from_pretrained(
+            tiny_vl_moe, dtype=torch.float32), samples)
+        forced_ref.append(logp)
     path = str(tmp_path_factory.mktemp("vl_moe_inputs") / "inputs.pt")
-    torch.save({"rows": [pack(samples) for samples in rows]}, path)
-    return path, ref, grads, min(margins)
+    torch.save({"rows": packed}, path)
+    return path, ref, grads, min(margins), forced_ref
+
+
+def forced_routing(model, samples) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows for routing replay over a packed row (token order = the samples' ids one after the
+    other): transformers' own top-k of each token with every third token moved to other experts,
+    (L, layers, K); and transformers' response log-probs with its routers forced to them (the
+    router's own math at the given indices: fp32 softmax, gather, renorm, cast)."""
+    gates = [m for m in model.modules() if type(m).__name__.endswith("TopKRouter")]
+    state: dict = {"native": []}
+    for layer, gate in enumerate(gates):
+        native_forward = gate.forward
+
+        def forward(hidden, native_forward=native_forward, layer=layer):
+            logits, weights, idx = native_forward(hidden)
+            if "rows" not in state:
+                state["native"].append(idx)
+                return logits, weights, idx
+            forced = state["rows"][:, layer]
+            probs = torch.nn.functional.softmax(logits, dtype=torch.float, dim=-1).gather(1, forced)
+            return logits, (probs / probs.sum(-1, keepdim=True)).to(logits.dtype), forced
+        gate.forward = forward
+    per_sample, logps = [], []
+    with torch.no_grad():
+        for s in samples:
+            state["native"] = []
+            s.reference_logprobs(model)
+            top = torch.stack(state["native"], 1)  # (n, layers, K)
+            top[::3] = (top[::3] + 1) % model.config.text_config.num_experts
+            per_sample.append(top)
+        for s, top in zip(samples, per_sample):
+            state["rows"] = top
+            logps.append(s.reference_logprobs(model))
+            del state["rows"]
+    return torch.cat(per_sample), torch.cat(logps)
 
 
 @pytest.fixture(scope="module")
@@ -154,7 +194,7 @@ def test_policy_ep2_logprobs_grads_export(vl_moe_run, vl_moe_inputs, tiny_vl_moe
     streamed) is the checkpoint's names and values; the step's router statistics are global."""
     from safetensors.torch import load_file
 
-    _, ref, ref_grads, margin = vl_moe_inputs
+    _, ref, ref_grads, margin, _ = vl_moe_inputs
     r, t = vl_moe_run["results"], vl_moe_run["tensors"]
     print(f"router margin {margin:.2e}; worker times {r['times_s']}")
     assert margin > ROUTER_MARGIN, f"a near-tie in the routers ({margin:.2e}): pick another seed"
@@ -184,6 +224,23 @@ def test_policy_ep2_logprobs_grads_export(vl_moe_run, vl_moe_inputs, tiny_vl_moe
     assert r["num_params"] == sum(v.numel() for v in ckpt.values())
     s = r["step"]
     assert s["actor/moe_aux_loss"] > 0.5 and 1.0 <= s["actor/moe_load_mean"] <= s["actor/moe_load_max"] <= 4.0
+
+
+def test_routing_replay_with_image_tokens_ep2(vl_moe_run, vl_moe_inputs):
+    """Routing replay on Qwen3-VL-MoE (the engine's own hook: veomni 0.1.12 wires none for this
+    family), EP 2, image rows: every token, image tokens included, reaches the experts with exactly
+    the given indices, and the log-probs equal transformers forced to them."""
+    r, t = vl_moe_run["results"]["replay"], vl_moe_run["tensors"]
+    forced_ref = vl_moe_inputs[4]
+    print(json.dumps(r))
+    assert r["tokens"] > 0 and r["mismatched"] == 0 and r["image_tokens"] > 0
+    assert r["metrics"]["actor/router_replay_missing"] == 0
+    assert 0 < r["metrics"]["actor/router_agreement"] < 1  # a third of the tokens were moved
+    for rank in (0, 1):
+        d = maxdiff(t["replay_logprobs"][rank], forced_ref[rank])
+        print(f"row {rank}: max |replayed - transformers forced| = {d:.2e}")
+        assert d <= 1e-5
+    assert r["native_unchanged"]  # outside replay the blocks compute exactly what they did before
 
 
 def test_rollout_images_and_weight_push(vl_moe_run, tiny_vl_moe):

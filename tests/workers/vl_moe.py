@@ -164,6 +164,37 @@ def _experts_slot(policy) -> str | None:
     return None
 
 
+def replay_row(policy, row, info):
+    """Routing replay of the test's forced rows over this rank's packed row (keys = positions):
+    a pre-hook on every experts module checks the indices it gets. Returns the counts and
+    metrics, the replayed log-probs and a plain forward's after it."""
+    import torch
+
+    rows, keys = row["replay_rows"], torch.arange(row["input_ids"].shape[1])
+    blocks = [m for m in policy.model.modules() if type(m).__name__.endswith("SparseMoeBlock")]
+    counts = {"tokens": 0, "mismatched": 0}
+
+    def check(layer):
+        def hook(_module, args):
+            if policy.replay.mode == "replay":
+                counts["tokens"] += len(args[1])
+                counts["mismatched"] += int((args[1].cpu() != rows[policy.replay.keys.cpu(), layer]).any(-1).sum())
+        return hook
+    handles = [b.experts.register_forward_pre_hook(check(i)) for i, b in enumerate(blocks)]
+
+    def forward(**kw):
+        return policy.forward_logprobs(row["input_ids"], row["position_ids"], row["labels"], grad=False,
+                                       select=row["select"], mm=row["mm"], **kw)[0][0]
+    with policy.routing("replay", (keys, rows, torch.zeros(0, dtype=torch.long))):
+        replayed = forward(token_keys=keys[None])
+    for h in handles:
+        h.remove()
+    image_token = policy.model.config.image_token_id
+    out = {**counts, "image_tokens": int((row["input_ids"] == image_token).sum()),
+           "metrics": policy.routing_metrics()}
+    return out, replayed, forward()
+
+
 def main() -> None:
     import json
     import sys
@@ -191,7 +222,8 @@ def main() -> None:
     # --- the policy: VeOmni's Qwen3-VL-MoE, FSDP2 + EP 2, torch_ep experts ----------------------
     from rlcore.engine_veomni import VeOmniPolicy
 
-    policy = VeOmniPolicy(model_dir, info, lr=LR, grad_clip=None, ep_size=2, moe_implementation="torch_ep")
+    policy = VeOmniPolicy(model_dir, info, lr=LR, grad_clip=None, ep_size=2, moe_implementation="torch_ep",
+                          routing_replay=True)
     results["describe"] = policy.describe()
     results["experts_slot"] = _experts_slot(policy)
     results["expert_layout"] = policy.expert_layout.describe()
@@ -211,6 +243,11 @@ def main() -> None:
     gathered = [None] * info.world_size
     dist.all_gather_object(gathered, logprobs(grad=False).cpu())
     tensors["logprobs"] = gathered
+    results["replay"], replayed, native = replay_row(policy, row, info)
+    tensors["replay_logprobs"] = [None] * info.world_size
+    dist.all_gather_object(tensors["replay_logprobs"], replayed.cpu())
+    results["replay"]["native_unchanged"] = bool(torch.equal(native.cpu(), tensors["logprobs"][info.rank]))
+    lap("routing replay")
     logp = logprobs(grad=True)
     policy.backward(-(logp * torch.linspace(-1.0, 1.5, logp.shape[0])).sum())
     tensors["grads"] = {n: policy._whole(n, p.grad, None).cpu().clone() for n, p in policy.model.named_parameters()}
