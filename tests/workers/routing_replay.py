@@ -38,6 +38,25 @@ def experts_capture(model, replay):
     return calls
 
 
+def force_routers(model, choose):
+    """transformers' Qwen3-MoE routers route each token to ``choose(layer, native)`` ((T, K), given
+    the router's own top-k), with the router's own math at those indices (softmax, gather, renorm,
+    cast)."""
+    for layer, block in enumerate(model.model.layers):
+        gate = block.mlp.gate
+
+        def forward(hidden, gate=gate, layer=layer):
+            hidden = hidden.reshape(-1, gate.hidden_dim)
+            logits = F.linear(hidden, gate.weight)
+            probs = F.softmax(logits, dtype=torch.float, dim=-1)
+            idx = choose(layer, torch.topk(probs, gate.top_k, dim=-1).indices).to(logits.device)
+            top = probs.gather(1, idx)
+            if gate.norm_topk_prob:
+                top = top / top.sum(dim=-1, keepdim=True)
+            return logits, top.to(logits.dtype), idx
+        gate.forward = forward
+
+
 def reference_logprobs(hf_dir, batch, forced):
     """Per sequence, transformers' forward of prompt + response alone with every router forced to
     ``forced(layer, keys)``; log-probs of the response tokens, (N, T)."""
@@ -45,19 +64,7 @@ def reference_logprobs(hf_dir, batch, forced):
 
     model = Qwen3MoeForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
     state = {}
-    for layer, block in enumerate(model.model.layers):
-        gate = block.mlp.gate
-
-        def forward(hidden, gate=gate, layer=layer):  # transformers' router math at given indices
-            hidden = hidden.reshape(-1, gate.hidden_dim)
-            logits = F.linear(hidden, gate.weight)
-            probs = F.softmax(logits, dtype=torch.float, dim=-1)
-            idx = forced(layer, state["keys"]).to(logits.device)
-            top = probs.gather(1, idx)
-            if gate.norm_topk_prob:
-                top = top / top.sum(dim=-1, keepdim=True)
-            return logits, top.to(logits.dtype), idx
-        gate.forward = forward
+    force_routers(model, lambda layer, native: forced(layer, state["keys"]))
     out = torch.zeros(batch.response_mask().shape)
     for i, (p, r) in enumerate(zip(batch.prompt_ids, batch.response_ids)):
         state["keys"] = torch.tensor([grpo.token_key(batch.gids[i], j, prompt=True) for j in range(len(p))]

@@ -21,13 +21,12 @@ import sys
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from rlcore import grpo
 from rlcore.config import AlgorithmConfig
 from rlcore.dist import all_reduce_max, all_reduce_sum, init_distributed
 from grad_invariance import global_batch  # this directory is on sys.path under torchrun
-from routing_replay import experts_capture
+from routing_replay import experts_capture, force_routers
 
 
 def forced_forward(hf, batch, rows_of):
@@ -35,25 +34,16 @@ def forced_forward(hf, batch, rows_of):
     L, K) at the positions it covers and native after. Returns (N, T) response log-probs and, per
     layer, [agreeing, covered] counts."""
     state, counts = {}, [[0, 0] for _ in hf.model.layers]
-    for layer, block in enumerate(hf.model.layers):
-        gate = block.mlp.gate
 
-        def forward(hidden, gate=gate, layer=layer):  # transformers' router math at given indices
-            hidden = hidden.reshape(-1, gate.hidden_dim)
-            logits = F.linear(hidden, gate.weight)
-            probs = F.softmax(logits, dtype=torch.float, dim=-1)
-            native = torch.topk(probs, gate.top_k, dim=-1).indices
-            rows = torch.as_tensor(state["rows"][:, layer].astype(np.int64))  # (P+R-1, K)
-            idx = native.clone()
-            idx[: len(rows)] = rows
-            same = (native[: len(rows)].sort(-1).values == rows.sort(-1).values).all(-1)
-            counts[layer][0] += int(same.sum())
-            counts[layer][1] += len(rows)
-            top = probs.gather(1, idx)
-            if gate.norm_topk_prob:
-                top = top / top.sum(dim=-1, keepdim=True)
-            return logits, top.to(logits.dtype), idx
-        gate.forward = forward
+    def choose(layer, native):
+        rows = torch.as_tensor(state["rows"][:, layer].astype(np.int64))  # (P+R-1, K)
+        idx = native.clone()
+        idx[: len(rows)] = rows
+        same = (native[: len(rows)].sort(-1).values == rows.sort(-1).values).all(-1)
+        counts[layer][0] += int(same.sum())
+        counts[layer][1] += len(rows)
+        return idx
+    force_routers(hf, choose)
     out = torch.zeros(batch.response_mask().shape)
     for i, (p, r) in enumerate(zip(batch.prompt_ids, batch.response_ids)):
         state["rows"] = rows_of[i]
