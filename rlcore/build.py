@@ -75,11 +75,21 @@ class Engines:
 
 
 def build_policy(model: ModelConfig, optim: OptimConfig, info: DistInfo, total_optim_steps: int,
-                 ep_size: int = 1, routing_replay: bool = False) -> Policy:
+                 ep_size: int = 1, routing_replay: bool = False, lora=None) -> Policy:
     from rlcore.engine_veomni import VeOmniPolicy
 
-    return VeOmniPolicy(
-        model.path, info, dtype=model.dtype, gradient_checkpointing=model.gradient_checkpointing,
+    if lora is not None and lora.enabled:
+        from rlcore.engine_lora import LoraPolicy
+
+        return LoraPolicy(model.path, info, lora=lora, **_policy_kwargs(model, optim, total_optim_steps, ep_size,
+                                                                         routing_replay))
+    return VeOmniPolicy(model.path, info, **_policy_kwargs(model, optim, total_optim_steps, ep_size, routing_replay))
+
+
+def _policy_kwargs(model: ModelConfig, optim: OptimConfig, total_optim_steps: int, ep_size: int,
+                   routing_replay: bool) -> dict:
+    return dict(
+        dtype=model.dtype, gradient_checkpointing=model.gradient_checkpointing,
         attn_implementation=model.attn_implementation, lr=optim.lr, weight_decay=optim.weight_decay,
         betas=tuple(optim.betas), adam_eps=optim.eps, lr_schedule=optim.lr_schedule,
         warmup_steps=optim.warmup_steps, min_lr_ratio=optim.min_lr_ratio, total_steps=total_optim_steps,
@@ -97,7 +107,7 @@ def build_reference(model: ModelConfig, offload: OffloadConfig, info: DistInfo, 
 
 
 def build_rollout(model: ModelConfig, rollout: RolloutConfig, info: DistInfo, seed: int,
-                  routed_experts: bool = False) -> Rollout:
+                  routed_experts: bool = False, lora_rank: int = 0) -> Rollout:
     from rlcore.colocate_rollout import ColocateRollout
 
     r = rollout
@@ -106,8 +116,36 @@ def build_rollout(model: ModelConfig, rollout: RolloutConfig, info: DistInfo, se
         dtype=r.dtype or model.dtype, kv_cache_gb=r.kv_cache_gb, gpu_memory_utilization=r.gpu_memory_utilization,
         sleep_level=r.sleep_level, weight_load=r.weight_load, enforce_eager=r.enforce_eager,
         max_num_seqs=r.max_num_seqs, max_num_batched_tokens=r.max_num_batched_tokens,
-        enable_prefix_caching=r.enable_prefix_caching, return_routed_experts=routed_experts,
+        enable_prefix_caching=r.enable_prefix_caching, return_routed_experts=routed_experts, lora_rank=lora_rank,
         **({"limit_mm_per_prompt": r.limit_mm_per_prompt} if r.limit_mm_per_prompt is not None else {}))
+
+
+def config_llm_kwargs(cfg, device_type: str) -> dict:
+    """``llm_kwargs`` of a run's config (``rlcore.config.Config``) for ``device_type``."""
+    r, m = cfg.rollout, cfg.model
+    from rlcore.colocate_rollout import llm_kwargs
+
+    return llm_kwargs(m.path, device_type, tp_size=r.tensor_parallel_size, seed=cfg.trainer.seed,
+                      max_model_len=r.max_model_len, dtype=r.dtype or m.dtype, kv_cache_gb=r.kv_cache_gb,
+                      gpu_memory_utilization=r.gpu_memory_utilization, enforce_eager=r.enforce_eager,
+                      multimodal=bool(cfg.data.image_key), limit_mm_per_prompt=r.limit_mm_per_prompt,
+                      speed=dict(max_num_seqs=r.max_num_seqs, max_num_batched_tokens=r.max_num_batched_tokens,
+                                 enable_prefix_caching=r.enable_prefix_caching),
+                      routed_experts=cfg.algorithm.routing_replay == "r3", lora_rank=lora_rank(cfg))
+
+
+
+def lora_rank(cfg) -> int:
+    """The rank vLLM must serve: the configured one, or the starting adapter's."""
+    if not cfg.lora.enabled:
+        return 0
+    if cfg.lora.path is None:
+        return cfg.lora.rank
+    import json
+    import os
+
+    with open(os.path.join(cfg.lora.path, "adapter_config.json")) as f:
+        return int(json.load(f)["r"])
 
 
 def build_switch(policy: Policy, rollout: Rollout, model: ModelConfig, r: RolloutConfig, offload: OffloadConfig,
@@ -125,7 +163,8 @@ def build_switch(policy: Policy, rollout: Rollout, model: ModelConfig, r: Rollou
                             is_main=info.is_main, every=r.check_sync_every)
     return PhaseSwitcher(policy, rollout, timer, info.device_type, offload_params=offload.params,
                          offload_optimizer=offload.optimizer, free_kv_cache=r.free_kv_cache,
-                         rollout_dtype=r.dtype or model.dtype, sync_bucket_mb=r.sync_bucket_mb, rank=info.rank, checker=checker)
+                         rollout_dtype=r.dtype or model.dtype, sync_bucket_mb=r.sync_bucket_mb, rank=info.rank,
+                         checker=checker)
 
 
 def build_engines(cfg: Config, info: DistInfo, timer: Timer, probe_prompts: list[list[int]] | None = None) -> Engines:
@@ -141,14 +180,20 @@ def build_engines(cfg: Config, info: DistInfo, timer: Timer, probe_prompts: list
     with quiet.filtered_output():
         ep = cfg.parallel.ep_size
         optim_steps = cfg.trainer.total_steps * cfg.algorithm.optim_steps_per_step
-        policy = build_policy(cfg.model, cfg.optim, info, optim_steps, ep, cfg.algorithm.routing_replay is not None)
-        ref = build_reference(cfg.model, cfg.offload, info, ep) if cfg.algorithm.kl_loss_coef > 0 else None
+        policy = build_policy(cfg.model, cfg.optim, info, optim_steps, ep, cfg.algorithm.routing_replay is not None,
+                              cfg.lora)
+        ref = None
+        if cfg.algorithm.kl_loss_coef > 0:  # LoRA: the policy with its adapter off, no second model
+            from rlcore.engine_lora import AdapterOffReference
+
+            ref = (AdapterOffReference(policy) if cfg.lora.enabled
+                   else build_reference(cfg.model, cfg.offload, info, ep))
         if cfg.offload.params or cfg.offload.optimizer:
             # The run starts in the generation phase: the trainer's state waits on the host, so
             # vLLM sizes its KV cache from the memory generation really has.
             policy.offload(params=cfg.offload.params, optimizer=cfg.offload.optimizer)
         rollout = build_rollout(cfg.model, cfg.rollout, info, cfg.trainer.seed,
-                                routed_experts=cfg.algorithm.routing_replay == "r3")
+                                routed_experts=cfg.algorithm.routing_replay == "r3", lora_rank=lora_rank(cfg))
     switch = build_switch(policy, rollout, cfg.model, cfg.rollout, cfg.offload, info, timer, probe_prompts)
     if cfg.logging.switch_trace:
         switch.trace_to_stderr()

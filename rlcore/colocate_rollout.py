@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from rlcore import torchvision_shim
+from rlcore import rollout_lora, torchvision_shim
 from rlcore.config import model_num_experts
 from rlcore.cpu_kv import release_cpu_kv as _release_cpu_kv, resume_cpu_kv as _resume_cpu_kv
 from rlcore.cpu_repack import cpu_repack_on_reload
@@ -90,14 +90,15 @@ class Sample:
 def llm_kwargs(model_path: str, device_type: str, *, tp_size: int, seed: int, max_model_len: int, dtype: str,
                kv_cache_gb: float, gpu_memory_utilization: float, enforce_eager: bool, multimodal: bool,
                speed: dict, limit_mm_per_prompt: dict | None = None, mm_processor_cache_gb: float | None = None,
-               routed_experts: bool = False) -> dict:
+               routed_experts: bool = False, lora_rank: int = 0) -> dict:
     """Every keyword ``ColocateRollout`` hands ``vllm.LLM(...)`` (and so vLLM's ``EngineArgs``),
     without building anything: the engine and scripts/check_config.py's dry run use this one.
     ``seed``: the engine seed plus the DP rank (same inside a TP group: ranks must sample the same
     token; different per replica, else every replica samples identical completions). On CPU it
     drops ``VLLM_CPU_KVCACHE_SPACE`` from the environment and on npu it sets vllm-ascend's NZ
     switch (both read while the engine is built). ``routed_experts``: vLLM returns each sample's
-    experts per token (R3 routing replay; rlcore.rollout_routing)."""
+    experts per token (R3 routing replay; rlcore.rollout_routing). ``lora_rank``: LoRA for
+    the policy's adapter (rlcore.rollout_lora)."""
     if device_type == "cpu":
         # Explicit size: vLLM's auto sizing takes ~60% of host RAM per rank (OOM with 2 ranks).
         # The legacy env var would silently override it (restored by ProcessState).
@@ -114,20 +115,8 @@ def llm_kwargs(model_path: str, device_type: str, *, tp_size: int, seed: int, ma
         **multimodal_kwargs(multimodal, limit_mm_per_prompt=limit_mm_per_prompt,
                             mm_processor_cache_gb=mm_processor_cache_gb),
         **({"enable_return_routed_experts": True} if routed_experts else {}),
+        **rollout_lora.engine_kwargs(lora_rank),
     )
-
-
-def config_llm_kwargs(cfg, device_type: str) -> dict:
-    """``llm_kwargs`` of a run's config (``rlcore.config.Config``) for ``device_type``."""
-    r, m = cfg.rollout, cfg.model
-    return llm_kwargs(m.path, device_type, tp_size=r.tensor_parallel_size, seed=cfg.trainer.seed,
-                      max_model_len=r.max_model_len, dtype=r.dtype or m.dtype, kv_cache_gb=r.kv_cache_gb,
-                      gpu_memory_utilization=r.gpu_memory_utilization, enforce_eager=r.enforce_eager,
-                      multimodal=bool(cfg.data.image_key), limit_mm_per_prompt=r.limit_mm_per_prompt,
-                      speed=dict(max_num_seqs=r.max_num_seqs, max_num_batched_tokens=r.max_num_batched_tokens,
-                                 enable_prefix_caching=r.enable_prefix_caching),
-                      routed_experts=cfg.algorithm.routing_replay == "r3")
-
 
 
 class ColocateRollout:
@@ -153,6 +142,7 @@ class ColocateRollout:
         limit_mm_per_prompt: dict[str, int] | None = None,
         mm_processor_cache_gb: float | None = None,
         return_routed_experts: bool = False,
+        lora_rank: int = 0,
     ):
         """``enforce_eager`` None: eager on CPU, CUDA/ACL graphs on accelerators (they survive
         sleep/wake: see rollout_checks.pick_enforce_eager). ``max_num_seqs``,
@@ -193,7 +183,8 @@ class ColocateRollout:
             speed=dict(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                        enable_prefix_caching=enable_prefix_caching),
             limit_mm_per_prompt=limit_mm_per_prompt, mm_processor_cache_gb=mm_processor_cache_gb,
-            routed_experts=return_routed_experts)
+            routed_experts=return_routed_experts, lora_rank=lora_rank)
+        self.lora_request = None  # the policy's adapter once pushed (update_adapter)
         try:
             self.llm = self._build_engine(model_path, engine_kwargs)
             # The worker seeded the global RNG with seed + dp_rank: keep that as the engine's
@@ -327,7 +318,7 @@ class ColocateRollout:
         ]
         inputs = [_prompt_input(p, images[j] if images is not None else None) for j, p in enumerate(prompts)]
         with self._engine_rng_scope(), self._compile_stance():
-            outputs = self.llm.generate(inputs, params, use_tqdm=False)  # in request order
+            outputs = self.llm.generate(inputs, params, use_tqdm=False, lora_request=self.lora_request)  # in order
         results = [[_to_sample(c) for c in out.outputs] for out in outputs]
         if greedy:
             results = [[_copy_sample(r[0]) for _ in range(n)] for r in results]
@@ -343,7 +334,8 @@ class ColocateRollout:
         self._require_awake("score", {"weights", "kv_cache"})
         params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0, detokenize=False)
         with self._engine_rng_scope(), self._compile_stance():
-            outputs = self.llm.generate([_prompt_input(s, None) for s in sequences], params, use_tqdm=False)
+            outputs = self.llm.generate([_prompt_input(s, None) for s in sequences], params, use_tqdm=False,
+                                        lora_request=self.lora_request)
         return [[d[t].logprob for t, d in zip(s[1:], out.prompt_logprobs[1:])] for s, out in zip(sequences, outputs)]
 
     def probe_module(self):
@@ -401,6 +393,17 @@ class ColocateRollout:
         if full:
             self._check_full(frozenset(names))
         return len(names)
+
+    def update_adapter(self, tensors: Iterable[tuple[str, torch.Tensor]], config: dict) -> tuple[int, int]:
+        """LoRA: the policy's adapter (PEFT names and config) replaces the engine's, in place; the
+        base weights stay. Returns (tensors, bytes) written (rlcore.rollout_lora)."""
+        self._require_awake("update_adapter", {"weights"})
+        path = rollout_lora.adapter_dir()
+        written = rollout_lora.write_adapter(tensors, config, path)
+        with self._engine_rng_scope(), self._compile_stance():
+            self.lora_request = rollout_lora.load(self.llm, path)
+        reset_prefix_cache(self.llm)  # cached blocks hold the old adapter's keys and values
+        return written
 
     def update_weights_from_path(self, path: str) -> None:
         """Reload every weight from an HF safetensors folder on disk (the slow way: a checkpoint

@@ -22,6 +22,7 @@ from rlcore.agent.config import EnvConfig, MultiTurnConfig, check_agent
 from rlcore.config_algo import (  # noqa: F401  (re-exported: every section is importable from here)
     AlgorithmConfig, ExplorationConfig, RolloutCorrectionConfig, _check_positive, check,
 )
+from rlcore.config_lora import LoraConfig, check_lora
 from rlcore.exit_codes import ConfigError, fail  # noqa: F401  (re-exported: the config's error type)
 
 
@@ -138,10 +139,12 @@ class RolloutConfig:
     limit_mm_per_prompt: Optional[dict[str, int]] = None
     """Vision-language models: most items of each kind per prompt vLLM accepts (and budgets its
     encoder cache for), e.g. {image: 2, video: 0}. null = the most images a data row has, no video."""
-    check_sync: Literal["off", "warn", "strict"] = "warn"
+    check_sync: Optional[Literal["off", "warn", "strict"]] = None
     """After every weight sync the trainer and vLLM score a fixed probe (two training prompts);
     above check_sync_tol the run names the first parameter group that differs and warns (warn) or
-    stops with exit code 4 (strict). Logged as rollout/sync_probe_max. See rlcore/sync_check.py."""
+    stops with exit code 4 (strict). Logged as rollout/sync_probe_max. See rlcore/sync_check.py.
+    null = warn, or off with LoRA (a LoRA engine of vllm 0.32 cannot score prompt log-probs; the
+    adapter shows in rollout/mismatch_* every step)."""
     check_sync_tol: Optional[float] = None
     """Largest |trainer - vLLM| log-prob of a probe token that passes; null = per model.dtype:
     1e-3 float32, 0.1 bfloat16, 0.05 float16."""
@@ -389,6 +392,7 @@ class Config:
     """Tools of multi-turn rollouts: built-in names (calculator, python), "path/file.py:function" /
     "package.module:function" (schema from type hints + Google docstring), or {fn: ..., schema: {...}}."""
     env: EnvConfig = field(default_factory=EnvConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -407,6 +411,41 @@ def model_num_experts(path: str) -> int:
             return num_experts(json.load(f))
     except (OSError, ValueError):
         return 0
+
+
+def _lora_sleep_level(cfg: Config, level: int) -> int:
+    """LoRA pushes only the adapter: vLLM's base weights must survive the sleep (level 1 keeps
+    them in host memory; level 2 discards them, and nothing would write them back)."""
+    if not cfg.lora.enabled:
+        return level
+    if cfg.rollout.sleep_level == 2:
+        raise ConfigError("rollout.sleep_level=2 is invalid with LoRA (lora.rank > 0): level 2 discards vLLM's base "
+                          "weights and the LoRA sync pushes only the adapter; set rollout.sleep_level: 1 (or null)")
+    return min(level, 1)
+
+
+def _check_sync(cfg: Config) -> str:
+    """The sync check scores prompt log-probs in vLLM, which an engine built with LoRA cannot (vllm
+    0.32: its LoRA logits processor indexes only the sampled rows, lora/punica_wrapper/punica_cpu.py:
+    349 -> lora/ops/torch_ops/lora_ops.py:78, even for requests without an adapter)."""
+    mode = cfg.rollout.check_sync
+    if not cfg.lora.enabled:
+        return mode or "warn"
+    if mode in ("warn", "strict"):
+        raise ConfigError(f"rollout.check_sync={mode!r} is invalid with LoRA (lora.rank > 0): vLLM's LoRA engine "
+                          f"cannot score the probe's prompt log-probs; set rollout.check_sync: off (or null). The "
+                          f"adapter's sync shows in rollout/mismatch_kl and rollout/mismatch_max every step")
+    return "off"
+
+
+def _has_vision(model_path: str) -> bool:
+    import json
+
+    try:
+        with open(os.path.join(model_path, "config.json")) as f:
+            return "vision_config" in json.load(f)
+    except (OSError, ValueError):
+        return False
 
 
 def check_routing_replay(mode: str | None, model_path: str, experts: int) -> None:
@@ -462,6 +501,7 @@ def resolve(cfg: Config, device_type: str) -> Config:
     except ValueError as e:
         raise ConfigError(f"model.moe_implementation={m.moe_implementation!r} is invalid: {e}") from e
     check_routing_replay(cfg.algorithm.routing_replay, m.path, experts)
+    check_lora(cfg.lora, m.path, experts, vision=_has_vision(m.path))
     check_agent(cfg)
     if cfg.algorithm.use_rollout_logprobs and cfg.rollout_correction.options() is not None:
         raise ConfigError("rollout_correction.is_level/rs compare the trainer's old log-probs with vLLM's, but "
@@ -479,7 +519,8 @@ def resolve(cfg: Config, device_type: str) -> Config:
                                       share_prompt=attn in ("sdpa", "eager") if share is None else share,
                                       oversample=accel if cfg.algorithm.oversample is None else cfg.algorithm.oversample),
         rollout=dataclasses.replace(
-            r, sleep_level=pick_sleep_level(device_type, r.sleep_level), weight_load=weight_load, dtype=r.dtype or dtype,
+            r, sleep_level=_lora_sleep_level(cfg, pick_sleep_level(device_type, r.sleep_level)), weight_load=weight_load,
+            dtype=r.dtype or dtype, check_sync=_check_sync(cfg),
             enforce_eager=pick_enforce_eager(device_type, r.enforce_eager)),
         offload=dataclasses.replace(o, params=params, optimizer=accel if o.optimizer is None else o.optimizer,
                                     ref=params if o.ref is None else o.ref),

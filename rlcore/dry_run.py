@@ -129,7 +129,7 @@ def check_vllm(cfg: Config, device: str) -> Check:
     from vllm import LLM
     from vllm.engine.arg_utils import EngineArgs
 
-    from rlcore.colocate_rollout import config_llm_kwargs
+    from rlcore.build import config_llm_kwargs
     from rlcore.rollout_checks import check_engine_kwargs, check_sleep_level_supported
 
     r = cfg.rollout

@@ -97,9 +97,11 @@ def _ensure_parallel_state(info: DistInfo, ep_size: int = 1):
 
 def _build_sharded_model(model_path: str, info: DistInfo, *, master_dtype: str, compute_dtype: str,
                          gradient_checkpointing: bool, attn_implementation: str, ops_overrides: dict | None,
-                         moe_implementation: str = "eager"):
+                         moe_implementation: str = "eager", wrap=None, adapter_path: str | None = None):
     """Meta-init the VeOmni model, then shard it with FSDP2 (experts over the EP mesh, when one
-    exists) and load the HF weights into the shards."""
+    exists) and load the HF weights into the shards. ``wrap``: applied to the meta model first
+    (LoRA, rlcore.engine_lora; VeOmni then loads the base under PEFT names, and the adapter from
+    ``adapter_path`` or freshly initialised)."""
     from veomni.arguments import MixedPrecisionConfig
     from veomni.distributed.torch_parallelize import build_parallelize_model, parallelize_model_fsdp2
     from veomni.models import build_foundation_model
@@ -113,6 +115,8 @@ def _build_sharded_model(model_path: str, info: DistInfo, *, master_dtype: str, 
                                       info.device_type, ops_overrides),
     )
     engine_vl.apply_checkpoint_key_mapping(model)  # released Qwen2.5-VL names, before the weights load
+    peft = {} if wrap is None else {"is_peft_model": True, "adapter_path": adapter_path}
+    model = model if wrap is None else wrap(model)
     if moe_implementation == engine_moe.TORCH_EP:  # bound after the build, which binds every slot
         engine_moe.bind_experts(model, moe_implementation)
     # FSDP2 mixed precision only when compute and master dtypes differ: the all-gather then
@@ -125,6 +129,7 @@ def _build_sharded_model(model_path: str, info: DistInfo, *, master_dtype: str, 
         mixed_precision=mp,
         basic_modules=list(getattr(model, "_no_split_modules", None) or []),
         init_device="meta",
+        **peft,
     )
     if info.world_size > 1:
         model = build_parallelize_model(model, enable_gradient_checkpointing=gradient_checkpointing, **kwargs)
@@ -173,6 +178,8 @@ class VeOmniPolicy:
             by ``routing(mode)`` and the token keys of ``forward_logprobs``.
     """
 
+    _wrap = adapter_path = None  # LoRA (rlcore.engine_lora.LoraPolicy) sets both
+
     def __init__(self, model_path: str, info: DistInfo, *, dtype: str | torch.dtype = "float32", trainable: bool = True,
                  gradient_checkpointing: bool = False, attn_implementation: str = "auto",
                  offload_outside_forward: bool = False,
@@ -209,6 +216,7 @@ class VeOmniPolicy:
             attn_implementation=attn_implementation,
             ops_overrides=ops_overrides,
             moe_implementation=self.moe_implementation,
+            wrap=self._wrap, adapter_path=self.adapter_path,
         )
         self.freeze_vision_tower = freeze_vision_tower and trainable
         if self.freeze_vision_tower:  # before the optimizer, which then leaves the tower out
@@ -592,12 +600,7 @@ class VeOmniPolicy:
         load: weights streamed from ``named_hf_weights`` into shards of at most
         ``max_shard_bytes``, config.json with the export dtype, and every other non-weight file
         of ``model_path`` (tokenizer, generation config, chat template) copied."""
-        writer = hf_export.ShardWriter(path, max_shard_bytes) if self.info.is_main else None
-        for name, tensor in self.named_hf_weights(dtype):  # loads offloaded parameters for the export
-            if writer is not None:
-                writer.add(name, tensor.cpu())
-            del tensor
-        if writer is not None:
-            writer.close()
-            hf_export.copy_aux_files(self.model_path, path, dtype)
+        # named_hf_weights loads offloaded parameters for the export
+        hf_export.write_folder(self.named_hf_weights(dtype), path, self.model_path, dtype, self.info.is_main,
+                               max_shard_bytes)
         dist.barrier()

@@ -61,6 +61,19 @@ class ShardWriter:
                 json.dump(index, f, indent=2)
 
 
+def write_folder(weights, path: str, source: str, dtype: str, is_main: bool, max_shard_bytes: int) -> None:
+    """Stream ``weights`` (every rank iterates: the gathers are collective) into ``path`` on the
+    main rank, then copy ``source``'s non-weight files (config.json with ``dtype``)."""
+    writer = ShardWriter(path, max_shard_bytes) if is_main else None
+    for name, tensor in weights:
+        if writer is not None:
+            writer.add(name, tensor.cpu())
+        del tensor
+    if writer is not None:
+        writer.close()
+        copy_aux_files(source, path, dtype)
+
+
 def copy_aux_files(src: str, dst: str, dtype: str) -> None:
     """Copy the non-weight files of the source folder; rewrite config.json with ``dtype``."""
     for fname in os.listdir(src):

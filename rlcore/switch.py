@@ -157,6 +157,10 @@ class PhaseSwitcher:
         return "vLLM weights re-allocated"
 
     def _sync_weights(self) -> str:
+        if hasattr(self.policy, "adapter_weights"):  # LoRA: the adapter alone, vLLM's base stays
+            n, nbytes = self.rollout.update_adapter(self.policy.adapter_weights(self.rollout_dtype),
+                                                    self.policy.adapter_config())
+            return f"LoRA adapter pushed: {n} tensors, {nbytes / 2**20:.2f} MiB; base weights untouched"
         if self.sync_bucket_mb is None:
             n = self.rollout.update_weights(self.policy.named_hf_weights(dtype=self.rollout_dtype, fused_experts=True),
                                             full=True)

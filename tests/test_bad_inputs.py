@@ -64,8 +64,23 @@ def env(tiny_model, toy_data, tmp_path_factory):
     paths.update(_image_rows(d))
     (d / "a_file").write_text("x")
     paths["a_file"] = str(d / "a_file")
+    paths["foreign_adapter"] = _foreign_adapter(d)
     paths["model"], paths["train"], paths["out"] = tiny_model, toy_data[0], str(d / "out")
     return paths
+
+
+def _foreign_adapter(d) -> str:
+    """A PEFT adapter folder whose q_proj takes 96 features (the tiny model's take 128)."""
+    from safetensors.torch import save_file
+
+    folder = d / "foreign_adapter"
+    folder.mkdir()
+    name = "base_model.model.model.layers.0.self_attn.q_proj"
+    save_file({f"{name}.lora_A.weight": torch.zeros(8, 96), f"{name}.lora_B.weight": torch.zeros(128, 8)},
+              str(folder / "adapter_model.safetensors"))
+    (folder / "adapter_config.json").write_text(json.dumps({"r": 8, "lora_alpha": 16, "target_modules": ["q_proj"],
+                                                            "peft_type": "LORA"}))
+    return str(folder)
 
 
 def _bad_models(d, tiny_model) -> dict:
@@ -161,6 +176,16 @@ CASES = [
                                       "--rollout.multi_turn.enable", "true", "--tools", "[calculator]",
                                       "--rollout.multi_turn.max_total_tokens", "32"],
      "use algorithm.routing_replay: r2 for", 2),
+    # LoRA: checked against the model before it loads
+    ("lora_unknown_target", ["--lora.rank", "8", "--lora.target_modules", "[qkv_proj]"],
+     "lora.target_modules=['qkv_proj'] is invalid: use \"all-linear\" or a list of q_proj", 2),
+    ("lora_rank_too_large", ["--lora.rank", "200"], "lora.rank=200 is invalid: it exceeds", 2),
+    ("lora_on_moe", ["--lora.rank", "8", "--model.path", "{moe6}"], "LoRA on MoE policies is not supported yet", 2),
+    ("lora_path_not_adapter", ["--lora.path", "{a_file}"], "is not a PEFT adapter folder", 2),
+    ("lora_path_foreign", ["--lora.path", "{foreign_adapter}"], "was trained on another base model", 2),
+    ("lora_strict_sync_check", ["--lora.rank", "8", "--rollout.check_sync", "strict"],
+     "rollout.check_sync='strict' is invalid with LoRA", 2),
+    ("lora_sleep_level_2", ["--lora.rank", "8", "--rollout.sleep_level", "2"], "rollout.sleep_level", 2),
     # mixture of experts
     ("ep_size_zero", ["--parallel.ep_size", "0"], "parallel.ep_size=0", 2),
     ("ep_not_dividing_world", ["--parallel.ep_size", "3"], "it must divide the world size 2", 2),

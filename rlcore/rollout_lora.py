@@ -1,0 +1,64 @@
+"""LoRA on the rollout engine: vLLM built with LoRA for the policy's rank; after each update the
+adapter's tensors are written where vLLM's LoRA loading reads them and reloaded in place under
+one adapter id, and every generate and score call then runs with it. vLLM's base weights are
+never written after the engine loads them.
+
+vllm 0.32 (and 0.23, the Ascend pin: the same API): ``LoRARequest(lora_name, lora_int_id,
+lora_path, load_inplace)`` (lora/request.py:24-28); ``load_inplace`` reloads an id that is
+already loaded (lora/worker_manager.py:289-314); ``LLMEngine.add_lora`` loads one outside a
+request (v1/engine/llm_engine.py:469). vLLM reads adapters from a folder only, so the folder is a
+per-process one under /dev/shm (tmpfs: memory, no disk). ``max_lora_rank`` must be one of
+vLLM's sizes (config/lora.py:26); a smaller adapter is padded to it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from typing import Iterator
+
+import torch
+
+RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+NAME, ADAPTER_ID = "policy", 1
+
+
+def engine_kwargs(rank: int) -> dict:
+    """The ``LLM(...)`` keywords of an engine that serves the policy's adapter (one at a time)."""
+    if rank <= 0:
+        return {}
+    fits = [r for r in RANKS if r >= rank]
+    if not fits:
+        raise ValueError(f"lora.rank={rank} is above vLLM's largest LoRA rank {RANKS[-1]}")
+    return {"enable_lora": True, "max_lora_rank": fits[0], "max_loras": 1}
+
+
+def adapter_dir() -> str:
+    """This process's adapter folder: in tmpfs where there is one."""
+    root = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+    return os.path.join(root, f"rlcore-lora-{os.getpid()}")
+
+
+def write_adapter(tensors: Iterator[tuple[str, torch.Tensor]], config: dict, path: str) -> tuple[int, int]:
+    """PEFT's two files into ``path`` (the weights written aside, then renamed: a reader never
+    sees half a file). Returns (tensors, bytes)."""
+    from safetensors.torch import save_file
+
+    os.makedirs(path, exist_ok=True)
+    state = {name: t.detach().cpu().contiguous() for name, t in tensors}
+    tmp = os.path.join(path, ".adapter_model.safetensors.tmp")
+    save_file(state, tmp, metadata={"format": "pt"})
+    os.replace(tmp, os.path.join(path, "adapter_model.safetensors"))
+    with open(os.path.join(path, "adapter_config.json"), "w") as f:
+        json.dump(config, f)
+    return len(state), sum(t.numel() * t.element_size() for t in state.values())
+
+
+def load(llm, path: str):
+    """vLLM reloads the adapter at ``path`` in place (id ``ADAPTER_ID``); returns the request that
+    generate and score pass from now on."""
+    from vllm.lora.request import LoRARequest
+
+    llm.llm_engine.add_lora(LoRARequest(NAME, ADAPTER_ID, path, load_inplace=True))
+    return LoRARequest(NAME, ADAPTER_ID, path)
