@@ -34,7 +34,7 @@ import torch
 
 from rlcore import rollout_lora, torchvision_shim
 from rlcore.config import model_num_experts
-from rlcore.cpu_kv import release_cpu_kv as _release_cpu_kv, resume_cpu_kv as _resume_cpu_kv
+from rlcore.cpu_kv import clear_stale_cpu_shm, release_cpu_kv as _release_cpu_kv, resume_cpu_kv as _resume_cpu_kv
 from rlcore.cpu_repack import cpu_repack_on_reload
 from rlcore.dist import DistInfo
 from rlcore.process_state import ProcessState, get_torch_rng, set_torch_rng
@@ -174,7 +174,7 @@ class ColocateRollout:
         multimodal_guess = is_multimodal_config(_model_config_json(model_path))
 
         if info.device_type == "cpu" and tp_size > 1:  # a killed run's shm files would fail this engine
-            _clear_stale_shm(info)
+            clear_stale_cpu_shm(info)
         saved = ProcessState.capture(info.device_type)  # before llm_kwargs edits the env
         engine_kwargs = llm_kwargs(
             model_path, info.device_type, tp_size=tp_size, seed=seed + self.dp_rank, max_model_len=max_model_len,
@@ -318,7 +318,7 @@ class ColocateRollout:
         ]
         inputs = [_prompt_input(p, images[j] if images is not None else None) for j, p in enumerate(prompts)]
         with self._engine_rng_scope(), self._compile_stance():
-            outputs = self.llm.generate(inputs, params, use_tqdm=False, lora_request=self.lora_request)  # in order
+            outputs = self.llm.generate(inputs, params, use_tqdm=False, **self._adapter())  # in request order
         results = [[_to_sample(c) for c in out.outputs] for out in outputs]
         if greedy:
             results = [[_copy_sample(r[0]) for _ in range(n)] for r in results]
@@ -335,7 +335,7 @@ class ColocateRollout:
         params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0, detokenize=False)
         with self._engine_rng_scope(), self._compile_stance():
             outputs = self.llm.generate([_prompt_input(s, None) for s in sequences], params, use_tqdm=False,
-                                        lora_request=self.lora_request)
+                                        **self._adapter())
         return [[d[t].logprob for t, d in zip(s[1:], out.prompt_logprobs[1:])] for s, out in zip(sequences, outputs)]
 
     def probe_module(self):
@@ -404,6 +404,9 @@ class ColocateRollout:
             self.lora_request = rollout_lora.load(self.llm, path)
         reset_prefix_cache(self.llm)  # cached blocks hold the old adapter's keys and values
         return written
+
+    def _adapter(self) -> dict:
+        return {} if self.lora_request is None else {"lora_request": self.lora_request}
 
     def update_weights_from_path(self, path: str) -> None:
         """Reload every weight from an HF safetensors folder on disk (the slow way: a checkpoint
@@ -546,21 +549,6 @@ class ColocateRollout:
 
 
 # ----------------------------------------------------------------------------- helpers
-
-
-def _clear_stale_shm(info) -> None:
-    """Local rank 0 removes the CPU TP communicator's files a killed run left; every rank waits
-    for it before any engine creates its own (collective, like the engine build)."""
-    import torch.distributed as dist
-
-    from rlcore.cpu_kv import remove_stale_cpu_shm
-
-    if info.local_rank == 0:
-        removed = remove_stale_cpu_shm()
-        if removed:
-            log.warning("removed %d stale vLLM CPU shared-memory files of a killed run: %s", len(removed), removed)
-    if dist.is_initialized():
-        dist.barrier()
 
 
 def _model_config_json(path: str) -> dict:

@@ -5,10 +5,13 @@ with madvise). Plain torch and libc; used by ``rlcore.colocate_rollout`` only.""
 from __future__ import annotations
 
 import ctypes
+import logging
 import mmap
 import sys
 
 import torch
+
+log = logging.getLogger(__name__)
 
 
 def _cpu_kv_storages(model_runner) -> list[torch.UntypedStorage]:
@@ -95,3 +98,16 @@ def remove_stale_cpu_shm() -> list[str]:
         except OSError:
             pass
     return removed
+
+
+def clear_stale_cpu_shm(info) -> None:
+    """Local rank 0 removes the CPU TP communicator's files a killed run left; every rank waits
+    for it before any engine creates its own (collective, like the engine build)."""
+    import torch.distributed as dist
+
+    if info.local_rank == 0:
+        removed = remove_stale_cpu_shm()
+        if removed:
+            log.warning("removed %d stale vLLM CPU shared-memory files of a killed run: %s", len(removed), removed)
+    if dist.is_initialized():
+        dist.barrier()

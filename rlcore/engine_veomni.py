@@ -38,11 +38,11 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from rlcore import engine_moe, engine_replay, engine_vl, hf_export
-from rlcore.engine_kernels import describe_kernels, kernel_fields, ops_config
+from rlcore.engine_build import build_sharded_model, ensure_parallel_state, install_cpu_shims
+from rlcore.engine_kernels import describe_kernels, kernel_fields
 from rlcore.engine_parts import (LrLambda, dim0_shard_group, eager_attention_mask, full_tensor, hf_name, hidden_rows,
                                  resume_lr_schedule)
 from rlcore.attention import pick_attn_implementation
-from rlcore.config import model_num_experts
 from rlcore.bucket_gather import ShardSpec, SyncBuffers, SyncPlan
 from rlcore.dist import DistInfo, empty_cache
 from rlcore.engine_offload import HostCopies
@@ -56,91 +56,6 @@ def _to_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
     if dtype not in _DTYPES:
         raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
     return _DTYPES[dtype]
-
-
-# ---------------------------------------------------------------------------------------------
-# VeOmni set-up
-# ---------------------------------------------------------------------------------------------
-
-
-def _install_cpu_shims() -> None:
-    """torch 2.13 has no ``torch.cpu.empty_cache``; VeOmni calls it after a DCP save (through
-    ``get_torch_device().empty_cache()``) and would raise on CPU. A no-op is the right meaning."""
-    if not hasattr(torch.cpu, "empty_cache"):
-        torch.cpu.empty_cache = lambda: None
-
-
-def _ensure_parallel_state(info: DistInfo, ep_size: int = 1):
-    """One FSDP2 mesh over all ranks, plus the expert-parallel mesh when ``ep_size`` > 1 (see
-    ``rlcore.engine_moe``). The state is a process-wide VeOmni singleton, so a second engine (the
-    frozen reference next to the actor) reuses it instead of building new groups."""
-    from veomni.distributed import parallel_state as ps
-
-    if ps.is_parallel_state_initialized():
-        state = ps.get_parallel_state()
-        have_ep = dist.get_world_size(state.ep_group) if state.ep_enabled else 1
-        if state.world_size != info.world_size or have_ep != ep_size:
-            raise RuntimeError(f"VeOmni parallel state has world size {state.world_size} and ep {have_ep}, "
-                               f"not {info.world_size} and {ep_size}")
-        return state
-    # The default process group must exist already (rlcore.dist.init_distributed): VeOmni's own
-    # backend picker raises on CPU, so gloo has to come from us.
-    assert dist.is_initialized(), "call rlcore.dist.init_distributed() before building a VeOmniPolicy"
-    return ps.init_parallel_state(
-        dp_size=info.world_size,
-        dp_shard_size=info.world_size,
-        dp_mode="fsdp2",
-        device_type=info.device_type,
-        **({"extra_parallel_sizes": (ep_size,), "extra_parallel_names": ("ep",)} if ep_size > 1 else {}),
-    )
-
-
-def _build_sharded_model(model_path: str, info: DistInfo, *, master_dtype: str, compute_dtype: str,
-                         gradient_checkpointing: bool, attn_implementation: str, ops_overrides: dict | None,
-                         moe_implementation: str = "eager", wrap=None, adapter_path: str | None = None):
-    """Meta-init the VeOmni model, then shard it with FSDP2 (experts over the EP mesh, when one
-    exists) and load the HF weights into the shards. ``wrap``: applied to the meta model first
-    (LoRA, rlcore.engine_lora; VeOmni then loads the base under PEFT names, and the adapter from
-    ``adapter_path`` or freshly initialised)."""
-    from veomni.arguments import MixedPrecisionConfig
-    from veomni.distributed.torch_parallelize import build_parallelize_model, parallelize_model_fsdp2
-    from veomni.models import build_foundation_model
-
-    model = build_foundation_model(
-        config_path=model_path,
-        weights_path=model_path,
-        torch_dtype=master_dtype,
-        init_device="meta",
-        ops_implementation=ops_config(attn_implementation, moe_implementation, model_num_experts(model_path),
-                                      info.device_type, ops_overrides),
-    )
-    engine_vl.apply_checkpoint_key_mapping(model)  # released Qwen2.5-VL names, before the weights load
-    peft = {} if wrap is None else {"is_peft_model": True, "adapter_path": adapter_path}
-    model = model if wrap is None else wrap(model)
-    if moe_implementation == engine_moe.TORCH_EP:  # bound after the build, which binds every slot
-        engine_moe.bind_experts(model, moe_implementation)
-    # FSDP2 mixed precision only when compute and master dtypes differ: the all-gather then
-    # casts the fp32 master shards to the compute dtype, and gradients reduce in fp32.
-    mixed = compute_dtype != master_dtype
-    mp = MixedPrecisionConfig(enable=mixed, param_dtype=compute_dtype, reduce_dtype="float32")
-    kwargs = dict(
-        weights_path=model_path,
-        enable_reshard_after_forward=True,
-        mixed_precision=mp,
-        basic_modules=list(getattr(model, "_no_split_modules", None) or []),
-        init_device="meta",
-        **peft,
-    )
-    if info.world_size > 1:
-        model = build_parallelize_model(model, enable_gradient_checkpointing=gradient_checkpointing, **kwargs)
-        engine_moe.gloo_sum_reduction(model)
-        return model
-    # World size 1: build_parallelize_model refuses meta init ("Only FSDP training supports
-    # init_device=meta": its fsdp_enabled means size > 1). The FSDP2 wrapper it would call works
-    # on a one-rank mesh, so call it directly after doing the one thing it does first.
-    if gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    return parallelize_model_fsdp2(model, **kwargs)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -194,7 +109,7 @@ class VeOmniPolicy:
                              "offloads a trainable one")
         attn_implementation, self.attn_reason = pick_attn_implementation(attn_implementation, info.device_type,
                                                                          dtype=dtype)
-        _install_cpu_shims()
+        install_cpu_shims()
         self.model_path, self.info, self.trainable = model_path, info, trainable
         self.device = info.device
         self.grad_clip = grad_clip
@@ -203,12 +118,12 @@ class VeOmniPolicy:
         self.offload_outside_forward = offload_outside_forward
         self.offloaded = {"params": False, "optimizer": False}  # where the state is now (see offload)
         self._host_copies = HostCopies.from_env(info.device_type)
-        _ensure_parallel_state(info, ep_size)
+        ensure_parallel_state(info, ep_size)
         self.ep_size = ep_size
         self.moe_implementation = engine_moe.pick_moe_implementation(moe_implementation, info.device_type, ep_size)
         self.expert_layout = engine_moe.checkpoint_expert_layout(model_path)  # how experts go out again
         self.kernels = kernel_fields(info.device_type, ops_overrides)
-        self.model = _build_sharded_model(
+        self.model = build_sharded_model(
             model_path, info,
             master_dtype="float32" if trainable else dtype,
             compute_dtype=dtype,
