@@ -75,14 +75,14 @@ class Engines:
 
 
 def build_policy(model: ModelConfig, optim: OptimConfig, info: DistInfo, total_optim_steps: int,
-                 ep_size: int = 1, routing_replay: bool = False, lora=None) -> Policy:
+                 ep_size: int = 1, routing_replay: bool = False, lora=None, merge_lora: bool = False) -> Policy:
     from rlcore.engine_veomni import VeOmniPolicy
 
     if lora is not None and lora.enabled:
         from rlcore.engine_lora import LoraPolicy
 
-        return LoraPolicy(model.path, info, lora=lora, **_policy_kwargs(model, optim, total_optim_steps, ep_size,
-                                                                         routing_replay))
+        return LoraPolicy(model.path, info, lora=lora, merge_export=merge_lora,
+                          **_policy_kwargs(model, optim, total_optim_steps, ep_size, routing_replay))
     return VeOmniPolicy(model.path, info, **_policy_kwargs(model, optim, total_optim_steps, ep_size, routing_replay))
 
 
@@ -181,7 +181,7 @@ def build_engines(cfg: Config, info: DistInfo, timer: Timer, probe_prompts: list
         ep = cfg.parallel.ep_size
         optim_steps = cfg.trainer.total_steps * cfg.algorithm.optim_steps_per_step
         policy = build_policy(cfg.model, cfg.optim, info, optim_steps, ep, cfg.algorithm.routing_replay is not None,
-                              cfg.lora)
+                              cfg.lora, cfg.checkpoint.merge_lora)
         ref = None
         if cfg.algorithm.kl_loss_coef > 0:  # LoRA: the policy with its adapter off, no second model
             from rlcore.engine_lora import AdapterOffReference

@@ -296,6 +296,10 @@ class CheckpointConfig:
     """Steps between HF exports to {output_dir}/hf/step_N; 0 = none."""
     hf_dtype: Literal["float32", "bfloat16"] = "float32"
     """dtype of every HF export."""
+    merge_lora: bool = False
+    """LoRA: HF exports are the PEFT adapter (adapter_config.json + adapter_model.safetensors,
+    what PEFT, vLLM's LoRARequest and lora.path load); true adds the merged model in merged/, a
+    plain checkpoint of base + adapter that transformers and vLLM load alone."""
 
     def __post_init__(self):
         check(self.save_every >= 0, "checkpoint.save_every", self.save_every, "it must be >= 0")

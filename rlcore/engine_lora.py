@@ -83,10 +83,14 @@ def merged(weights: Iterator[tuple[str, torch.Tensor]], scaling: float) -> Itera
 
 
 class LoraPolicy(VeOmniPolicy):
-    """``VeOmniPolicy`` with LoRA (see the module docstring); ``lora`` is the config section."""
+    """``VeOmniPolicy`` with LoRA (see the module docstring); ``lora`` is the config section.
+    Checkpoints hold the adapters and their optimizer state only (VeOmni's DCP ``trainable_only``,
+    dcp_checkpointer.py:198-242); the frozen base reloads from ``model.path`` at resume."""
 
-    def __init__(self, model_path: str, info, *, lora, **kwargs):
-        self.lora = lora
+    trainable_only = True
+
+    def __init__(self, model_path: str, info, *, lora, merge_export: bool = False, **kwargs):
+        self.lora, self.merge_export = lora, merge_export
         super().__init__(model_path, info, **kwargs)
         self.scaling = self.model.get_lora_config().scaling
 
@@ -138,19 +142,26 @@ class LoraPolicy(VeOmniPolicy):
                 m.active_adapter = active
 
     def save_hf(self, path: str, dtype: str = "float32", max_shard_bytes: int = 4 * 2**30) -> None:
-        """The merged model (transformers and vLLM load it as a plain checkpoint) and, in
-        ``path/adapter``, the PEFT adapter alone (collective)."""
-        super().save_hf(path, dtype, max_shard_bytes)
-        self.save_adapter(os.path.join(path, "adapter"))
+        """The PEFT adapter in ``path`` (with the base's tokenizer files) and, with
+        ``merge_export`` (checkpoint.merge_lora), the merged model in ``path/merged``, a plain
+        checkpoint transformers and vLLM load alone (collective)."""
+        self.save_adapter(path, dtype)
+        if self.merge_export:
+            super().save_hf(os.path.join(path, "merged"), dtype, max_shard_bytes)
 
-    def save_adapter(self, path: str) -> None:
-        """PEFT adapter folder (collective; rank 0 writes): what PEFT, vLLM and ``lora.path`` load."""
+    def save_adapter(self, path: str, dtype: str = "float32") -> None:
+        """PEFT adapter folder (collective; rank 0 writes): what PEFT, vLLM and ``lora.path`` load,
+        with the base model's tokenizer files."""
         from safetensors.torch import save_file
 
-        tensors = {n: t.cpu().contiguous() for n, t in self.adapter_weights("float32")}
+        from rlcore import hf_export
+
+        tensors = {n: t.cpu().contiguous() for n, t in self.adapter_weights(dtype)}
         if self.info.is_main:
             os.makedirs(path, exist_ok=True)
             save_file(tensors, os.path.join(path, "adapter_model.safetensors"), metadata={"format": "pt"})
+            hf_export.copy_aux_files(self.model_path, path, dtype)
+            os.remove(os.path.join(path, "config.json"))  # the base's: an adapter folder is not a model
             with open(os.path.join(path, "adapter_config.json"), "w") as f:
                 json.dump(self.adapter_config(), f, indent=1)
         torch.distributed.barrier()

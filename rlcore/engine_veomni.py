@@ -94,6 +94,7 @@ class VeOmniPolicy:
     """
 
     _wrap = adapter_path = None  # LoRA (rlcore.engine_lora.LoraPolicy) sets both
+    trainable_only = False  # checkpoints hold every parameter (LoRA: only the adapters; the base reloads)
 
     def __init__(self, model_path: str, info: DistInfo, *, dtype: str | torch.dtype = "float32", trainable: bool = True,
                  gradient_checkpointing: bool = False, attn_implementation: str = "auto",
@@ -490,7 +491,7 @@ class VeOmniPolicy:
             self._reshard()
             engine = {"lr_scheduler": self.lr_scheduler.state_dict() if self.lr_scheduler else None}
             extra = {"engine": engine, "user": dict(extra_state or {})}
-            build_checkpointer("dcp", "fsdp2").save(path, self._dcp_state(extra))
+            build_checkpointer("dcp", "fsdp2").save(path, self._dcp_state(extra), trainable_only=self.trainable_only)
 
     def load_checkpoint(self, path: str) -> dict:
         """Collective DCP load into this (already built) engine; returns the saved extra_state.
@@ -503,7 +504,7 @@ class VeOmniPolicy:
         with self._resident(params=True, optimizer=True):
             self._reshard()
             state = self._dcp_state({})
-            build_checkpointer("dcp", "fsdp2").load(path, state)
+            build_checkpointer("dcp", "fsdp2").load(path, state, trainable_only=self.trainable_only)
         extra = state["extra_state"]
         if self.lr_scheduler is not None and extra["engine"]["lr_scheduler"] is not None:
             for sched in self._lr_schedulers:  # the same schedule on every sub-optimizer

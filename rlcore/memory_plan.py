@@ -93,9 +93,17 @@ class PlanInputs:
     images_per_prompt: int = 1  # most images a prompt has (0: text-only data, data.image_key null)
     vllm_images: int | None = None  # rollout.limit_mm_per_prompt's image limit; None: vLLM's default
 
+    lora_rank: int = 0  # lora.rank: only adapters on every decoder linear layer train
+
     @property
     def trainable(self) -> int:
-        """Parameters that get gradients and AdamW state (all but a frozen vision tower)."""
+        """Parameters that get gradients and AdamW state (all but a frozen vision tower; LoRA:
+        the adapters, r x (in + out) per target layer)."""
+        if self.lora_rank:
+            s = self.shape
+            q, kv = s.heads * s.head_dim, s.kv_heads * s.head_dim
+            per_layer = (s.hidden + q) * 2 + (s.hidden + kv) * 2 + (s.hidden + s.intermediate) * 3
+            return self.lora_rank * per_layer * s.layers
         return self.shape.params - self.shape.vision_params() * self.freeze_vision
 
     @property
@@ -283,7 +291,7 @@ def component_bytes(p: PlanInputs) -> dict[str, int]:
     sizes = {
         "trainer_params": 4 * P // p.world, "gradients": 4 * trainable // p.world,
         "optimizer": 8 * trainable // p.world,
-        "reference": p.c * P // p.world if p.reference else 0,
+        "reference": p.c * P // p.world if p.reference and not p.lora_rank else 0,  # LoRA: the adapter off
         "activations": activation_bytes(p), "vllm_weights": vllm_weight_bytes(p),
         "vllm_activations": vllm_activation_bytes(p),
         "vllm_overhead": int((VLLM_OVERHEAD_GB + VLLM_GRAPHS_GB * p.graphs) * GB),
@@ -509,7 +517,8 @@ def plan_from_config(cfg, world_size: int, device_gb: float, device_type: str = 
         n=r.n, max_num_batched_tokens=r.max_num_batched_tokens, max_num_seqs=r.max_num_seqs,
         graphs=not r.enforce_eager, ep=cfg.parallel.ep_size, freeze_vision=cfg.model.freeze_vision_tower,
         images_per_prompt=(images if cfg.data.image_key else 0),
-        vllm_images=None if r.limit_mm_per_prompt is None else r.limit_mm_per_prompt.get("image", 0))
+        vllm_images=None if r.limit_mm_per_prompt is None else r.limit_mm_per_prompt.get("image", 0),
+        lora_rank=cfg.lora.rank if cfg.lora.enabled else 0)
     return build_plan(p)
 
 

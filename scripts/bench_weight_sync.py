@@ -60,8 +60,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--timeout-s", type=float, default=1800)
     p.add_argument("--moe", action="store_true", help="a Qwen3-MoE (8 experts, top-2) with expert parallelism")
     p.add_argument("--experts", type=int, default=8, help="--moe: routed experts per layer (default 8)")
+    p.add_argument("--lora", type=int, default=0, metavar="RANK",
+                   help="also push a LoRA adapter of this rank (all linear layers) on the same model: seconds and "
+                        "bytes of the full-weight sync vs the adapter push, one after the other")
     args = p.parse_args(argv)
     args.buckets = [float(x) for x in str(args.bucket_mb).split(",")]
+    if args.lora and args.moe:
+        p.error("--lora with --moe: LoRA on MoE policies is not supported yet")
     if args.params < 1e6 or args.reps < 1 or args.nproc < 1 or any(b <= 0 for b in args.buckets):
         p.error("need --params >= 1e6, --reps >= 1, --nproc >= 1 and bucket sizes > 0")
     return args
@@ -356,6 +361,43 @@ def summarize(args, policy, measured: dict, check: dict) -> dict:
     }
 
 
+def lora_push(args, model_dir: str, info) -> dict:
+    """--lora: a LoRA policy (one step taken, so B is not zero) and a LoRA engine on the same
+    model; the adapter push timed ``--reps`` times, its bytes, and vLLM vs the trainer after it."""
+    import torch
+
+    from rlcore.colocate_rollout import ColocateRollout
+    from rlcore.config_lora import LoraConfig
+    from rlcore.engine_lora import LoraPolicy
+
+    policy = LoraPolicy(model_dir, info, lora=LoraConfig(rank=args.lora, alpha=2 * args.lora), lr=1e-3,
+                        total_steps=10)
+    g = torch.Generator().manual_seed(info.rank)
+    ids = torch.randint(3, 26, (1, 64), generator=g)
+    logp, _ = policy.forward_logprobs(ids, torch.arange(64)[None], ids.roll(-1, 1), grad=True)
+    policy.backward(-logp.mean())
+    policy.step()
+    rollout = ColocateRollout(model_dir, info, tp_size=1, seed=0, max_model_len=128, kv_cache_gb=0.25,
+                              lora_rank=args.lora)
+    pushed = {}
+
+    def push():
+        pushed["n"], pushed["bytes"] = rollout.update_adapter(policy.adapter_weights(), policy.adapter_config())
+    times = max_over_ranks([timed(push) for _ in range(args.reps)])
+    out = rollout.generate([[5, 6, 7, 8]], n=2, max_tokens=8, temperature=1.0, seed=1)[0]
+    worst = 0.0
+    for s in out:
+        seq = [5, 6, 7, 8] + s.response_ids
+        lp, _ = policy.forward_logprobs(torch.tensor([seq[:-1]]), torch.arange(len(seq) - 1)[None],
+                                        torch.tensor([seq[1:]]), grad=False)
+        worst = max(worst, (lp[0, 3:] - torch.tensor(s.logprobs)).abs().max().item())
+    rollout.shutdown()
+    trainable = sum(p.numel() for p in policy.model.parameters() if p.requires_grad)
+    return {"lora_rank": args.lora, "lora_push_s": bc.median(times), "lora_tensors": pushed["n"],
+            "lora_bytes": pushed["bytes"], "lora_trainable_params": trainable,
+            "lora_max_logprob_diff": max_over_ranks([worst])[0]}
+
+
 def worker(args) -> None:
     import torch
 
@@ -368,10 +410,15 @@ def worker(args) -> None:
     measured = run_methods(args, policy, rollout, root, info)
     check = logprob_check(policy, rollout, model_dir, args.buckets[0], info)
     result = summarize(args, policy, measured, check)
+    if args.lora:
+        rollout.shutdown()  # one engine at a time: the LoRA engine is built next
+        result.update(lora_push(args, model_dir, info), full_bytes=policy.num_params * 4)
+        result["lora_speedup"] = result["sync_s"] / result["lora_push_s"]
     if info.rank == 0:
         bc.write_result(result)
         shutil.rmtree(root, ignore_errors=True)
-    rollout.shutdown()
+    if not args.lora:
+        rollout.shutdown()
     torch.distributed.destroy_process_group()
 
 
@@ -392,6 +439,11 @@ def main(argv: list[str]) -> None:
         print(f"experts: fused {result['tensors']} tensors, {result['sync_s']:.3f}s, max logprob diff "
               f"{result['max_logprob_diff']:.2e} | per expert {result['tensors_per_expert']} tensors, "
               f"{result['sync_per_expert_s']:.3f}s, max logprob diff {result['max_logprob_diff_per_expert']:.2e}")
+    if "lora_push_s" in result:
+        print(f"LoRA rank {result['lora_rank']}: adapter push {result['lora_push_s']:.3f}s, {result['lora_tensors']} "
+              f"tensors, {result['lora_bytes'] / 2**20:.2f} MiB vs full sync {result['sync_s']:.3f}s, "
+              f"{result['full_bytes'] / 2**20:.1f} MiB ({result['lora_speedup']:.1f}x); max logprob diff "
+              f"{result['lora_max_logprob_diff']:.2e}")
     print(json.dumps(result))
 
 

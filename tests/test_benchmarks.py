@@ -23,7 +23,8 @@ def run_bench(name: str, *args: str) -> dict:
 
 
 def test_bench_weight_sync_small():
-    r = run_bench("bench_weight_sync.py", "--params", "2e6", "--reps", "1", "--bucket-mb", "1,64", "--nproc", "2")
+    r = run_bench("bench_weight_sync.py", "--params", "2e6", "--reps", "1", "--bucket-mb", "1,64", "--nproc", "2",
+                  "--lora", "8")
     for key in ("params", "sync_s", "naive_s", "floor_s", "speedup_vs_naive", "ratio_to_floor",
                 "peak_extra_rss_mb", "max_logprob_diff", "floor_kernel_s", "speedup_ceiling_kernel"):
         assert key in r and r[key] == r[key], key  # present and not NaN
@@ -33,6 +34,10 @@ def test_bench_weight_sync_small():
     assert r["stale_logprob_diff"] > 0.1
     assert r["max_logprob_diff"] <= 1e-4
     assert r["plan"]["buckets"] > 1  # a 1 MiB bucket splits this model
+    # --lora: the adapter push on the same model moves a small fraction of the bytes, and vLLM
+    # then samples from the trainer's adapter
+    assert r["lora_tensors"] > 0 and 0 < r["lora_bytes"] < r["full_bytes"] / 5 and r["lora_push_s"] > 0
+    assert r["lora_max_logprob_diff"] <= 1e-4
 
 
 def test_bench_weight_sync_moe_small():

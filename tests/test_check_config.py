@@ -68,6 +68,8 @@ def results(tmp_path_factory, tiny_model, toy_data) -> dict[str, dict[str, list]
         "qwen3_8b_math_16gpu": (["--config", cfg("qwen3_8b_math_16gpu"), *stand_in(tmp, "a", "qwen3_8b")], "cuda", 8, 2),
         "qwen3_8b_tool_math_16gpu": (["--config", cfg("qwen3_8b_tool_math_16gpu"), *stand_in(tmp, "f", "qwen3_8b")],
                                      "cuda", 8, 2),
+        "qwen3_8b_lora_math_8gpu": (["--config", cfg("qwen3_8b_lora_math_8gpu"), *stand_in(tmp, "l", "qwen3_8b")],
+                                    "cuda", 8, 1),
         "qwen3_30b_a3b_math_16gpu": (["--config", cfg("qwen3_30b_a3b_math_16gpu"),
                                       *stand_in(tmp, "b", "qwen3_30b_a3b")], "cuda", 8, 2),
         "qwen3_vl_8b_geo3k_16gpu": (["--config", cfg("qwen3_vl_8b_geo3k_16gpu"), *stand_in(tmp, "c", "qwen3_vl_8b")],
@@ -96,8 +98,8 @@ def results(tmp_path_factory, tiny_model, toy_data) -> dict[str, dict[str, list]
     return {name: {n: [s, d] for n, s, d in checks} for name, checks in zip(cases, out)}
 
 
-CUDA = ["qwen3_8b_math_16gpu", "qwen3_8b_tool_math_16gpu", "qwen3_30b_a3b_math_16gpu", "qwen3_vl_8b_geo3k_16gpu",
-        "gpu_check"]
+CUDA = ["qwen3_8b_math_16gpu", "qwen3_8b_tool_math_16gpu", "qwen3_8b_lora_math_8gpu", "qwen3_30b_a3b_math_16gpu",
+        "qwen3_vl_8b_geo3k_16gpu", "gpu_check"]
 
 
 @pytest.mark.parametrize("name", CUDA + ["qwen3_8b_math_16npu"])

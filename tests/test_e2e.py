@@ -18,12 +18,14 @@ REQUIRED = ["reward/mean", "actor/pg_loss", "actor/kl", "actor/entropy", "actor/
             "timing/step_s", "rollout/mismatch_kl", "rollout/mismatch_max"]
 
 
+def train_args(model, data, out, steps, *extra) -> list[str]:
+    return ["--config", os.path.join(REPO, "configs", "demo_cpu.yaml"), "--model.path", model,
+            "--data.train_files", json.dumps([data]), "--data.val_files", "[]", "--trainer.output_dir", out,
+            "--trainer.total_steps", str(steps), "--trainer.prompts_per_step", "4", "--rollout.n", "4", *extra]
+
+
 def train(nproc, model, data, out, steps, *extra):
-    return run_torchrun(
-        os.path.join(REPO, "train_grpo.py"), nproc, "--config", os.path.join(REPO, "configs", "demo_cpu.yaml"),
-        "--model.path", model, "--data.train_files", json.dumps([data]), "--data.val_files", "[]",
-        "--trainer.output_dir", out, "--trainer.total_steps", str(steps), "--trainer.prompts_per_step", "4",
-        "--rollout.n", "4", *extra)
+    return run_torchrun(os.path.join(REPO, "train_grpo.py"), nproc, *train_args(model, data, out, steps, *extra))
 
 
 def read_metrics(out):

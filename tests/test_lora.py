@@ -33,11 +33,29 @@ def test_adapter_gradients_sync_and_untouched_base(tiny_model, tmp_path):
     assert r["base_checked"] > 10 and r["base_changed"] == []  # vLLM's base weights bit-identical
 
 
+LORA_ARGS = ("--lora.rank", "8", "--lora.alpha", "16", "--optim.lr", "1e-2", "--algorithm.kl_loss_coef", "0.01",
+             "--checkpoint.merge_lora", "true")
+
+
 def test_lora_run_end_to_end(tiny_model, toy_data, tmp_path):
     out = str(tmp_path / "run")
-    train(2, tiny_model, toy_data[0], out, 3, "--lora.rank", "8", "--lora.alpha", "16", "--optim.lr", "1e-2",
-          "--algorithm.kl_loss_coef", "0.01")
+    train(2, tiny_model, toy_data[0], out, 3, *LORA_ARGS)
     rows = read_metrics(out)
+    # exact resume: the same run preempted during step 3 (checkpoint of step 2), then resumed
+    resumed = str(tmp_path / "resumed")
+    from test_e2e import train_args
+    from workers.launch import FAULTY, Launch, comparable
+
+    first = Launch(2, train_args(tiny_model, toy_data[0], resumed, 3, *LORA_ARGS),
+                   env={"RLCORE_TEST_SIGNAL_STEP": "3"}, script=FAULTY, launcher_args=("--monitor-interval=5",))
+    try:
+        first.wait(timeout=600)
+    finally:
+        first.close()
+    train(2, tiny_model, toy_data[0], resumed, 3, *LORA_ARGS, "--checkpoint.resume", "auto")
+    again = read_metrics(resumed)
+    assert [r["step"] for r in again] == [1, 2, 3]
+    assert [comparable(r) for r in again] == [comparable(r) for r in rows]
     assert [r["step"] for r in rows] == [1, 2, 3]
     for r in rows:
         assert r["rollout/mismatch_max"] < 1e-4  # every step samples from the trainer's adapter
@@ -45,7 +63,7 @@ def test_lora_run_end_to_end(tiny_model, toy_data, tmp_path):
     # the export: a plain merged checkpoint = base + scale * B @ A of the exported adapter
     from safetensors.torch import load_file
 
-    hf, adapter = os.path.join(out, "hf_final"), os.path.join(out, "hf_final", "adapter")
+    hf, adapter = os.path.join(out, "hf_final", "merged"), os.path.join(out, "hf_final")
     merged, base = load_file(os.path.join(hf, "model.safetensors")), load_file(os.path.join(tiny_model,
                                                                                              "model.safetensors"))
     lora = load_file(os.path.join(adapter, "adapter_model.safetensors"))
@@ -56,6 +74,18 @@ def test_lora_run_end_to_end(tiny_model, toy_data, tmp_path):
     want = base[name] + cfg["lora_alpha"] / cfg["r"] * b @ a
     assert torch.allclose(merged[name], want, atol=1e-6) and not torch.equal(merged[name], base[name])
     assert torch.equal(merged["model.embed_tokens.weight"], base["model.embed_tokens.weight"])
+    assert os.path.isfile(os.path.join(adapter, "tokenizer.json")) and not os.path.exists(os.path.join(adapter,
+                                                                                                      "config.json"))
+    # the checkpoint holds the adapters only (the base reloads from model.path)
+    state = dcp_keys(os.path.join(out, "checkpoints", "step_3"))
+    assert state and all(".lora_" in k for k in state if k.startswith("model.")), sorted(state)[:5]
+
+
+def dcp_keys(ckpt: str) -> list[str]:
+    """The tensor names a DCP checkpoint holds (its metadata file)."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    return list(FileSystemReader(ckpt).read_metadata().state_dict_metadata)
 
 
 @pytest.mark.unit

@@ -75,6 +75,23 @@ def test_parameter_count_is_the_hand_sum():
 
 
 @pytest.mark.unit
+def test_lora_trains_the_adapters_only():
+    """LoRA rank 32 on Qwen3-8B's 7 linear layers x 36: r x (in + out) each, by hand; gradients and
+    AdamW state are the adapters', the reference is the policy itself."""
+    import dataclasses
+
+    shape = ModelShape.from_path(FIXTURE)
+    p = PlanInputs(shape=shape, world=8, device_gb=80, reference=True, lora_rank=32)
+    adapters = 32 * 36 * ((4096 + 4096) * 2 + (4096 + 1024) * 2 + (4096 + 12288) * 3)
+    assert p.trainable == adapters == 87_293_952
+    train = build_plan(p).phases["train"]
+    full = build_plan(dataclasses.replace(p, lora_rank=0)).phases["train"]
+    assert train["gradients"] == 4 * adapters // 8 and train["optimizer"] == 8 * adapters // 8
+    assert train["reference"] == 0 and full["reference"] > 0
+    assert train["trainer_params"] == full["trainer_params"]  # the frozen base keeps its fp32 shards
+
+
+@pytest.mark.unit
 def test_script_train_phase_matches_hand_computation(recipe):
     proc = run_script(recipe, "--nproc", "8", "--nnodes", "2", "--json")
     assert proc.returncode == 0, proc.stderr
