@@ -30,33 +30,39 @@ def test_adapter_gradients_sync_and_untouched_base(tiny_model, tmp_path):
     assert r["grad_diff"] <= 1e-5 * max(1.0, r["grad_scale"])  # = the hand-written LoRA's gradients
     assert all(d <= 1e-4 for d in r["diffs"]), r["diffs"]  # vLLM samples from the pushed adapter
     assert r["stale"] > 1e-3  # a stale adapter shows
-    assert r["base_checked"] > 10 and r["base_changed"] == []  # vLLM's base weights bit-identical
+    assert r["base_checked"] > 10 and r["base_changed"] == []  # vLLM's base weights bit-identical after 10 pushes
+    assert len(r["diffs"]) == 10
+    assert r["merged_diff"] <= 1e-5  # the merged export scores like the adapter
+    assert {"adapter_config.json", "adapter_model.safetensors", "merged", "tokenizer.json"} <= set(r["adapter_files"])
 
 
 LORA_ARGS = ("--lora.rank", "8", "--lora.alpha", "16", "--optim.lr", "1e-2", "--algorithm.kl_loss_coef", "0.01",
-             "--checkpoint.merge_lora", "true")
+             "--checkpoint.merge_lora", "true", "--checkpoint.save_every", "2")
+STEPS = 4
 
 
 def test_lora_run_end_to_end(tiny_model, toy_data, tmp_path):
     out = str(tmp_path / "run")
-    train(2, tiny_model, toy_data[0], out, 3, *LORA_ARGS)
+    train(2, tiny_model, toy_data[0], out, STEPS, *LORA_ARGS)
     rows = read_metrics(out)
-    # exact resume: the same run preempted during step 3 (checkpoint of step 2), then resumed
+    # exact resume after kill -9: the same run killed once step 3 is logged (checkpoint of step 2),
+    # then resumed
     resumed = str(tmp_path / "resumed")
     from test_e2e import train_args
-    from workers.launch import FAULTY, Launch, comparable
+    from workers.launch import Launch, comparable
 
-    first = Launch(2, train_args(tiny_model, toy_data[0], resumed, 3, *LORA_ARGS),
-                   env={"RLCORE_TEST_SIGNAL_STEP": "3"}, script=FAULTY, launcher_args=("--monitor-interval=5",))
+    killed = Launch(2, train_args(tiny_model, toy_data[0], resumed, STEPS, *LORA_ARGS))
     try:
-        first.wait(timeout=600)
+        killed.wait_for(r"saved checkpoint .*step_2$", timeout=600)
+        killed.wait_for(r"^step +3/", timeout=300)
+        killed.kill9()
     finally:
-        first.close()
-    train(2, tiny_model, toy_data[0], resumed, 3, *LORA_ARGS, "--checkpoint.resume", "auto")
+        killed.close()
+    train(2, tiny_model, toy_data[0], resumed, STEPS, *LORA_ARGS, "--checkpoint.resume", "auto")
     again = read_metrics(resumed)
-    assert [r["step"] for r in again] == [1, 2, 3]
+    assert [r["step"] for r in again] == [1, 2, 3, 4]
     assert [comparable(r) for r in again] == [comparable(r) for r in rows]
-    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
     for r in rows:
         assert r["rollout/mismatch_max"] < 1e-4  # every step samples from the trainer's adapter
     assert rows[0]["actor/kl"] == 0 and rows[-1]["actor/kl"] > 0  # reference = the adapter off
@@ -77,7 +83,7 @@ def test_lora_run_end_to_end(tiny_model, toy_data, tmp_path):
     assert os.path.isfile(os.path.join(adapter, "tokenizer.json")) and not os.path.exists(os.path.join(adapter,
                                                                                                       "config.json"))
     # the checkpoint holds the adapters only (the base reloads from model.path)
-    state = dcp_keys(os.path.join(out, "checkpoints", "step_3"))
+    state = dcp_keys(os.path.join(out, "checkpoints", f"step_{STEPS}"))
     assert state and all(".lora_" in k for k in state if k.startswith("model.")), sorted(state)[:5]
 
 

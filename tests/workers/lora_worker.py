@@ -3,14 +3,16 @@
 1. Gradients: after one step (B no longer zero), the adapter's gradients of a simple loss on one
    packed row equal those of a hand-written LoRA on transformers' forward (base(x) + s * B(A(x))
    on every target layer, A and B leaf tensors copied from the engine).
-2. Sync: three steps, each followed by the adapter-only push into vLLM (LoRA engine); after each,
+2. Sync: ten steps, each followed by the adapter-only push into vLLM (LoRA engine); after each,
    vLLM samples and the trainer scores the samples: max |d log-prob|. Before the third push the
    adapter is deliberately left stale once: that step's difference is reported apart.
-3. vLLM's base parameters after the pushes are bit-identical to those it loaded.
+3. vLLM's base parameters after the ten pushes are bit-identical to those it loaded.
+4. The merged export (checkpoint.merge_lora) in transformers scores like the trainer's adapter.
 
     torchrun --nproc_per_node=1 tests/workers/lora_worker.py MODEL_DIR OUT.pt
 """
 
+import os
 import sys
 
 import torch
@@ -73,6 +75,19 @@ def sampled_diff(policy, rollout) -> float:
     return worst
 
 
+def merged_vs_adapter(policy, merged_dir: str) -> float:
+    """transformers on the merged export vs the trainer with its adapter: max |d log-prob| on ROW."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(merged_dir, dtype=torch.float32)
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([ROW[:-1]])).logits[0].float()
+    ref = torch.log_softmax(logits, -1).gather(-1, torch.tensor(ROW[1:])[:, None])[:, 0]
+    mine, _ = policy.forward_logprobs(torch.tensor([ROW[:-1]]), torch.arange(len(ROW) - 1)[None],
+                                      torch.tensor([ROW[1:]]), grad=False)
+    return (mine[0] - ref).abs().max().item()
+
+
 def main():
     model_dir, out = sys.argv[1], sys.argv[2]
     info = init_distributed("cpu")
@@ -95,7 +110,7 @@ def main():
     vllm_model = rollout._model_runner().get_model()
     base_before = {n: p.detach().clone() for n, p in vllm_model.named_parameters() if "lora" not in n}
     diffs, stale = [], None
-    for step in range(3):
+    for step in range(10):
         logp, _ = policy.forward_logprobs(torch.tensor([ROW[:-1]]), torch.arange(len(ROW) - 1)[None],
                                           torch.tensor([ROW[1:]]), grad=True)
         policy.backward(loss_of(logp[0]) * (1 if step % 2 else -1))
@@ -106,9 +121,13 @@ def main():
         n, nbytes = rollout.update_adapter(policy.adapter_weights(), policy.adapter_config())
         diffs.append(sampled_diff(policy, rollout))
     changed = [n for n, p in vllm_model.named_parameters() if "lora" not in n and not torch.equal(p, base_before[n])]
+    policy.merge_export = True
+    policy.save_hf(out + ".hf")
+    merged_diff = merged_vs_adapter(policy, out + ".hf/merged")
     torch.save({"grad_diff": grad_diff, "grad_scale": grad_scale, "trainable": trainable,
                 "optimizer_tensors": optimizer_tensors, "diffs": diffs, "stale": stale, "pushed": (n, nbytes),
-                "base_checked": len(base_before), "base_changed": changed}, out)
+                "base_checked": len(base_before), "base_changed": changed, "merged_diff": merged_diff,
+                "adapter_files": sorted(os.listdir(out + ".hf"))}, out)
     rollout.shutdown()
     torch.distributed.destroy_process_group()
 
