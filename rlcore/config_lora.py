@@ -34,8 +34,6 @@ class LoraConfig:
     path: Optional[str] = None
     """Start from this PEFT adapter folder (adapter_config.json + adapter_model.safetensors) of
     the same base model; its rank, alpha and targets replace the ones above."""
-    experts: bool = False
-    """Mixture-of-experts models: adapters on the routed experts too (not supported yet)."""
 
     def __post_init__(self):
         check(self.rank >= 0, "lora.rank", self.rank, "it must be >= 0 (0 = full fine-tuning), e.g. 16")
