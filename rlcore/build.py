@@ -122,9 +122,9 @@ def build_rollout(model: ModelConfig, rollout: RolloutConfig, info: DistInfo, se
 
 def config_llm_kwargs(cfg, device_type: str) -> dict:
     """``llm_kwargs`` of a run's config (``rlcore.config.Config``) for ``device_type``."""
-    r, m = cfg.rollout, cfg.model
     from rlcore.colocate_rollout import llm_kwargs
 
+    r, m = cfg.rollout, cfg.model
     return llm_kwargs(m.path, device_type, tp_size=r.tensor_parallel_size, seed=cfg.trainer.seed,
                       max_model_len=r.max_model_len, dtype=r.dtype or m.dtype, kv_cache_gb=r.kv_cache_gb,
                       gpu_memory_utilization=r.gpu_memory_utilization, enforce_eager=r.enforce_eager,
@@ -132,7 +132,6 @@ def config_llm_kwargs(cfg, device_type: str) -> dict:
                       speed=dict(max_num_seqs=r.max_num_seqs, max_num_batched_tokens=r.max_num_batched_tokens,
                                  enable_prefix_caching=r.enable_prefix_caching),
                       routed_experts=cfg.algorithm.routing_replay == "r3", lora_rank=lora_rank(cfg))
-
 
 
 def lora_rank(cfg) -> int:
