@@ -33,6 +33,7 @@ def test_adapter_gradients_sync_and_untouched_base(tiny_model, tmp_path):
     assert r["base_checked"] > 10 and r["base_changed"] == []  # vLLM's base weights bit-identical after 10 pushes
     assert len(r["diffs"]) == 10
     assert r["merged_diff"] <= 1e-5 and r["merged_vllm_diff"] <= 1e-4  # the merged export scores like the adapter
+    assert r["restart_diff"] == 0  # lora.path loads the exported adapter exactly
     assert {"adapter_config.json", "adapter_model.safetensors", "merged", "tokenizer.json"} <= set(r["adapter_files"])
 
 

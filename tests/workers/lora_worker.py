@@ -7,7 +7,8 @@
    vLLM samples and the trainer scores the samples: max |d log-prob|. Before the third push the
    adapter is deliberately left stale once: that step's difference is reported apart.
 3. vLLM's base parameters after the ten pushes are bit-identical to those it loaded.
-4. The merged export (checkpoint.merge_lora) in transformers, and in vLLM, scores like the trainer's adapter.
+4. The merged export (checkpoint.merge_lora) in transformers, and in vLLM, scores like the trainer's adapter;
+   a policy started from the exported adapter (lora.path) holds exactly its tensors.
 
     torchrun --nproc_per_node=1 tests/workers/lora_worker.py MODEL_DIR OUT.pt
 """
@@ -124,12 +125,17 @@ def main():
     policy.merge_export = True
     policy.save_hf(out + ".hf")
     merged_diff = merged_vs_adapter(policy, out + ".hf/merged")
+    # lora.path: a policy started from the exported adapter holds exactly its tensors
+    again = LoraPolicy(model_dir, info, lora=LoraConfig(path=out + ".hf"), lr=1e-2, total_steps=1)
+    exported = dict(policy.adapter_weights())
+    restart_diff = max((t - exported[n]).abs().max().item() for n, t in again.adapter_weights())
+    del again
     rollout.shutdown()  # vLLM on the merged export (a plain engine, no LoRA) samples like the trainer's adapter
     rollout = ColocateRollout(out + ".hf/merged", info, kv_cache_gb=0.0625, max_model_len=64)
     merged_vllm_diff = sampled_diff(policy, rollout)
     torch.save({"grad_diff": grad_diff, "grad_scale": grad_scale, "trainable": trainable,
                 "optimizer_tensors": optimizer_tensors, "diffs": diffs, "stale": stale, "pushed": (n, nbytes),
-                "base_checked": len(base_before), "base_changed": changed, "merged_diff": merged_diff, "merged_vllm_diff": merged_vllm_diff,
+                "base_checked": len(base_before), "base_changed": changed, "merged_diff": merged_diff, "merged_vllm_diff": merged_vllm_diff, "restart_diff": restart_diff,
                 "adapter_files": sorted(os.listdir(out + ".hf"))}, out)
     rollout.shutdown()
     torch.distributed.destroy_process_group()
