@@ -25,6 +25,7 @@ import gc
 import json
 import logging
 import os
+import shutil
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
@@ -32,7 +33,7 @@ from typing import Any
 
 import torch
 
-from rlcore import rollout_lora, torchvision_shim
+from rlcore import hf_export, rollout_lora, torchvision_shim
 from rlcore.config import model_num_experts
 from rlcore.cpu_kv import clear_stale_cpu_shm, release_cpu_kv as _release_cpu_kv, resume_cpu_kv as _resume_cpu_kv
 from rlcore.cpu_repack import cpu_repack_on_reload
@@ -399,7 +400,7 @@ class ColocateRollout:
         base weights stay. Returns (tensors, bytes) written (rlcore.rollout_lora)."""
         self._require_awake("update_adapter", {"weights"})
         path = rollout_lora.adapter_dir()
-        written = rollout_lora.write_adapter(tensors, config, path)
+        written = hf_export.write_adapter(tensors, config, path)
         with self._engine_rng_scope(), self._compile_stance():
             self.lora_request = rollout_lora.load(self.llm, path)
         reset_prefix_cache(self.llm)  # cached blocks hold the old adapter's keys and values
@@ -529,6 +530,9 @@ class ColocateRollout:
         """
         if getattr(self, "llm", None) is None:
             return
+        if self.lora_request is not None:  # the adapter folder in /dev/shm is this engine's
+            shutil.rmtree(self.lora_request.lora_path, ignore_errors=True)
+            self.lora_request = None
         from vllm.distributed import parallel_state as ps
 
         client = self.llm.llm_engine.engine_core  # InprocClient

@@ -445,9 +445,11 @@ def _check_sync(cfg: Config) -> str:
 def _has_vision(model_path: str) -> bool:
     import json
 
+    from rlcore.rollout_checks import is_multimodal_config
+
     try:
         with open(os.path.join(model_path, "config.json")) as f:
-            return "vision_config" in json.load(f)
+            return is_multimodal_config(json.load(f))
     except (OSError, ValueError):
         return False
 

@@ -19,7 +19,6 @@ the engine:
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 from typing import Iterator
 
@@ -152,18 +151,13 @@ class LoraPolicy(VeOmniPolicy):
     def save_adapter(self, path: str, dtype: str = "float32") -> None:
         """PEFT adapter folder (collective; rank 0 writes): what PEFT, vLLM and ``lora.path`` load,
         with the base model's tokenizer files."""
-        from safetensors.torch import save_file
-
         from rlcore import hf_export
 
-        tensors = {n: t.cpu().contiguous() for n, t in self.adapter_weights(dtype)}
+        tensors = list(self.adapter_weights(dtype))  # collective: every rank gathers
         if self.info.is_main:
-            os.makedirs(path, exist_ok=True)
-            save_file(tensors, os.path.join(path, "adapter_model.safetensors"), metadata={"format": "pt"})
+            hf_export.write_adapter(tensors, self.adapter_config(), path)
             hf_export.copy_aux_files(self.model_path, path, dtype)
             os.remove(os.path.join(path, "config.json"))  # the base's: an adapter folder is not a model
-            with open(os.path.join(path, "adapter_config.json"), "w") as f:
-                json.dump(self.adapter_config(), f, indent=1)
         torch.distributed.barrier()
 
 

@@ -74,6 +74,21 @@ def write_folder(weights, path: str, source: str, dtype: str, is_main: bool, max
         copy_aux_files(source, path, dtype)
 
 
+def write_adapter(tensors, config: dict, path: str) -> tuple[int, int]:
+    """A PEFT adapter folder: adapter_model.safetensors (written aside, then renamed: a reader
+    never sees half a file) and adapter_config.json. Returns (tensors, bytes)."""
+    from safetensors.torch import save_file
+
+    os.makedirs(path, exist_ok=True)
+    state = {name: t.detach().cpu().contiguous() for name, t in tensors}
+    tmp = os.path.join(path, ".adapter_model.safetensors.tmp")
+    save_file(state, tmp, metadata={"format": "pt"})
+    os.replace(tmp, os.path.join(path, "adapter_model.safetensors"))
+    with open(os.path.join(path, "adapter_config.json"), "w") as f:
+        json.dump(config, f, indent=1)
+    return len(state), sum(t.numel() * t.element_size() for t in state.values())
+
+
 def copy_aux_files(src: str, dst: str, dtype: str) -> None:
     """Copy the non-weight files of the source folder; rewrite config.json with ``dtype``."""
     for fname in os.listdir(src):

@@ -13,12 +13,8 @@ vLLM's sizes (config/lora.py:26); a smaller adapter is padded to it.
 
 from __future__ import annotations
 
-import json
 import os
 import tempfile
-from typing import Iterator
-
-import torch
 
 RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 NAME, ADAPTER_ID = "policy", 1
@@ -38,21 +34,6 @@ def adapter_dir() -> str:
     """This process's adapter folder: in tmpfs where there is one."""
     root = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
     return os.path.join(root, f"rlcore-lora-{os.getpid()}")
-
-
-def write_adapter(tensors: Iterator[tuple[str, torch.Tensor]], config: dict, path: str) -> tuple[int, int]:
-    """PEFT's two files into ``path`` (the weights written aside, then renamed: a reader never
-    sees half a file). Returns (tensors, bytes)."""
-    from safetensors.torch import save_file
-
-    os.makedirs(path, exist_ok=True)
-    state = {name: t.detach().cpu().contiguous() for name, t in tensors}
-    tmp = os.path.join(path, ".adapter_model.safetensors.tmp")
-    save_file(state, tmp, metadata={"format": "pt"})
-    os.replace(tmp, os.path.join(path, "adapter_model.safetensors"))
-    with open(os.path.join(path, "adapter_config.json"), "w") as f:
-        json.dump(config, f)
-    return len(state), sum(t.numel() * t.element_size() for t in state.values())
 
 
 def load(llm, path: str):

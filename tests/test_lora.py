@@ -34,6 +34,7 @@ def test_adapter_gradients_sync_and_untouched_base(tiny_model, tmp_path):
     assert len(r["diffs"]) == 10
     assert r["merged_diff"] <= 1e-5 and r["merged_vllm_diff"] <= 1e-4  # the merged export scores like the adapter
     assert r["restart_diff"] == 0  # lora.path loads the exported adapter exactly
+    assert r["adapter_dir_left"] is False  # shutdown removes the engine's adapter folder in /dev/shm
     assert {"adapter_config.json", "adapter_model.safetensors", "merged", "tokenizer.json"} <= set(r["adapter_files"])
 
 

@@ -130,12 +130,14 @@ def main():
     exported = dict(policy.adapter_weights())
     restart_diff = max((t - exported[n]).abs().max().item() for n, t in again.adapter_weights())
     del again
+    adapter_dir = rollout.lora_request.lora_path
     rollout.shutdown()  # vLLM on the merged export (a plain engine, no LoRA) samples like the trainer's adapter
+    adapter_dir_left = os.path.exists(adapter_dir)  # the engine's /dev/shm folder goes with it
     rollout = ColocateRollout(out + ".hf/merged", info, kv_cache_gb=0.0625, max_model_len=64)
     merged_vllm_diff = sampled_diff(policy, rollout)
     torch.save({"grad_diff": grad_diff, "grad_scale": grad_scale, "trainable": trainable,
                 "optimizer_tensors": optimizer_tensors, "diffs": diffs, "stale": stale, "pushed": (n, nbytes),
-                "base_checked": len(base_before), "base_changed": changed, "merged_diff": merged_diff, "merged_vllm_diff": merged_vllm_diff, "restart_diff": restart_diff,
+                "base_checked": len(base_before), "base_changed": changed, "merged_diff": merged_diff, "merged_vllm_diff": merged_vllm_diff, "restart_diff": restart_diff, "adapter_dir_left": adapter_dir_left,
                 "adapter_files": sorted(os.listdir(out + ".hf"))}, out)
     rollout.shutdown()
     torch.distributed.destroy_process_group()
