@@ -13,7 +13,7 @@ quiet.install()  # offline, quiet environment and warning filters: before the he
 import sys  # noqa: E402
 import time  # noqa: E402
 
-from rlcore import agent, grpo, preempt, validation  # noqa: E402
+from rlcore import agent, grpo, judge, preempt, validation  # noqa: E402
 from rlcore.build import build_engines  # noqa: E402
 from rlcore.cli import parse_config  # noqa: E402
 from rlcore.config import Config, ConfigError, fail  # noqa: E402
@@ -95,14 +95,17 @@ def build(cfg: Config, info: DistInfo, stop, watchdog) -> Run:
     cfg = resolve_image_limit(cfg, prompts, val_prompts)
     timer = Timer()
     engines = build_engines(cfg, info, timer, probe_prompts=[p.ids for p in prompts[:64]])
+    scorer.attach_judges(engines.judges, engines.switch.judging, timer)  # reward.models, if any
     tool_agent = agent.build_agent(cfg, tokenizer, engines.rollout)  # None: single-turn
     if info.is_main:
         described = [engines.policy, engines.ref, engines.rollout, engines.switch]
         print(*(x.describe() for x in described if x is not None), grpo.describe_train_phase(cfg.algorithm),
-              *([agent.describe(tool_agent)] if tool_agent else []), sep="\n", flush=True)
+              *([agent.describe(tool_agent)] if tool_agent else []),
+              *([judge.describe(engines.judges)] if engines.judges else []), sep="\n", flush=True)
     t = cfg.trainer
     sampler = StepSampler(engines.rollout, PromptSampler(prompts, cfg.data.seed, cfg.data.shuffle), tokenizer, scorer,
-                          cfg.rollout, cfg.algorithm, t.prompts_per_step, t.seed, timer, processor, tool_agent)
+                          cfg.rollout, cfg.algorithm, t.prompts_per_step, t.seed, timer, processor, tool_agent,
+                          switch=engines.switch)
     logger = MetricsLogger(t.output_dir, info.is_main, cfg.logging.tensorboard, cfg.logging.console_every,
                            total_steps=t.total_steps)
     return Run(cfg, info, engines, sampler, logger, timer, stop, watchdog, resume_from=resume_from,
@@ -132,7 +135,9 @@ def validate(run: Run) -> None:
         max_tokens=v.max_response_length, seed=generation_seed(run.cfg.trainer.seed, step, validation=True))
     start = time.perf_counter()
     with run.watchdog.phase("validate"):
-        metrics, examples = validation.validate(run.engines.rollout, run.sampler.tokenizer, run.sampler.scorer,
+        run.engines.switch.ensure_generation()  # judging may have put the policy's engine to sleep
+        metrics, examples = validation.validate(run.engines.rollout, run.sampler.tokenizer,
+                                                run.sampler.scorer.for_validation,
                                                 run.val_prompts, settings, run.sampler.agent)
     metrics["timing/val_s"] = time.perf_counter() - start
     if run.info.is_main:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
 from contextlib import AbstractContextManager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
 import torch
@@ -15,6 +15,7 @@ import torch
 from rlcore import quiet
 from rlcore.config import Config, ModelConfig, OffloadConfig, OptimConfig, RolloutConfig
 from rlcore.dist import DistInfo
+from rlcore.judge import build_judges
 from rlcore.metrics import Timer
 
 
@@ -72,6 +73,7 @@ class Engines:
     ref: Policy | None  # frozen reference for the KL loss (algorithm.kl_loss_coef > 0)
     rollout: Rollout
     switch: object  # rlcore.switch.PhaseSwitcher
+    judges: dict = field(default_factory=dict)  # reward.models: name -> rlcore.judge.scorer.Judge
 
 
 def build_policy(model: ModelConfig, optim: OptimConfig, info: DistInfo, total_optim_steps: int,
@@ -193,7 +195,8 @@ def build_engines(cfg: Config, info: DistInfo, timer: Timer, probe_prompts: list
             policy.offload(params=cfg.offload.params, optimizer=cfg.offload.optimizer)
         rollout = build_rollout(cfg.model, cfg.rollout, info, cfg.trainer.seed,
                                 routed_experts=cfg.algorithm.routing_replay == "r3", lora_rank=lora_rank(cfg))
+        judges = build_judges(cfg, info)  # after the policy's engine: they share its vLLM process groups
     switch = build_switch(policy, rollout, cfg.model, cfg.rollout, cfg.offload, info, timer, probe_prompts)
     if cfg.logging.switch_trace:
         switch.trace_to_stderr()
-    return Engines(policy, ref, rollout, switch)
+    return Engines(policy, ref, rollout, switch, judges)

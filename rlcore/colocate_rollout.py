@@ -91,7 +91,7 @@ class Sample:
 def llm_kwargs(model_path: str, device_type: str, *, tp_size: int, seed: int, max_model_len: int, dtype: str,
                kv_cache_gb: float, gpu_memory_utilization: float, enforce_eager: bool, multimodal: bool,
                speed: dict, limit_mm_per_prompt: dict | None = None, mm_processor_cache_gb: float | None = None,
-               routed_experts: bool = False, lora_rank: int = 0) -> dict:
+               routed_experts: bool = False, lora_rank: int = 0, runner: str = "generate") -> dict:
     """Every keyword ``ColocateRollout`` hands ``vllm.LLM(...)`` (and so vLLM's ``EngineArgs``),
     without building anything: the engine and scripts/check_config.py's dry run use this one.
     ``seed``: the engine seed plus the DP rank (same inside a TP group: ranks must sample the same
@@ -99,7 +99,8 @@ def llm_kwargs(model_path: str, device_type: str, *, tp_size: int, seed: int, ma
     drops ``VLLM_CPU_KVCACHE_SPACE`` from the environment and on npu it sets vllm-ascend's NZ
     switch (both read while the engine is built). ``routed_experts``: vLLM returns each sample's
     experts per token (R3 routing replay; rlcore.rollout_routing). ``lora_rank``: LoRA for
-    the policy's adapter (rlcore.rollout_lora)."""
+    the policy's adapter (rlcore.rollout_lora). ``runner="pooling"``: a classification / reward
+    head scored with ``LLM.classify`` (a discriminative judge, rlcore.judge.engine)."""
     if device_type == "cpu":
         # Explicit size: vLLM's auto sizing takes ~60% of host RAM per rank (OOM with 2 ranks).
         # The legacy env var would silently override it (restored by ProcessState).
@@ -117,6 +118,7 @@ def llm_kwargs(model_path: str, device_type: str, *, tp_size: int, seed: int, ma
                             mm_processor_cache_gb=mm_processor_cache_gb),
         **({"enable_return_routed_experts": True} if routed_experts else {}),
         **rollout_lora.engine_kwargs(lora_rank),
+        **({"runner": runner} if runner != "generate" else {}),
     )
 
 
@@ -144,6 +146,7 @@ class ColocateRollout:
         mm_processor_cache_gb: float | None = None,
         return_routed_experts: bool = False,
         lora_rank: int = 0,
+        runner: str = "generate",
     ):
         """``enforce_eager`` None: eager on CPU, CUDA/ACL graphs on accelerators (they survive
         sleep/wake: see rollout_checks.pick_enforce_eager). ``max_num_seqs``,
@@ -184,7 +187,7 @@ class ColocateRollout:
             speed=dict(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                        enable_prefix_caching=enable_prefix_caching),
             limit_mm_per_prompt=limit_mm_per_prompt, mm_processor_cache_gb=mm_processor_cache_gb,
-            routed_experts=return_routed_experts, lora_rank=lora_rank)
+            routed_experts=return_routed_experts, lora_rank=lora_rank, runner=runner)
         self.lora_request = None  # the policy's adapter once pushed (update_adapter)
         try:
             self.llm = self._build_engine(model_path, engine_kwargs)

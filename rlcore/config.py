@@ -23,6 +23,7 @@ from rlcore.config_algo import (  # noqa: F401  (re-exported: every section is i
     AlgorithmConfig, ExplorationConfig, RolloutCorrectionConfig, _check_positive, check,
 )
 from rlcore.config_lora import LoraConfig, check_lora
+from rlcore.judge.config import check_judges
 from rlcore.exit_codes import ConfigError, fail  # noqa: F401  (re-exported: the config's error type)
 
 
@@ -234,15 +235,28 @@ class RewardConfig:
     """Per call of reward.fn; null = no limit."""
     error_value: float = 0.0
     """Reward of a sample whose reward call raised or timed out."""
+    models: list[Any] = field(default_factory=list)
+    """Model-based rewards (rlcore/judge): entries {name, path, kind: generative|discriminative,
+    template, parser, ...} (fields in rlcore/judge/config.py); each is a component whose weight is
+    reward.components[name], scored by its own in-process vLLM engine, asleep outside scoring."""
 
     def __post_init__(self):
+        from rlcore.judge.config import parse_judges
         from rlcore.rewards import CUSTOM, REWARDS, load_custom_fn
 
+        judges = [j.name for j in parse_judges(self.models)]
+        for name in judges:
+            check(name not in REWARDS and name not in (CUSTOM, "env"), "reward.models.name", name,
+                  "it is a built-in component's name; give the judge another name")
         components = self.effective_components()
         check(len(components) > 0, "reward.components", components, "name at least one reward")
         for name in components:
-            check(name in REWARDS or name in (CUSTOM, "env"), "reward.components", name,
-                  f"choose from {', '.join(REWARDS)}, {CUSTOM} together with reward.fn, or env with env.cls")
+            check(name in REWARDS or name in (CUSTOM, "env", *judges), "reward.components", name,
+                  f"choose from {', '.join(REWARDS)}, {CUSTOM} together with reward.fn, env with env.cls"
+                  f"{', or a reward.models name: ' + ', '.join(judges) if judges else ''}")
+        unused = [n for n in judges if n not in components]
+        check(not unused, "reward.models", unused, "give each judge a weight in reward.components, e.g. "
+              f"{unused[0] if unused else ''}: 1.0 (an unweighted judge would only cost time)")
         check(CUSTOM not in components or self.fn, "reward.components", CUSTOM,
               "the custom component needs reward.fn=package.module:function")
         if self.fn:
@@ -254,6 +268,12 @@ class RewardConfig:
                 check(False, "reward.fn", self.fn, str(e))
         check(self.timeout_s is None or self.timeout_s > 0, "reward.timeout_s", self.timeout_s,
               "it must be > 0 seconds (or unset for no limit)")
+
+    def judges(self):
+        """``models`` as checked rlcore.judge.config.JudgeConfig entries."""
+        from rlcore.judge.config import parse_judges
+
+        return parse_judges(self.models)
 
     def effective_components(self) -> dict[str, float]:
         from rlcore.rewards import CUSTOM
@@ -368,6 +388,9 @@ class ValConfig:
     """Response tokens at most; 0 = rollout.max_response_length."""
     num_examples: int = 8
     """Greedy generations of the first val prompts written to {output_dir}/val/step_N.jsonl."""
+    reward_components: Optional[dict[str, float]] = None
+    """Components (name -> weight) validation scores with, e.g. a judge (reward.models) or only the
+    rule; null = reward.components."""
 
     def __post_init__(self):
         _check_positive("val", self, "n", "temperature")
@@ -509,6 +532,7 @@ def resolve(cfg: Config, device_type: str) -> Config:
     check_routing_replay(cfg.algorithm.routing_replay, m.path, experts)
     check_lora(cfg.lora, m.path, experts, vision=_has_vision(m.path))
     check_agent(cfg)
+    check_judges(cfg)
     if cfg.algorithm.use_rollout_logprobs and cfg.rollout_correction.options() is not None:
         raise ConfigError("rollout_correction.is_level/rs compare the trainer's old log-probs with vLLM's, but "
                           "algorithm.use_rollout_logprobs=true replaces the former with the latter (every ratio 1): "

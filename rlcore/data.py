@@ -209,7 +209,7 @@ def load_prompts(files: list[str], cfg: DataConfig, tokenizer, processor=None, c
                 continue
             prompts.append(Prompt(ids=ids, text=text, answer=str(get_key(row, cfg.answer_key)),
                                   images=[vision.encode_image(im) for im in images] or None,
-                                  row=row if chat is not None else None))  # environments reset on it
+                                  row=row))  # environments reset on it; judges read its fields
     if not prompts:
         raise ConfigError(f"data files {files} hold no usable prompt after filtering "
                           f"({bad} bad rows, {too_long} over data.max_prompt_length); check the files and keys")

@@ -46,6 +46,7 @@ class RolloutBatch:
     # R3 (algorithm.routing_replay: r3): per sample vLLM's routed experts, (P + R - 1, layers, K)
     # uint8/uint16 rows for every token it ran a forward for (rlcore.rollout_routing). None: off.
     routed_experts: list | None = None
+    rows: list[dict] | None = None  # each sample's data row (model-based rewards read its fields)
 
     def __post_init__(self):
         if self.keep is None:
@@ -115,7 +116,7 @@ def informative_groups(scores: torch.Tensor, group_size: int) -> list[int]:
 
 # RolloutBatch's per-sample lists, carried by select() and concat() (uids/gids are renumbered by concat)
 _PER_SAMPLE = ("prompt_ids", "response_ids", "rollout_logp", "answers", "finish_reasons", "keep", "vision", "uids",
-               "gids", "env_mask", "final_ids", "env_rewards", "conversations", "routed_experts")
+               "gids", "env_mask", "final_ids", "env_rewards", "conversations", "routed_experts", "rows")
 
 
 def concat(batches: list[RolloutBatch]) -> RolloutBatch:

@@ -8,7 +8,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 
-from rlcore import checkpoint, preempt
+from rlcore import checkpoint, judge, preempt
 from rlcore.build import Engines
 from rlcore.config import Config
 from rlcore.dist import DistInfo, exit_process
@@ -197,6 +197,7 @@ def teardown(run: Run) -> None:
     if run.watchdog is not None:
         run.watchdog.close()
     run.logger.close()
+    judge.shutdown(run.engines.judges)  # before the policy's engine: theirs share its vLLM groups
     run.engines.rollout.shutdown()
     if dist.is_initialized():
         dist.barrier()

@@ -10,6 +10,7 @@ import os
 from rlcore import agent, checkpoint, rewards, rollout_routing
 from rlcore.config import Config, ConfigError, check, fail
 from rlcore.data import load_prompts
+from rlcore.judge.config import check_judge_data
 from rlcore.dist import detect_device
 from rlcore.ownership import claim_output_dir
 
@@ -35,6 +36,7 @@ def preflight(cfg: Config, rank: int, world_size: int):
         prompts, stats = load_prompts(cfg.data.train_files, cfg.data, tokenizer, processor,
                                       agent.renderer_for(cfg, tokenizer))
         check_image_limit(cfg, prompts)
+        check_judge_data(cfg.reward.judges(), [p.row for p in prompts])  # the templates' fields
     except ConfigError as e:
         fail(str(e))
     if rank == 0:
@@ -46,14 +48,18 @@ def preflight(cfg: Config, rank: int, world_size: int):
 
 
 def prepare_scoring(cfg: Config, tokenizer, rank: int, processor=None):
-    """The reward scorer and the tokenized validation prompts (None without data.val_files)."""
+    """The reward scorer (``scorer.for_validation``: val.reward_components' one) and the tokenized
+    validation prompts (None without data.val_files)."""
     try:
         scorer = rewards.Scorer(cfg.reward)
+        scorer.for_validation = rewards.Scorer(cfg.reward, cfg.val.reward_components) \
+            if cfg.val.reward_components else scorer
         val_prompts = None
         if cfg.data.val_files:
             val_prompts = load_prompts(cfg.data.val_files, cfg.data, tokenizer, processor,
                                        agent.renderer_for(cfg, tokenizer))[0]
             check_image_limit(cfg, val_prompts)
+            check_judge_data(cfg.reward.judges(), [p.row for p in val_prompts])
     except (ConfigError, ValueError) as e:
         fail(str(e))
     if rank == 0 and val_prompts:

@@ -21,6 +21,7 @@ traceback of the process once, and the run goes on.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.util
 import math
@@ -250,33 +251,35 @@ def _component_values(name: str, fn: Callable, responses: list[str], answers: li
 
 def score_samples(responses: list[str], answers: list[str], components: dict[str, float], *,
                   custom_fn: Callable | None = None, timeout_s: float | None = None,
-                  error_value: float = 0.0, env_rewards: list | None = None) -> tuple[list[float], list[bool], dict]:
+                  error_value: float = 0.0, env_rewards: list | None = None,
+                  judged: dict[str, tuple[list[float], list[bool], float]] | None = None) -> tuple[list[float], list[bool], dict]:
     """Weighted sum of the components for each response, the per-sample "fully correct" flag
     (every component >= 1), and metrics of these samples: ``reward/{name}`` component means,
     ``reward/accuracy`` and ``reward/errors`` (failed sample-component calls). The timeout
     applies to ``custom_fn``. The ``env`` component is each sample's environment reward (a
-    multi-turn env.cls; None, when it gave none, counts 0)."""
+    multi-turn env.cls; None, when it gave none, counts 0). ``judged``: the values, parse
+    failures and pass thresholds of model-based components (rlcore.judge), scored already."""
     n = len(responses)
     totals, correct = [0.0] * n, [True] * n
     metrics, errors = {}, 0
     for name, weight in components.items():
+        failed, pass_at = [False] * n, 1.0 - 1e-6
         if name == ENV:
             values = [0.0 if r is None else float(r) for r in (env_rewards or [None] * n)]
-            totals = [t + weight * v for t, v in zip(totals, values)]
-            correct = [c and v >= 1.0 - 1e-6 for c, v in zip(correct, values)]
-            metrics[f"reward/{name}"] = sum(values) / max(n, 1)
-            continue
-        if name == CUSTOM:
-            if custom_fn is None:
-                raise ValueError("the 'custom' reward component needs reward.fn")
-            fn, limit = custom_fn, timeout_s
+        elif judged is not None and name in judged:
+            values, failed, pass_at = judged[name]  # an unreadable verdict is never "correct", nor an error
         else:
-            fn, limit = get_reward(name), None
-        values, failed = _component_values(name, fn, responses, answers, limit, error_value)
-        errors += sum(failed)
+            if name == CUSTOM:
+                if custom_fn is None:
+                    raise ValueError("the 'custom' reward component needs reward.fn")
+                fn, limit = custom_fn, timeout_s
+            else:
+                fn, limit = get_reward(name), None
+            values, failed = _component_values(name, fn, responses, answers, limit, error_value)
+            errors += sum(failed)
         totals = [t + weight * v for t, v in zip(totals, values)]
         # A failed call is never "correct", whatever reward.error_value is.
-        correct = [c and v >= 1.0 - 1e-6 and not f for c, v, f in zip(correct, values, failed)]
+        correct = [c and v >= pass_at and not f for c, v, f in zip(correct, values, failed)]
         metrics[f"reward/{name}"] = sum(values) / max(n, 1)
     metrics["reward/accuracy"] = sum(correct) / max(n, 1)
     metrics["reward/errors"] = float(errors)
@@ -284,19 +287,52 @@ def score_samples(responses: list[str], answers: list[str], components: dict[str
 
 
 class Scorer:
-    """A RewardConfig made callable: ``Scorer(cfg).score(responses, answers)``."""
+    """A RewardConfig made callable: ``Scorer(cfg).score(responses, answers)``. Model-based
+    components (``reward.models``) score through ``judges`` (name -> rlcore.judge.scorer.Judge),
+    attached once their engines are built, inside ``judging``: the phase switch's context that
+    puts the policy's engine to sleep and wakes the judges (rlcore.switch)."""
 
-    def __init__(self, cfg):
-        self.components = cfg.effective_components()  # the resolved components, or their default
+    def __init__(self, cfg, components: dict[str, float] | None = None):
+        self.components = dict(components) if components else cfg.effective_components()
         self.custom_fn = load_custom_fn(cfg.fn) if cfg.fn else None
         self.timeout_s, self.error_value = cfg.timeout_s, cfg.error_value
+        self.judges: dict = {}
+        self.judging = None  # (judges) -> context manager
+        self.timer = None
+        self.for_validation = self  # val.reward_components' scorer (rlcore.preflight.prepare_scoring)
 
-    def score_samples(self, responses: list[str], answers: list[str], env_rewards: list | None = None
-                      ) -> tuple[list[float], list[bool], dict]:
-        return score_samples(responses, answers, self.components, custom_fn=self.custom_fn,
-                             timeout_s=self.timeout_s, error_value=self.error_value, env_rewards=env_rewards)
+    def attach_judges(self, judges: dict, judging, timer=None) -> None:
+        self.judges, self.judging, self.timer = judges, judging, timer
+        if self.for_validation is not self:
+            self.for_validation.attach_judges(judges, judging, timer)
 
-    def score(self, responses: list[str], answers: list[str], env_rewards: list | None = None
-              ) -> tuple[list[float], dict]:
-        totals, _, metrics = self.score_samples(responses, answers, env_rewards)
+    def _judge(self, responses: list[str], answers: list[str], rows: list | None) -> tuple[dict, dict]:
+        active = [self.judges[name] for name in self.components if name in self.judges]
+        if not active or not responses:
+            return {}, {}
+        judged, metrics = {}, {}
+        with self.judging(active):  # the policy's engine sleeps, the judges are awake
+            for judge in active:
+                with self.timer("judge") if self.timer else contextlib.nullcontext():  # timing/judge_s
+                    values, failed, m = judge.score(responses, answers, rows)
+                judged[judge.name] = (values, failed, judge.cfg.pass_threshold - 1e-6)
+                metrics.update(m)
+        return judged, metrics
+
+    def score_samples(self, responses: list[str], answers: list[str], env_rewards: list | None = None,
+                      rows: list | None = None) -> tuple[list[float], list[bool], dict]:
+        judged, judge_metrics = self._judge(responses, answers, rows)
+        totals, correct, metrics = score_samples(
+            responses, answers, self.components, custom_fn=self.custom_fn, timeout_s=self.timeout_s,
+            error_value=self.error_value, env_rewards=env_rewards, judged=judged)
+        return totals, correct, {**metrics, **judge_metrics}
+
+    def score(self, responses: list[str], answers: list[str], env_rewards: list | None = None,
+              rows: list | None = None) -> tuple[list[float], dict]:
+        totals, _, metrics = self.score_samples(responses, answers, env_rewards, rows)
         return totals, metrics
+
+    def judge_outputs(self) -> dict[str, list]:
+        """Each judge's (raw output, score) per sample of the last scoring call (validation examples)."""
+        return {name: list(zip(j.last_raw, j.last_values)) for name, j in self.judges.items()
+                if name in self.components}

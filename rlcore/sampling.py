@@ -83,6 +83,7 @@ class StepSampler:
     processor: object = None  # rlcore.vision.VisionProcessor when prompts carry images
     agent: object = None  # rlcore.agent.loop.Agent: multi-turn conversations with tools
     keep_rate: float = field(default=KEEP_RATE_PRIOR)  # running estimate of the kept-group fraction
+    switch: object = None  # rlcore.switch.PhaseSwitcher: wakes the policy's engine after judging
 
     def state_dict(self) -> dict:
         return {"keep_rate": self.keep_rate}
@@ -154,6 +155,8 @@ class StepSampler:
 
     def generate(self, prompts: list, step: int, round_: int = 0) -> grpo.RolloutBatch:
         r = self.cfg
+        if self.switch is not None:
+            self.switch.ensure_generation()  # a previous round's judging put the engine to sleep
         if self.agent is not None:
             with self.timer("generate"):
                 return multi_turn_batch(self.agent, self.rollout, prompts, r, generation_seed(self.seed, step, round_),
@@ -173,7 +176,7 @@ class StepSampler:
             prompt_ids=[ids for _, (ids, _), _ in flat], response_ids=[s.response_ids for _, _, s in flat],
             rollout_logp=[s.logprobs for _, _, s in flat], answers=[p.answer for p, _, _ in flat],
             finish_reasons=[s.finish_reason for _, _, s in flat], group_size=r.n,
-            vision=[v for _, (_, v), _ in flat] if images else None,
+            vision=[v for _, (_, v), _ in flat] if images else None, rows=[p.row for p, _, _ in flat],
             routed_experts=[s.routed_experts for _, _, s in flat] if flat and flat[0][2].routed_experts is not None
             else None)
 
@@ -181,8 +184,7 @@ class StepSampler:
         """Rule-based rewards (N,), then DAPO overlong shaping / truncation masking when configured."""
         with self.timer("reward"):
             texts = self.tokenizer.batch_decode(batch.final_ids or batch.response_ids, skip_special_tokens=True)
-            values, metrics = (self.scorer.score(texts, batch.answers) if batch.env_rewards is None
-                               else self.scorer.score(texts, batch.answers, batch.env_rewards))
+            values, metrics = self.scorer.score(texts, batch.answers, batch.env_rewards, rows=batch.rows)
             if batch.conversations is not None:
                 metrics.update(agent_metrics(batch.conversations, self.rollout.tp_size))
             shaped, shape_metrics = grpo.shape_rewards(torch.tensor(values, dtype=torch.float32), batch,
@@ -231,7 +233,7 @@ def multi_turn_batch(agent, rollout, prompts: list, r: RolloutConfig, seed: int,
         rollout_logp=[c.logprobs for _, c in flat], answers=[p.answer for p, _ in flat],
         finish_reasons=[c.finish for _, c in flat], group_size=n, env_mask=[c.env_mask for _, c in flat],
         final_ids=[c.final_text_ids() for _, c in flat], env_rewards=[c.env_reward for _, c in flat],
-        conversations=[c for _, c in flat])
+        conversations=[c for _, c in flat], rows=[p.row for p, _ in flat])
 
 
 def shard_for_training(rollout, batch: grpo.RolloutBatch, adv: torch.Tensor, scores: torch.Tensor):

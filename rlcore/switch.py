@@ -13,6 +13,12 @@ Every rank runs the same steps in the same order (several are collective):
     to_training  (after generation)
       1 release_rollout    vLLM frees its KV cache (and its weights at sleep level 1/2)
       2 onload             trainer parameters and optimizer state -> device
+    judging  (inside the generation phase, around model-based rewards; reward.models)
+      1 release_rollout    the policy's vLLM sleeps as for training
+      2 wake_judges        each judge's engine: weights (level 2: reloaded from disk), KV cache
+      3 release_judges     after scoring: the judges sleep again (CPU: their KV buffers freed)
+    The policy's engine stays asleep after judging: training needs it so; another generate in the
+    same phase (a further dynamic-sampling round, validation) wakes it first (ensure_generation).
 
 The order keeps the peak low: at no point do the optimizer state, the KV cache and two copies
 of the weights sit on the device together. Each step is logged (logger ``rlcore.switch``, INFO;
@@ -42,6 +48,8 @@ import time
 
 import torch
 
+from contextlib import contextmanager
+
 from rlcore.dist import memory_stats
 
 log = logging.getLogger("rlcore.switch")
@@ -49,10 +57,13 @@ log = logging.getLogger("rlcore.switch")
 TO_GENERATION = ("offload_optimizer", "probe_trainer", "wake_weights", "sync_weights", "offload_params",
                  "wake_kv_cache", "check_sync")
 TO_TRAINING = ("release_rollout", "onload")
+TO_JUDGING = ("release_rollout", "wake_judges")
+FROM_JUDGING = ("release_judges",)
+RESUME_GENERATION = ("wake_weights", "wake_kv_cache")
 TIMER_OF_STEP = {
     "offload_optimizer": "offload", "wake_weights": "wake", "sync_weights": "weight_sync",
     "offload_params": "offload", "wake_kv_cache": "wake", "release_rollout": "release", "onload": "onload",
-    "probe_trainer": "sync_check", "check_sync": "sync_check",
+    "probe_trainer": "sync_check", "check_sync": "sync_check", "wake_judges": "wake", "release_judges": "release",
 }
 
 
@@ -84,6 +95,8 @@ class PhaseSwitcher:
         self.memory: dict[str, float] = {}
         self.trace: list[tuple[str, str, str]] = []  # (transition, step, what it did), last switch
         self.checkpoints: list[tuple[str, str, list[str]]] = []  # (save/load, phase, vLLM released)
+        self._judges: list = []  # those of the judging in progress
+        self.all_judges: list = []  # every judge engine of the run (memory metrics)
 
     def describe(self) -> str:
         """The configured sequence in one line per transition (printed once at start-up)."""
@@ -124,6 +137,33 @@ class PhaseSwitcher:
         self._record_memory("generate")
         self._run("to_training", TO_TRAINING)
         self.phase = "training"
+
+    @contextmanager
+    def judging(self, judges: list):
+        """Around scoring with ``judges`` (rlcore.judge.scorer.Judge): the policy's engine sleeps,
+        they wake; they sleep again after, whatever happened inside."""
+        if self.phase != "generation":
+            raise RuntimeError(f"judging from phase {self.phase!r}; judges score generated samples")
+        self._judges = judges
+        self.all_judges = list({id(j): j for j in [*self.all_judges, *judges]}.values())
+        self._run("to_judging", TO_JUDGING)
+        try:
+            yield
+        finally:
+            self._run("from_judging", FROM_JUDGING)
+            self._judges = []
+
+    def ensure_generation(self) -> None:
+        """Before a generate in the generation phase: wake the policy's engine if judging put it to
+        sleep. Weights kept (CPU, level 1): wake them and the KV cache; discarded (level 2): the
+        full round trip through training (onload, sync from the unchanged trainer, offload)."""
+        if self.phase != "generation" or not self.rollout.released:
+            return
+        if self.rollout.weights_valid:
+            self._run("resume_generation", RESUME_GENERATION)
+        else:
+            self.to_training()
+            self.to_generation()
 
     def _run(self, transition: str, steps: tuple[str, ...]) -> None:
         self.trace = []
@@ -190,6 +230,12 @@ class PhaseSwitcher:
         freed = sorted(self.rollout.released)
         return f"released {freed}" if freed else "no-op (nothing to release)"
 
+    def _wake_judges(self) -> str:
+        return "; ".join(j.engine.wake() for j in self._judges)
+
+    def _release_judges(self) -> str:
+        return "; ".join(j.engine.sleep() for j in self._judges)
+
     def _onload(self) -> str:
         if not (self.offload_params or self.offload_optimizer):
             return "no-op (nothing offloaded)"
@@ -208,6 +254,9 @@ class PhaseSwitcher:
     def _record_memory(self, phase: str) -> None:
         for key, value in memory_stats(self.device_type).items():
             self.memory[f"memory/{phase}_{key}"] = value
+        held = [j.engine.kv_cache_gb() for j in self.all_judges]
+        if held and None not in held:  # CPU: what the judges' KV caches hold after this step
+            self.memory[f"memory/{phase}_judge_kv_gb"] = sum(held)
         accel = None if self.device_type == "cpu" else getattr(torch, self.device_type, None)
         if accel is not None:  # peak since the previous record: what this phase needed at most
             self.memory[f"memory/{phase}_peak_allocated_gb"] = accel.max_memory_allocated() / 2**30

@@ -18,6 +18,7 @@ SPECIAL = ["<pad>", "<eos>", "<unk>"]
 WORDS = ["d", "pick", "=", "1st", "2nd", "3rd", "4th", "ans", "is", "the", "a", "?", "!"]
 VOCAB = SPECIAL + DIGITS + WORDS
 POSITION_WORDS = ["1st", "2nd", "3rd", "4th"]
+DEMO_RM_PREFERRED = ["5", "6", "7", "8", "9"]  # what the judge demo's reward model prefers
 
 
 def make_tokenizer(out_dir: str) -> None:
@@ -137,3 +138,36 @@ def write_splits(out_dir: str, stem: str, n_train: int, n_val: int, seed: int, m
                 f.write(json.dumps(make_row(rng)) + "\n")
         paths.append(path)
     return paths[0], paths[1]
+
+
+def make_tiny_reward_model(out_dir: str, *, preferred: list[str] | None = None, hidden_size: int = 64,
+                           num_layers: int = 1, seed: int = 0) -> str:
+    """A tiny Qwen3ForSequenceClassification (one label) on the toy vocabulary, for the judge demo
+    and tests. ``preferred`` None: random weights. A list of words: weights built by hand so the
+    head's value is about +7.7 when the last token is one of them and -7.7 otherwise (the layers
+    add nothing to the residual stream, one embedding dimension carries the property, the head
+    reads it after the final norm): a reward model that prefers a property a policy can learn."""
+    import torch
+    from transformers import Qwen3Config, Qwen3ForSequenceClassification
+
+    os.makedirs(out_dir, exist_ok=True)
+    make_tokenizer(out_dir)
+    config = Qwen3Config(
+        vocab_size=len(VOCAB), hidden_size=hidden_size, intermediate_size=2 * hidden_size,
+        num_hidden_layers=num_layers, num_attention_heads=2, num_key_value_heads=1, head_dim=32, num_labels=1,
+        max_position_embeddings=512, tie_word_embeddings=False, pad_token_id=VOCAB.index("<pad>"),
+        eos_token_id=VOCAB.index("<eos>"), bos_token_id=None, torch_dtype="float32")
+    torch.manual_seed(seed)
+    model = Qwen3ForSequenceClassification(config).to(torch.float32)
+    if preferred is not None:
+        with torch.no_grad():
+            for layer in model.model.layers:
+                layer.self_attn.o_proj.weight.zero_()
+                layer.mlp.down_proj.weight.zero_()
+            emb = model.model.embed_tokens.weight
+            emb.normal_(0.0, 0.1)
+            emb[:, 0] = torch.tensor([3.0 if tok in preferred else -3.0 for tok in VOCAB])
+            model.score.weight.zero_()
+            model.score.weight[0, 0] = 1.0
+    model.save_pretrained(out_dir, safe_serialization=True)
+    return out_dir

@@ -37,6 +37,7 @@ class _Scored:
     errors: float
     conversations: list[str] | None = None  # multi-turn: the whole decoded conversation of each sample
     tool_calls: list[int] | None = None
+    judged: dict | None = None  # reward.models: name -> each sample's (raw judge output, parsed score)
 
 
 def _generate_and_score(rollout, tokenizer, scorer, prompts, agent=None, **gen) -> tuple[list[list], _Scored]:
@@ -48,9 +49,10 @@ def _generate_and_score(rollout, tokenizer, scorer, prompts, agent=None, **gen) 
     samples = [s for group in out for s in group]
     answers = [p.answer for p, group in zip(prompts, out) for _ in group]
     texts = tokenizer.batch_decode([s.response_ids for s in samples], skip_special_tokens=True)
-    rewards, correct, metrics = scorer.score_samples(texts, answers) if texts else ([], [], {})
+    rows = [p.row for p, group in zip(prompts, out) for _ in group]
+    rewards, correct, metrics = scorer.score_samples(texts, answers, rows=rows) if texts else ([], [], {})
     return out, _Scored(texts, [len(s.response_ids) for s in samples], rewards, correct,
-                        metrics.get("reward/errors", 0.0))
+                        metrics.get("reward/errors", 0.0), judged=scorer.judge_outputs() if texts else None)
 
 
 def _converse_and_score(agent, rollout, tokenizer, scorer, prompts, *, n: int, temperature: float,
@@ -61,11 +63,12 @@ def _converse_and_score(agent, rollout, tokenizer, scorer, prompts, *, n: int, t
     convs = [c for g in groups for c in g]
     answers = [p.answer for p in prompts for _ in range(n)]
     texts = tokenizer.batch_decode([c.final_text_ids() for c in convs], skip_special_tokens=True)
-    rewards, correct, metrics = (scorer.score_samples(texts, answers, [c.env_reward for c in convs])
+    rows = [p.row for p in prompts for _ in range(n)]
+    rewards, correct, metrics = (scorer.score_samples(texts, answers, [c.env_reward for c in convs], rows=rows)
                                  if texts else ([], [], {}))
     return _Scored(texts, [sum(c.env_mask) for c in convs], rewards, correct, metrics.get("reward/errors", 0.0),
                    [tokenizer.decode(c.response_ids, skip_special_tokens=False) for c in convs],
-                   [c.tool_calls for c in convs])
+                   [c.tool_calls for c in convs], judged=scorer.judge_outputs() if texts else None)
 
 
 def validate(rollout, tokenizer, scorer, prompts: list, settings: ValSettings, agent=None) -> tuple[dict, list[dict]]:
@@ -104,6 +107,9 @@ def _first_examples(rollout, mine: list, greedy: _Scored, k: int) -> list[dict]:
     if greedy.conversations is not None:  # multi-turn: the whole conversation, tool messages included
         for row, conv, calls in zip(rows, greedy.conversations, greedy.tool_calls):
             row.update(conversation=conv, tool_calls=calls)
+    for name, outputs in (greedy.judged or {}).items():  # the judge's own words next to its score
+        for row, (raw, score) in zip(rows, outputs):
+            row.update({f"judge_{name}_output": raw, f"judge_{name}_score": score})
     return sorted((r for part in all_gather_objects(rows) for r in part), key=lambda r: r["index"])[:k]
 
 

@@ -1,0 +1,39 @@
+"""Model-based rewards: judges served by in-process vLLM engines beside the policy's.
+
+    config.py   reward.models entries (JudgeConfig) and their checks
+    prompts.py  templates over the sample and its data row; score parsers
+    engine.py   the judge's engine (a rollout engine: the only module here that touches vLLM)
+    scorer.py   a judge as a reward component (batched, de-duplicated, parsed, metrics)
+
+The phase switch (rlcore.switch.PhaseSwitcher.judging) orders the memory: generate -> the
+policy's engine sleeps -> the judges wake -> score -> the judges sleep -> train.
+"""
+
+from __future__ import annotations
+
+
+def build_judges(cfg, info) -> dict:
+    """name -> rlcore.judge.scorer.Judge for ``reward.models`` (collective: every rank builds each
+    engine together, like the policy's); each engine asleep once built."""
+    from rlcore.judge.engine import JudgeEngine
+    from rlcore.judge.scorer import Judge
+
+    judges = {}
+    for j in cfg.reward.judges():
+        engine = JudgeEngine(j, info, seed=cfg.trainer.seed, dtype=j.dtype or cfg.rollout.dtype or cfg.model.dtype,
+                             device_type=info.device_type)
+        engine.sleep()
+        judges[j.name] = Judge(j, engine, cfg.data.prompt_key, seed=cfg.trainer.seed)
+    return judges
+
+
+def describe(judges: dict) -> str:
+    parts = [f"{j.name} ({j.cfg.kind}, {j.cfg.path}, sleep: "
+             f"{'KV buffer' if j.engine.device_type == 'cpu' else f'level {j.engine.sleep_level}'})"
+             for j in judges.values()]
+    return "judges: " + ", ".join(parts)
+
+
+def shutdown(judges: dict) -> None:
+    for j in judges.values():
+        j.engine.shutdown()

@@ -1,0 +1,236 @@
+"""Model-based rewards (rlcore/judge): judges on their own in-process vLLM engines.
+
+Unit tests check the templates, parsers and the weighted sum against hand computations; the
+worker (tests/workers/judge_worker.py, 2 ranks, the policy's engine beside a generative judge and
+a reward model) is checked against independent computations: the same judge run alone with
+vllm.LLM (greedy, parsed values bit for bit), and the reward model's transformers forward (1e-4).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conftest import QUIET_ENV, REPO, run_torchrun
+
+WORKER = os.path.join(REPO, "tests", "workers", "judge_worker.py")
+ALONE = os.path.join(REPO, "tests", "workers", "judge_alone.py")
+sys.path.insert(0, os.path.join(REPO, "tests", "workers"))
+
+
+# ----------------------------------------------------------------------------- unit
+
+
+@pytest.mark.unit
+def test_templates_render_jinja_and_format_strings():
+    from rlcore.judge.prompts import Template
+
+    row = {"prompt": "2+2?", "topic": "math"}
+    jinja = Template("[{{ topic }}] Q: {{ prompt }} A: {{ response }} ({{ answer }})")
+    fmt = Template("[{topic}] Q: {prompt} A: {response} ({answer})")
+    fields = {**row, "response": "4", "answer": "4"}
+    assert jinja.render(fields) == fmt.render(fields) == "[math] Q: 2+2? A: 4 (4)"
+    assert jinja.missing(row) == [] and Template("{{ rubric }} {{ response }}").missing(row) == ["rubric"]
+    assert Template("{rubric.text} {response}").missing(row) == ["rubric"]
+    for bad, why in (("{{ response ", "not a valid Jinja template"), ("{response", "not a valid format string"),
+                     ("{} {response}", "positional")):
+        with pytest.raises(ValueError, match=why):
+            Template(bad)
+
+
+@pytest.mark.unit
+def test_parsers_and_score_range(tmp_path):
+    from rlcore.judge.prompts import compile_parser, prompt_text, to_score
+
+    last_number = compile_parser(r"(-?\d+(?:\.\d+)?)")
+    assert last_number("Score 3, no: 7.5") == 7.5 and last_number("no digits") is None
+    assert compile_parser(r"\d")("a 1 b 2") == 2.0  # no group: the whole last match
+    (tmp_path / "p.py").write_text("def parse(text):\n    return 1.0 if 'yes' in text else 0.0\n")
+    assert compile_parser(f"{tmp_path}/p.py:parse")("yes!") == 1.0
+    with pytest.raises(ValueError, match="not a valid regex"):
+        compile_parser("Score: (")
+    assert to_score(7, [1, 10]) == pytest.approx(6 / 9) and to_score(12, [1, 10]) == 1.0 and to_score(-3, [1, 10]) == 0
+    assert to_score("nan", None) is None and to_score(None, None) is None and to_score(2.5, None) == 2.5
+    chat = {"q": [{"role": "system", "content": "s"}, {"role": "user", "content": "first"},
+                  {"role": "assistant", "content": "a"}, {"role": "user", "content": "last"}]}
+    assert prompt_text(chat, "q") == "last" and prompt_text({"q": "plain"}, "q") == "plain"
+
+
+@pytest.mark.unit
+def test_weighted_sum_with_judged_components():
+    """A judged component enters the sum like a rule; a parse failure is never correct, never an error."""
+    from rlcore.rewards import score_samples
+
+    judged = {"judge": ([0.8, 0.2, 0.0], [False, False, True], 0.5 - 1e-6)}
+    totals, correct, m = score_samples(["1", "2", "3"], ["1", "1", "3"], {"exact_match": 1.0, "judge": 2.0},
+                                       judged=judged)
+    assert totals == pytest.approx([1.0 + 1.6, 0.0 + 0.4, 1.0 + 0.0])
+    assert correct == [True, False, False]  # 0.2 < 0.5; sample 3's verdict was unreadable
+    assert m["reward/judge"] == pytest.approx(1.0 / 3) and m["reward/errors"] == 0.0
+
+
+@pytest.mark.unit
+def test_judge_entries_are_checked(tmp_path):
+    from rlcore.config import ConfigError, RewardConfig
+
+    ok = {"name": "j", "path": "x", "template": "{{ response }}"}
+    RewardConfig(components={"j": 1.0}, models=[ok])
+    for entry, msg in (({**ok, "kind": "pairwise"}, "kind='pairwise' is invalid"),
+                       ({**ok, "name": "math"}, "built-in component"),
+                       ({**ok, "score_range": [5, 1]}, "lo < hi"),
+                       ({**ok, "sleep_level": 0}, "sleep_level=0"),
+                       ({"name": "j", "path": "x"}, "a generative judge needs a template")):
+        with pytest.raises(ConfigError, match=re.escape(msg)):
+            RewardConfig(components={"j": 1.0, "math": 1.0}, models=[entry])
+    with pytest.raises(ConfigError, match="each judge needs its own name"):
+        RewardConfig(components={"j": 1.0}, models=[ok, ok])
+
+
+# ----------------------------------------------------------------------------- engines
+
+
+@pytest.fixture(scope="module")
+def judged(tiny_model, tmp_path_factory) -> tuple[list, dict]:
+    from rlcore import quiet
+    from rlcore.toy_task import make_tiny_model, make_tiny_reward_model
+
+    d = tmp_path_factory.mktemp("judges")
+    with quiet.filtered_output():
+        gen = make_tiny_model(str(d / "gen"), seed=5, hidden_size=64, num_heads=2, num_kv_heads=1)
+        rm = make_tiny_reward_model(str(d / "rm"), seed=2)
+    out = str(d / "out.json")
+    run_torchrun(WORKER, 2, tiny_model, gen, rm, out, timeout=600)
+    with open(out) as f:
+        return json.load(f), {"gen": gen, "rm": rm, "dir": str(d)}
+
+
+def test_generative_judge_equals_vllm_alone(judged):
+    """Parsed scores bit for bit equal to the same judge run alone (plain vllm.LLM, greedy)."""
+    ranks, paths = judged
+    r = ranks[0]
+    inputs, worker_module = r["gen_inputs"], __import__("judge_worker")
+    in_path, out_path = os.path.join(paths["dir"], "gen_in.json"), os.path.join(paths["dir"], "gen_alone.json")
+    with open(in_path, "w") as f:
+        json.dump(inputs, f)
+    env = {**os.environ, **QUIET_ENV, "PYTHONPATH": REPO}
+    proc = subprocess.run([sys.executable, ALONE, paths["gen"], in_path, out_path, "6"], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    with open(out_path) as f:
+        alone = json.load(f)
+
+    def parse(text):  # the judge's parser, written again: the first group of the last match of (\d)
+        found = re.findall(r"(\d)", text)
+        return float(found[-1]) if found else -1.0  # parse_fail_value
+
+    assert r["gen_raw"] == alone
+    assert r["gen_values"] == [parse(t) for t in alone]
+    assert -1.0 in r["gen_values"] and len(set(r["gen_values"])) > 2  # failures and several scores
+    assert ranks[1]["gen_values"] == r["gen_values"]
+    assert len(worker_module.RESPONSES) == len(r["gen_values"])
+
+
+def test_reward_model_equals_transformers(judged):
+    """The reward model's values through vLLM's pooling runner equal its transformers forward within 1e-4."""
+    from transformers import AutoModelForSequenceClassification
+
+    ranks, paths = judged
+    model = AutoModelForSequenceClassification.from_pretrained(paths["rm"], dtype=torch.float32)
+    with torch.no_grad():
+        ref = [model(torch.tensor([ids])).logits[0, 0].item() for ids in ranks[0]["rm_inputs"]]
+    diff = max(abs(a - b) for a, b in zip(ranks[0]["rm_values"], ref))
+    assert diff < 1e-4, diff
+    assert max(ref) - min(ref) > 0.05  # the samples score differently: the comparison means something
+
+
+def test_weighted_sum_and_dedup(judged):
+    ranks, _ = judged
+    r = ranks[0]
+    assert r["totals"] == pytest.approx([g + 0.5 * v for g, v in zip(r["gen_values"], r["rm_values"])], abs=1e-6)
+    assert r["metrics"]["judge/gen_distinct_frac"] == 7 / 8  # sample 3 repeats sample 0: one request
+    assert r["metrics"]["reward/gen_parse_fail_frac"] == r["gen_values"].count(-1.0) / 8
+    assert r["gen_raw"][3] == r["gen_raw"][0]
+
+
+def test_memory_phases_and_policy_untouched(judged):
+    """Judges hold their KV cache only while scoring; the policy's engine sleeps meanwhile and,
+    woken by ensure_generation, samples exactly as before the judges existed."""
+    for r in judged[0]:
+        assert r["judge_kv_gb_built"] == {"gen": 0.0, "rm": 0.0}  # asleep once built
+        assert r["inside"] == {"policy_released": ["kv_cache"], "judge_kv_gb": {"gen": 0.03125, "rm": 0.03125}}
+        assert r["after_judge_kv_gb"] == {"gen": 0.0, "rm": 0.0} and r["after_policy_released"] == ["kv_cache"]
+        assert [step for _, step, _ in r["resumed_trace"]] == ["wake_weights", "wake_kv_cache"]
+        assert r["policy_same_ids"] and r["policy_max_logprob_diff"] < 1e-6
+
+
+# ----------------------------------------------------------------------------- in the loop
+
+STEPS = 4
+
+
+def loop_args(model, rm, data, val, out, *extra):
+    judge = {"name": "high_digit", "path": rm, "kind": "discriminative", "activation": "sigmoid",
+             "pass_threshold": 0.5, "template": "{{ response.split()[0] if response.split() else '?' }}",
+             "max_model_len": 32, "kv_cache_gb": 0.0625}
+    return ["--config", os.path.join(REPO, "configs", "demo_judge_cpu.yaml"), "--model.path", model,
+            "--data.train_files", json.dumps([data]), "--data.val_files", json.dumps([val]),
+            "--reward.models", json.dumps([judge]), "--trainer.output_dir", out,
+            "--trainer.total_steps", str(STEPS), "--trainer.prompts_per_step", "4", "--rollout.n", "4",
+            # validation after step 2 scores with the judge too: step 3's generate wakes the policy's engine
+            "--trainer.val_every", "2", "--val.max_samples", "8", "--checkpoint.keep_last", "10",
+            "--algorithm.dynamic_sampling", "true", *extra]
+
+
+@pytest.fixture(scope="module")
+def loop_runs(tiny_model, toy_data, tmp_path_factory):
+    from rlcore import quiet
+    from rlcore.toy_task import DEMO_RM_PREFERRED, make_tiny_reward_model
+    from workers.launch import TRAIN, Launch
+
+    root = tmp_path_factory.mktemp("judge_loop")
+    with quiet.filtered_output():
+        rm = make_tiny_reward_model(str(root / "rm"), preferred=DEMO_RM_PREFERRED)
+    a, b = str(root / "a"), str(root / "b")
+    run_torchrun(TRAIN, 2, *loop_args(tiny_model, rm, toy_data[0], toy_data[1], a, "--checkpoint.save_every", "2"))
+    b_args = loop_args(tiny_model, rm, toy_data[0], toy_data[1], b, "--checkpoint.save_every", "2",
+                       "--checkpoint.resume", "auto")
+    killed = Launch(2, b_args)
+    try:
+        killed.wait_for(r"saved checkpoint .*step_2$", timeout=600)
+        killed.wait_for(r"^step +3/", timeout=300)
+        killed.kill9()
+    finally:
+        killed.close()
+    finished = run_torchrun(TRAIN, 2, *b_args)
+    return {"a": a, "b": b, "finished_out": finished.stdout}
+
+
+def test_resume_after_kill9_with_a_judge_is_exact(loop_runs):
+    from workers.launch import comparable, read_rows
+
+    assert "resumed from" in loop_runs["finished_out"]
+    a_rows, b_rows = read_rows(loop_runs["a"]), read_rows(loop_runs["b"])
+    assert [r["step"] for r in a_rows] == [r["step"] for r in b_rows]
+    for ra, rb in zip(a_rows, b_rows):
+        assert comparable(ra) == comparable(rb), (ra["step"], comparable(ra), comparable(rb))
+    train = [r for r in a_rows if "reward/high_digit" in r]
+    assert len(train) == STEPS and all(r["reward/high_digit_parse_fail_frac"] == 0 for r in train)
+    assert all(r["reward/mean"] == pytest.approx(r["reward/high_digit"], abs=1e-6) for r in train)  # the only reward
+    assert all(r["timing/judge_s"] > 0 for r in train)
+    # the judge's KV cache is held only while it scores (CPU: no sleep mode, the buffer is freed)
+    assert all(r["memory/wake_judges_judge_kv_gb"] == 0.0625 and r["memory/train_judge_kv_gb"] == 0.0
+               for r in train)
+
+
+def test_validation_examples_show_the_judge_output(loop_runs):
+    with open(os.path.join(loop_runs["a"], "val", f"step_{STEPS}.jsonl")) as f:
+        rows = [json.loads(line) for line in f]
+    assert rows and all(r["judge_high_digit_output"] == r["judge_high_digit_score"] == r["reward"] for r in rows)
+    first = [r["response"].split()[0] if r["response"].split() else "?" for r in rows]
+    assert [r["judge_high_digit_score"] > 0.5 for r in rows] == [w in "56789" and len(w) == 1 for w in first]

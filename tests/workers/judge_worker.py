@@ -1,0 +1,99 @@
+"""Worker (torchrun, 2 ranks): judges on their own in-process vLLM engines beside the policy's.
+
+Every rank: the policy's engine (tiny Qwen3), then a generative judge (another tiny Qwen3, no chat
+template, a regex parser) and a discriminative one (a tiny Qwen3ForSequenceClassification), built
+as train_grpo.py builds them (rlcore.judge.build_judges). A fixed set of samples (with repeats) is
+scored through rlcore.rewards.Scorer inside the phase switch's judging. Recorded per rank:
+
+- the judge inputs (token ids), the generative judge's raw answers and parsed values, the reward
+  model's values: the pytest side recomputes them with vllm.LLM alone and with transformers;
+- what the policy's and the judges' engines hold in each phase (released sets, KV bytes);
+- the policy's samples and log-probs of one seeded generate before building the judges and after
+  the judging (woken by ensure_generation): equal when the judges leave the policy's engine alone.
+
+    torchrun --nproc_per_node=2 tests/workers/judge_worker.py POLICY GEN_JUDGE RM OUT.json
+"""
+
+import json
+import sys
+
+import torch
+
+from rlcore.dist import all_gather_objects, init_distributed
+
+RESPONSES = ["3 4", "7", "pick 2nd", "3 4", "9 9 9", "d", "7", "1st = 5"]
+ROWS = [{"prompt": f"d {i} {i + 1} pick 1st =", "answer": str(i), "topic": "digits"} for i in range(len(RESPONSES))]
+ROWS[3] = ROWS[0]  # sample 3 repeats sample 0 exactly: one judge request for both
+
+
+def config(policy: str, gen: str, rm: str):
+    from rlcore.config import Config, DataConfig, ModelConfig, RewardConfig, RolloutConfig
+
+    models = [
+        {"name": "gen", "path": gen, "kind": "generative", "chat_template": False, "max_tokens": 6,
+         "template": "{{ topic }} {{ prompt }} {{ response }} ans is", "parser": r"(\d)", "parse_fail_value": -1.0,
+         "max_model_len": 64, "kv_cache_gb": 0.03125},
+        {"name": "rm", "path": rm, "kind": "discriminative", "max_model_len": 64, "kv_cache_gb": 0.03125},
+    ]
+    return Config(model=ModelConfig(path=policy, dtype="float32"), data=DataConfig(),
+                  rollout=RolloutConfig(max_model_len=64, max_response_length=8, kv_cache_gb=0.0625, dtype="float32"),
+                  reward=RewardConfig(components={"gen": 1.0, "rm": 0.5}, models=models))
+
+
+def policy_samples(rollout) -> list:
+    out = rollout.generate([[3, 4, 5, 6], [7, 8, 9]], n=3, temperature=1.0, max_tokens=6, seed=11)
+    return [(s.response_ids, s.logprobs) for group in out for s in group]
+
+
+def main() -> None:
+    policy_dir, gen_dir, rm_dir, out_path = sys.argv[1:5]
+    info = init_distributed("cpu", 300)
+    from rlcore import judge, rewards
+    from rlcore.colocate_rollout import ColocateRollout
+    from rlcore.metrics import Timer
+    from rlcore.switch import PhaseSwitcher
+
+    cfg = config(policy_dir, gen_dir, rm_dir)
+    rollout = ColocateRollout(policy_dir, info, seed=0, kv_cache_gb=0.0625, max_model_len=64)
+    before = policy_samples(rollout)
+    judges = judge.build_judges(cfg, info)
+    m = {"judge_kv_gb_built": {n: j.engine.kv_cache_gb() for n, j in judges.items()}}
+    timer = Timer()
+    switch = PhaseSwitcher(None, rollout, timer, "cpu", offload_params=False, offload_optimizer=False,
+                           free_kv_cache=True)
+    scorer = rewards.Scorer(cfg.reward)
+    scorer.attach_judges(judges, switch.judging, timer)
+    inside = {}
+    real_score = judges["rm"].score
+
+    def spy(*args):  # what each engine holds while the judges score
+        inside.update(policy_released=sorted(rollout.released),
+                      judge_kv_gb={n: j.engine.kv_cache_gb() for n, j in judges.items()})
+        return real_score(*args)
+
+    judges["rm"].score = spy
+    answers = [r["answer"] for r in ROWS]
+    totals, correct, metrics = scorer.score_samples(RESPONSES, answers, rows=ROWS)
+    m.update(inside=inside, after_policy_released=sorted(rollout.released),
+             after_judge_kv_gb={n: j.engine.kv_cache_gb() for n, j in judges.items()},
+             totals=totals, metrics=metrics, trace=[list(t) for t in switch.trace])
+    m.update({f"{n}_inputs": [j.judge_ids(r, a, row) for r, a, row in zip(RESPONSES, answers, ROWS)]
+              for n, j in judges.items()})
+    m.update({f"{n}_raw": list(j.last_raw) for n, j in judges.items()})
+    m.update({f"{n}_values": list(j.last_values) for n, j in judges.items()})
+    switch.ensure_generation()
+    m["resumed_trace"] = [list(t) for t in switch.trace]
+    after = policy_samples(rollout)
+    m["policy_same_ids"] = [a[0] for a in after] == [b[0] for b in before]
+    m["policy_max_logprob_diff"] = max(abs(x - y) for a, b in zip(after, before) for x, y in zip(a[1], b[1]))
+    judge.shutdown(judges)
+    rollout.shutdown()
+    ranks = all_gather_objects(m)
+    if info.rank == 0:
+        with open(out_path, "w") as f:
+            json.dump(ranks, f)
+    torch.distributed.barrier()
+
+
+if __name__ == "__main__":
+    main()
