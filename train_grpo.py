@@ -135,10 +135,9 @@ def validate(run: Run) -> None:
         max_tokens=v.max_response_length, seed=generation_seed(run.cfg.trainer.seed, step, validation=True))
     start = time.perf_counter()
     with run.watchdog.phase("validate"):
-        run.engines.switch.ensure_generation()  # judging may have put the policy's engine to sleep
         metrics, examples = validation.validate(run.engines.rollout, run.sampler.tokenizer,
-                                                run.sampler.scorer.for_validation,
-                                                run.val_prompts, settings, run.sampler.agent)
+                                                run.sampler.scorer.for_validation, run.val_prompts, settings,
+                                                run.sampler.agent, wake=run.engines.switch.ensure_generation)
     metrics["timing/val_s"] = time.perf_counter() - start
     if run.info.is_main:
         path = validation.write_examples(run.cfg.trainer.output_dir, step, examples)

@@ -173,11 +173,15 @@ def build_engines(cfg: Config, info: DistInfo, timer: Timer, probe_prompts: list
     for a resolved config (``rlcore.config.resolve``); third-party start-up noise filtered.
     ``probe_prompts``: token ids for the sync check (``build_switch``)."""
     torch.manual_seed(cfg.trainer.seed)
-    if info.is_main and info.device_type != "cpu":  # before anything large lands on the device
+    if info.device_type != "cpu":  # before anything large lands on the device
+        from rlcore.judge import check_memory
         from rlcore.memory_plan import device_total_gb, format_plan, plan_from_config
 
-        print(format_plan(plan_from_config(cfg, info.world_size, device_total_gb(info.device_type), info.device_type,
-                                           nproc_per_node=info.local_world_size)), flush=True)
+        plan = plan_from_config(cfg, info.world_size, device_total_gb(info.device_type), info.device_type,
+                                nproc_per_node=info.local_world_size)
+        if info.is_main:
+            print(format_plan(plan), flush=True)
+        check_memory(plan)  # every rank: exit 2 when the judges cannot fit
     with quiet.filtered_output():
         ep = cfg.parallel.ep_size
         optim_steps = cfg.trainer.total_steps * cfg.algorithm.optim_steps_per_step

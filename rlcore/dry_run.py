@@ -132,6 +132,8 @@ def check_vllm(cfg: Config, device: str) -> Check:
     from rlcore.build import config_llm_kwargs
     from rlcore.rollout_checks import check_engine_kwargs, check_sleep_level_supported
 
+    from rlcore.judge.engine import judge_llm_kwargs
+
     r = cfg.rollout
     kwargs = config_llm_kwargs(cfg, device)
     fields = [f.name for f in dataclasses.fields(EngineArgs)]
@@ -140,6 +142,12 @@ def check_vllm(cfg: Config, device: str) -> Check:
         _, problem = _quiet(step)
         if problem:
             return Check("vllm_engine_args", FAIL, f"vLLM {vllm.__version__}: {problem}")
+    judges = cfg.reward.judges()
+    for j in judges:  # each judge's engine (reward.models), as rlcore.judge.engine builds it
+        jk = judge_llm_kwargs(j, device, seed=cfg.trainer.seed, dtype=j.dtype or r.dtype or cfg.model.dtype)
+        for step in (lambda: check_engine_kwargs(fields, jk), lambda: EngineArgs(**jk)):
+            if problem := _quiet(step)[1]:
+                return Check("vllm_engine_args", FAIL, f"vLLM {vllm.__version__}, judge {j.name!r}: {problem}")
     pin = {"npu": "0.23.0", "cuda": "0.32.0"}.get(device)
     note = "" if pin in (None, vllm.__version__) else f" (the {device} pin is vLLM {pin}: install the cluster's set here)"
     if cfg.algorithm.routing_replay == "r3":
@@ -150,17 +158,18 @@ def check_vllm(cfg: Config, device: str) -> Check:
             note += f"; r3's routed-experts check (vLLM's own) runs on the {device} machine at the run's start"
         elif problem := _quiet(vllm_verdict, kwargs, device)[0]:
             return Check("vllm_engine_args", FAIL, f"vLLM {vllm.__version__} refuses r3's routed experts: {problem}")
+    names = f" and those of judge(s) {', '.join(j.name for j in judges)}" if judges else ""
     return Check("vllm_engine_args", OK if not note else WARN,
-                 f"vLLM {vllm.__version__} accepts all {len(kwargs)} LLM keywords{note}")
+                 f"vLLM {vllm.__version__} accepts all {len(kwargs)} LLM keywords{names}{note}")
 
 
 def check_memory(cfg: Config, device: str, world: int, nproc: int, device_gb: float) -> Check:
-    from rlcore.memory_plan import PHASES, plan_from_config
+    from rlcore.memory_plan import plan_from_config
 
     plan, problem = _quiet(plan_from_config, cfg, world, device_gb, device, nproc_per_node=nproc)
     if problem:
         return Check("memory", FAIL, problem)
-    totals = ", ".join(f"{ph} {plan.total(ph) / 2**30:.1f}" for ph in PHASES)
+    totals = ", ".join(f"{ph} {plan.total(ph) / 2**30:.1f}" for ph in plan.phases)
     verdict = OK if plan.fits else FAIL
     return Check("memory", verdict, f"GB per rank of {device_gb:g}: {totals} (limit {plan.limit / 2**30:.1f})"
                                     + ("" if plan.fits else "; " + "; ".join(plan.suggestions[:2])))

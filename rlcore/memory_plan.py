@@ -26,6 +26,9 @@ Phases, in the order a run meets them (the steps are rlcore/switch.py's); each t
     generate  vLLM's weights + KV cache + activations, plus the trainer state not offloaded; also
               the first generation: the trainer offloads its state before vLLM is built
               (rlcore/build.py), so vLLM sizes its KV cache from what generation really has
+    judge     (reward.models only) the judges awake, each its whole vLLM budget (weights, KV cache,
+              activations: gpu_memory_utilization x device), the policy's engine asleep as for
+              training, the trainer state not offloaded; asleep, a judge keeps its overhead
 A phase fits when its total <= device - RESERVE_GB (CUDA/CANN context and kernels ~1 GB, the
 trainer's NCCL/HCCL communicators ~1 GB, allocator fragmentation ~1 GB).
 """
@@ -48,6 +51,7 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 PHASES = ("train", "checkpoint", "sync", "generate")  # the order a run goes through them
 COMPONENTS = ("trainer_params", "gradients", "optimizer", "reference", "activations", "fsdp_gathered",
               "vllm_weights", "kv_cache", "vllm_activations", "vllm_overhead", "sync_buckets")
+JUDGE_COMPONENTS = ("judges", "judges_asleep")  # only in plans with reward.models
 RESERVE_GB = {"cuda": 3.0, "npu": 3.0}  # other devices (cpu): 0
 VLLM_OVERHEAD_GB = 0.5  # non-torch memory vLLM keeps: TP communicator, cuBLAS/ACL workspaces
 # CUDA/ACL graph pool (rollout.enforce_eager false), kept across sleep/wake. A rough allowance:
@@ -94,6 +98,15 @@ class PlanInputs:
     vllm_images: int | None = None  # rollout.limit_mm_per_prompt's image limit; None: vLLM's default
 
     lora_rank: int = 0  # lora.rank: only adapters on every decoder linear layer train
+    judges: tuple = ()  # JudgePlan of each reward.models entry
+
+    @property
+    def phase_names(self) -> tuple[str, ...]:
+        return PHASES + ("judge",) * bool(self.judges)
+
+    @property
+    def components(self) -> tuple[str, ...]:
+        return COMPONENTS + JUDGE_COMPONENTS * bool(self.judges)
 
     @property
     def trainable(self) -> int:
@@ -298,6 +311,8 @@ def component_bytes(p: PlanInputs) -> dict[str, int]:
         "sync_buckets": sync_bucket_bytes(p),
     }
     sizes["fsdp_gathered"] = fsdp_gathered_bytes(p, sizes["activations"])
+    sizes["judges"] = sum(int(j.gpu_memory_utilization * p.device_gb * GB) for j in p.judges)  # all awake at once
+    sizes["judges_asleep"] = len(p.judges) * int((VLLM_OVERHEAD_GB + VLLM_GRAPHS_GB * p.graphs) * GB)
     sizes["kv_cache"] = vllm_budget - sizes["vllm_weights"] - sizes["vllm_activations"] - sizes["vllm_overhead"]
     return sizes
 
@@ -308,15 +323,21 @@ def resident(p: PlanInputs) -> dict[str, tuple[str, ...]]:
     vllm = ("vllm_weights", "kv_cache", "vllm_activations", "vllm_overhead")
     weights_kept = not p.free_kv_cache or p.sleep_level == 0 or p.device_type == "cpu"
     train_vllm = ("vllm_weights",) * weights_kept + ("kv_cache",) * (not p.free_kv_cache)
-    return {
+    asleep = ("judges_asleep",) * bool(p.judges)
+    phases = {
         "generate": ("trainer_params",) * (not p.offload_params) + ("optimizer",) * (not p.offload_optimizer)
-        + ref + vllm,
+        + ref + vllm + asleep,
         "sync": ("trainer_params",) + ("optimizer",) * (not p.offload_optimizer) + ref
         + ("vllm_weights", "vllm_overhead", "sync_buckets") + ("kv_cache",) * (not p.free_kv_cache),
         "train": ("trainer_params", "gradients", "optimizer", "activations", "fsdp_gathered") + ref
         + train_vllm + ("vllm_overhead",),
         "checkpoint": ("trainer_params", "optimizer") + ref + train_vllm + ("vllm_overhead",),
     }
+    phases = {ph: held + asleep for ph, held in phases.items()} if p.judges else phases
+    if p.judges:  # generate -> the policy's engine sleeps -> the judges wake (rlcore/switch.py judging)
+        phases["judge"] = (("trainer_params",) * (not p.offload_params) + ("optimizer",) * (not p.offload_optimizer)
+                           + ref + train_vllm + ("vllm_overhead", "judges"))
+    return phases
 
 
 # ------------------------------------------------------------------------------- the plan
@@ -344,16 +365,16 @@ class MemoryPlan:
 
     @property
     def fits(self) -> bool:
-        return self.kv_ok and all(self.total(ph) <= self.limit for ph in PHASES)
+        return self.kv_ok and all(self.total(ph) <= self.limit for ph in self.phases)
 
     def shortfall(self) -> int:
         """Bytes missing: the worst phase's excess, plus the KV cache missing for one sequence."""
-        over = max(self.total(ph) - self.limit for ph in PHASES)
+        over = max(self.total(ph) - self.limit for ph in self.phases)
         kv_missing = max(0, self.inputs.max_model_len - self.kv["tokens"]) * self.kv["bytes_per_token"]
         return max(0, over) + kv_missing
 
     def peak(self) -> tuple[str, int]:
-        phase = max(PHASES, key=self.total)
+        phase = max(self.phases, key=self.total)
         return phase, self.total(phase)
 
     def to_json(self) -> dict:
@@ -366,7 +387,7 @@ class MemoryPlan:
             "reserve_gb": self.reserve_gb, "limit_gb": _gb(self.limit),
             "phases": {ph: {"components": {k: _gb(v) for k, v in self.phases[ph].items()},
                             "total_gb": _gb(self.total(ph)), "headroom_gb": _gb(self.limit - self.total(ph)),
-                            "fits": self.total(ph) <= self.limit} for ph in PHASES},
+                            "fits": self.total(ph) <= self.limit} for ph in self.phases},
             "kv_cache": {**self.kv, "gb": _gb(self.kv["bytes"])},
             "fits": self.fits, "warnings": self.warnings, "suggestions": self.suggestions,
         }
@@ -379,7 +400,7 @@ def _gb(nbytes: int) -> float:
 def build_plan(p: PlanInputs, suggest: bool = True) -> MemoryPlan:
     sizes = component_bytes(p)
     sizes["kv_cache"] = max(0, sizes["kv_cache"])
-    phases = {ph: {k: (sizes[k] if k in held else 0) for k in COMPONENTS} for ph, held in resident(p).items()}
+    phases = {ph: {k: (sizes[k] if k in held else 0) for k in p.components} for ph, held in resident(p).items()}
     per_token = kv_bytes_per_token(p)
     kv = {"bytes": sizes["kv_cache"], "bytes_per_token": per_token, "tokens": sizes["kv_cache"] // per_token,
           "sequences": sizes["kv_cache"] // per_token // p.seq_len,
@@ -388,6 +409,14 @@ def build_plan(p: PlanInputs, suggest: bool = True) -> MemoryPlan:
           "batch_tokens_shared_prompts": int(p.prompts_per_step / p.dp * (p.prompt_len + p.n * p.response_len))}
     plan = MemoryPlan(p, phases, kv, RESERVE_GB.get(p.device_type, 0.0))
     plan.warnings = _kv_warnings(plan, suggest)
+    if p.judges:
+        # vLLM refuses an engine whose budget exceeds the device's free memory at its build
+        free = (plan.limit - plan.total("generate") + plan.phases["generate"]["judges_asleep"]) / GB
+        want = sum(j.gpu_memory_utilization for j in p.judges) * p.device_gb
+        if want > free:
+            plan.warnings.append(f"the judges are built while the policy's engine holds its budget: they ask for "
+                                 f"{want:.1f} GB, about {free:.1f} GB is free then; lower reward.models' "
+                                 "gpu_memory_utilization or rollout.gpu_memory_utilization")
     if p.shape.uncounted_vision:
         plan.warnings.append(f"config.json has a vision tower (model_type {p.shape.uncounted_vision!r}) whose layout "
                              f"the plan does not know: its parameters and activations are not counted")
@@ -499,6 +528,7 @@ def plan_from_config(cfg, world_size: int, device_gb: float, device_type: str = 
     filled in for ``device_type`` by ``rlcore.config.resolve``) on ``world_size`` ranks of
     ``device_gb`` GB each; reads ``config.json`` from ``cfg.model.path`` unless ``shape`` is given."""
     from rlcore.config import resolve
+    from rlcore.judge.config import JudgePlan
 
     cfg = resolve(cfg, device_type)
     r, a, o = cfg.rollout, cfg.algorithm, cfg.offload
@@ -518,7 +548,9 @@ def plan_from_config(cfg, world_size: int, device_gb: float, device_type: str = 
         graphs=not r.enforce_eager, ep=cfg.parallel.ep_size, freeze_vision=cfg.model.freeze_vision_tower,
         images_per_prompt=(images if cfg.data.image_key else 0),
         vllm_images=None if r.limit_mm_per_prompt is None else r.limit_mm_per_prompt.get("image", 0),
-        lora_rank=cfg.lora.rank if cfg.lora.enabled else 0)
+        lora_rank=cfg.lora.rank if cfg.lora.enabled else 0,
+        judges=tuple(JudgePlan(ModelShape.from_path(j.path), j.gpu_memory_utilization, j.sleep_level or 1,
+                               DTYPE_BYTES[j.dtype or r.dtype or cfg.model.dtype]) for j in cfg.reward.judges()))
     return build_plan(p)
 
 
@@ -540,12 +572,16 @@ def format_plan(plan: MemoryPlan) -> str:
     lines = [
         f"memory plan per rank, GB = 2^30 bytes: {s.arch} {s.params / 1e9:.2f}B params{vision}, {p.dtype}, "
         f"world {p.world}{nodes}, tp {p.tp}, {p.device_type} {p.device_gb:g} GB",
-        f"{'component':<18}" + "".join(f"{ph:>11}" for ph in PHASES),
+        f"{'component':<18}" + "".join(f"{ph:>11}" for ph in plan.phases),
     ]
-    for comp in COMPONENTS:
-        lines.append(f"{comp:<18}" + "".join(f"{plan.phases[ph][comp] / GB:>11.2f}" for ph in PHASES))
-    lines.append(f"{'total':<18}" + "".join(f"{plan.total(ph) / GB:>11.2f}" for ph in PHASES))
-    lines.append(f"{'fits':<18}" + "".join(f"{'yes' if plan.total(ph) <= plan.limit else 'NO':>11}" for ph in PHASES))
+    for comp in p.components:
+        lines.append(f"{comp:<18}" + "".join(f"{plan.phases[ph][comp] / GB:>11.2f}" for ph in plan.phases))
+    lines.append(f"{'total':<18}" + "".join(f"{plan.total(ph) / GB:>11.2f}" for ph in plan.phases))
+    lines.append(f"{'fits':<18}" + "".join(f"{'yes' if plan.total(ph) <= plan.limit else 'NO':>11}"
+                                           for ph in plan.phases))
+    if p.judges:
+        host = sum(j.host_bytes(p.tp) for j in p.judges)
+        lines.append(f"judges asleep: {host / GB:.2f} GB host memory per rank (weights kept at sleep level 1)")
     lines.append(f"limit {plan.limit / GB:.2f} GB = {p.device_gb:g} - {plan.reserve_gb:g} reserve (device context, "
                  f"communicators, fragmentation)")
     kv = plan.kv

@@ -293,6 +293,7 @@ class Scorer:
     puts the policy's engine to sleep and wakes the judges (rlcore.switch)."""
 
     def __init__(self, cfg, components: dict[str, float] | None = None):
+        self.cfg = cfg
         self.components = dict(components) if components else cfg.effective_components()
         self.custom_fn = load_custom_fn(cfg.fn) if cfg.fn else None
         self.timeout_s, self.error_value = cfg.timeout_s, cfg.error_value

@@ -40,8 +40,11 @@ class _Scored:
     judged: dict | None = None  # reward.models: name -> each sample's (raw judge output, parsed score)
 
 
-def _generate_and_score(rollout, tokenizer, scorer, prompts, agent=None, **gen) -> tuple[list[list], _Scored]:
-    """Generate for ``prompts`` (flattened prompt-major: n per prompt) and score every sample."""
+def _generate_and_score(rollout, tokenizer, scorer, prompts, agent=None, wake=None, **gen) -> tuple[list[list], _Scored]:
+    """Generate for ``prompts`` (flattened prompt-major: n per prompt) and score every sample.
+    ``wake``: called first (the phase switch's ensure_generation: a judge's scoring put the engine to sleep)."""
+    if wake is not None:
+        wake()
     if agent is not None:
         return None, _converse_and_score(agent, rollout, tokenizer, scorer, prompts, **gen)
     images = prompt_images(prompts)
@@ -71,18 +74,20 @@ def _converse_and_score(agent, rollout, tokenizer, scorer, prompts, *, n: int, t
                    [c.tool_calls for c in convs], judged=scorer.judge_outputs() if texts else None)
 
 
-def validate(rollout, tokenizer, scorer, prompts: list, settings: ValSettings, agent=None) -> tuple[dict, list[dict]]:
+def validate(rollout, tokenizer, scorer, prompts: list, settings: ValSettings, agent=None,
+             wake=None) -> tuple[dict, list[dict]]:
     """Returns (``val/*`` metrics over all ranks, the greedy rows of the first
-    ``num_examples`` prompts), the same on every rank (collective). ``agent``: multi-turn, tools on."""
+    ``num_examples`` prompts), the same on every rank (collective). ``agent``: multi-turn, tools on.
+    ``wake``: called before each generate (rlcore.switch.PhaseSwitcher.ensure_generation with judges)."""
     chosen = prompts[: settings.max_samples] if settings.max_samples else prompts
     mine = chosen[rollout.dp_rank:: rollout.dp_size]
     counts = 1.0 if rollout.tp_rank == 0 else 0.0  # count each replica's outputs once
-    _, greedy = _generate_and_score(rollout, tokenizer, scorer, mine, agent, n=1, temperature=0.0,
+    _, greedy = _generate_and_score(rollout, tokenizer, scorer, mine, agent, wake, n=1, temperature=0.0,
                                     max_tokens=settings.max_tokens)
     local = [len(mine), sum(greedy.correct), sum(greedy.rewards), sum(greedy.lens), greedy.errors]
     sampled = None
     if settings.n > 1:
-        _, sampled = _generate_and_score(rollout, tokenizer, scorer, mine, agent, n=settings.n,
+        _, sampled = _generate_and_score(rollout, tokenizer, scorer, mine, agent, wake, n=settings.n,
                                          temperature=settings.temperature, top_p=settings.top_p,
                                          max_tokens=settings.max_tokens, seed=settings.seed)
         per_prompt = [sampled.correct[i * settings.n: (i + 1) * settings.n] for i in range(len(mine))]

@@ -6,9 +6,14 @@ and mean@n / pass@n of sampled answers with --n > 1. The last line printed is JS
     python scripts/evaluate.py --model outputs/smollm2_arith/hf_final --data data/arith_val.jsonl
     python scripts/evaluate.py --model outputs/demo_vl_cpu/hf_final --data demo_assets/shapes/shapes_val.jsonl \
         --image-key images --max-prompt-length 40 --max-tokens 4 --reward first_word_match
+    python scripts/evaluate.py --model outputs/demo_judge_cpu/hf_final --data demo_assets/data/toy_val.jsonl \
+        --max-tokens 4 --judge configs/demo_judge_cpu.yaml --reward high_digit
 
 Prompts are rendered and scored exactly as the trainer does (rlcore.data, rlcore.rewards,
-rlcore.validation). Under ``torchrun --nproc_per_node=N`` each rank scores a slice.
+rlcore.validation). Under ``torchrun --nproc_per_node=N`` each rank scores a slice. ``--judge FILE``
+adds model-based rewards (rlcore/judge): the ``reward.models`` entries of a training YAML (or a YAML
+list of entries), each a component (weight 1 unless --reward names it), served by its own in-process
+vLLM engine beside the model's; --samples-out then shows each judge's raw output next to its score.
 """
 
 from __future__ import annotations
@@ -44,6 +49,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--temperature", type=float, default=1.0, help="of the --n > 1 samples")
     ap.add_argument("--reward", default="math", help="components, e.g. math or math=1,format_boxed=0.2")
     ap.add_argument("--reward-fn", default=None, help="custom reward package.module:function")
+    ap.add_argument("--judge", default=None,
+                    help="YAML with reward.models (a training config) or a list of judge entries (rlcore/judge)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--kv-cache-gb", type=float, default=1.0)
     ap.add_argument("--samples-out", default=None, help="write every greedy generation to this JSONL")
@@ -63,13 +70,31 @@ def build_configs(args):
     for part in filter(None, (p.strip() for p in args.reward.split(","))):
         name, _, weight = part.partition("=")
         components[name] = float(weight or 1.0)
+    models = judge_entries(args.judge, fail) if args.judge else []
+    for entry in models:  # a judge not named by --reward counts with weight 1
+        if isinstance(entry, dict) and entry.get("name") and entry["name"] not in components:
+            components[entry["name"]] = 1.0
     try:
-        reward = RewardConfig(components=components, fn=args.reward_fn)
+        reward = RewardConfig(components=components, fn=args.reward_fn, models=models)
         data = DataConfig(prompt_key=args.prompt_key, answer_key=args.answer_key, image_key=args.image_key,
                           system_prompt=args.system_prompt, max_prompt_length=args.max_prompt_length)
     except ConfigError as e:
         fail(str(e))
     return data, reward
+
+
+def judge_entries(path: str, fail) -> list:
+    import yaml
+
+    try:
+        with open(path) as f:
+            doc = yaml.safe_load(f)
+    except (OSError, yaml.YAMLError) as e:
+        fail(f"--judge={path!r} is invalid: {e}; give a training YAML with reward.models or a list of entries")
+    entries = doc.get("reward", {}).get("models") if isinstance(doc, dict) else doc
+    if not entries or not isinstance(entries, list):
+        fail(f"--judge={path!r} holds no judge entries: give a YAML with reward.models or a list of entries")
+    return entries
 
 
 def main(argv=None) -> None:
@@ -98,8 +123,11 @@ def main(argv=None) -> None:
 
 def run_eval(args, prompts, tokenizer, scorer):
     from rlcore.build import build_rollout
-    from rlcore.config import Config, DataConfig, ModelConfig, RolloutConfig, resolve
+    from rlcore.config import Config, ConfigError, DataConfig, ModelConfig, RolloutConfig, TrainerConfig, resolve
     from rlcore.dist import init_distributed
+    from rlcore.judge import build_judges, shutdown
+    from rlcore.metrics import Timer
+    from rlcore.switch import PhaseSwitcher
     from rlcore.preflight import resolve_image_limit
     from rlcore.validation import ValSettings, validate
 
@@ -108,19 +136,29 @@ def run_eval(args, prompts, tokenizer, scorer):
     # expanded length against --max-prompt-length).
     longest = args.max_prompt_length if args.image_key else max(len(p.ids) for p in prompts)
     # The trainer's builder and defaults for this device (dtype, sleep level, eager mode, ...).
-    cfg = resolve(Config(model=ModelConfig(path=args.model), rollout=RolloutConfig(
-        max_model_len=longest + args.max_tokens + 1, max_response_length=args.max_tokens,
-        kv_cache_gb=args.kv_cache_gb), data=DataConfig(image_key=args.image_key)), info.device_type)
+    try:
+        cfg = resolve(Config(model=ModelConfig(path=args.model), rollout=RolloutConfig(
+            max_model_len=longest + args.max_tokens + 1, max_response_length=args.max_tokens,
+            kv_cache_gb=args.kv_cache_gb), data=DataConfig(image_key=args.image_key, prompt_key=args.prompt_key),
+            reward=scorer.cfg, trainer=TrainerConfig(seed=args.seed)), info.device_type)
+    except ConfigError as e:  # a judge's folder or TP: before any engine is built
+        print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(2)
     cfg = resolve_image_limit(cfg, prompts)
     with quiet.filtered_output():
         rollout = build_rollout(cfg.model, cfg.rollout, info, seed=args.seed)
+        judges = build_judges(cfg, info)
+    switch = PhaseSwitcher(None, rollout, Timer(), info.device_type, offload_params=False, offload_optimizer=False,
+                           free_kv_cache=True)
+    scorer.attach_judges(judges, switch.judging)
     settings = ValSettings(n=args.n, temperature=args.temperature, max_tokens=args.max_tokens,
                            max_samples=args.max_samples, num_examples=10**9, seed=args.seed)
     try:
-        return validate(rollout, tokenizer, scorer, prompts, settings)
+        return validate(rollout, tokenizer, scorer, prompts, settings, wake=switch.ensure_generation)
     finally:
         import torch.distributed as dist
 
+        shutdown(judges)
         rollout.shutdown()
         dist.destroy_process_group()
 

@@ -45,6 +45,23 @@ def stand_in(tmp_path, name: str, fixture: str) -> list[str]:
             json.dumps(data[1:]), "--trainer.output_dir", str(tmp_path / "out" / name)]
 
 
+def judge_recipe(tmp_path) -> list[str]:
+    """configs/qwen3_8b_judge_16gpu.yaml with its judge pointed at a stand-in Qwen3-1.7B folder."""
+    import yaml
+
+    judge = tmp_path / "judge_1_7b"
+    judge.mkdir()
+    shutil.copy(os.path.join(REPO, "tests", "fixtures", "qwen3_1_7b", "config.json"), judge)
+    (judge / "model.safetensors").write_bytes(b"")
+    (judge / "tokenizer_config.json").write_text("{}")
+    with open(os.path.join(REPO, "configs", "qwen3_8b_judge_16gpu.yaml")) as f:
+        cfg = yaml.safe_load(f)
+    cfg["reward"]["models"][0]["path"] = str(judge)
+    path = tmp_path / "qwen3_8b_judge_16gpu.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return ["--config", str(path), *stand_in(tmp_path, "j", "qwen3_8b")]
+
+
 def gpu_check_config(tmp_path, model_args: list[str]) -> str:
     """What scripts/gpu_check.sh would run, as a YAML file (its PRINT_CONFIG mode)."""
     env = {**os.environ, "PRINT_CONFIG": "1", "DEVICE": "cuda", "PYTHON": sys.executable, "NPROC": "2",
@@ -70,6 +87,7 @@ def results(tmp_path_factory, tiny_model, toy_data) -> dict[str, dict[str, list]
                                      "cuda", 8, 2),
         "qwen3_8b_lora_math_8gpu": (["--config", cfg("qwen3_8b_lora_math_8gpu"), *stand_in(tmp, "l", "qwen3_8b")],
                                     "cuda", 8, 1),
+        "qwen3_8b_judge_16gpu": (judge_recipe(tmp), "cuda", 8, 2),
         "qwen3_30b_a3b_math_16gpu": (["--config", cfg("qwen3_30b_a3b_math_16gpu"),
                                       *stand_in(tmp, "b", "qwen3_30b_a3b")], "cuda", 8, 2),
         "qwen3_vl_8b_geo3k_16gpu": (["--config", cfg("qwen3_vl_8b_geo3k_16gpu"), *stand_in(tmp, "c", "qwen3_vl_8b")],
@@ -99,7 +117,7 @@ def results(tmp_path_factory, tiny_model, toy_data) -> dict[str, dict[str, list]
 
 
 CUDA = ["qwen3_8b_math_16gpu", "qwen3_8b_tool_math_16gpu", "qwen3_8b_lora_math_8gpu", "qwen3_30b_a3b_math_16gpu",
-        "qwen3_vl_8b_geo3k_16gpu", "gpu_check"]
+        "qwen3_vl_8b_geo3k_16gpu", "qwen3_8b_judge_16gpu", "gpu_check"]
 
 
 @pytest.mark.parametrize("name", CUDA + ["qwen3_8b_math_16npu"])
@@ -127,6 +145,13 @@ def test_the_dry_run_reports_what_each_device_would_run(results):
     for name in CUDA:
         assert "flash_attention_2" not in results[name]["config"][1]
     assert results["qwen3_8b_math_16gpu"]["attention"][0] == "warn"
+
+
+def test_the_judge_recipe_plans_its_judging_phase(results):
+    """The judge's engine keywords go through vLLM's EngineArgs too; the plan has a judging phase."""
+    checks = results["qwen3_8b_judge_16gpu"]
+    assert "and those of judge(s) clarity" in checks["vllm_engine_args"][1]
+    assert " judge " in checks["memory"][1] and checks["memory"][0] == "ok", checks["memory"]
 
 
 def test_r3_is_judged_by_vllm_on_its_own_platform_only(results):

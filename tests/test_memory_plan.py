@@ -10,7 +10,9 @@ import sys
 
 import pytest
 
-from rlcore.memory_plan import COMPONENTS, GB, PHASES, ModelShape, PlanInputs, build_plan, plan_from_config
+from rlcore.memory_plan import (
+    COMPONENTS, GB, PHASES, ModelShape, PlanInputs, build_plan, format_plan, plan_from_config,
+)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FIXTURE = os.path.join(REPO, "tests", "fixtures", "qwen3_8b")
@@ -122,6 +124,44 @@ def test_generate_phase_and_kv_cache_by_hand(recipe):
     assert plan.kv["bytes_per_token"] == 2 * 36 * 4 * 128 * 2
     assert plan.kv["tokens"] == kv // (2 * 36 * 4 * 128 * 2)
     assert plan.kv["batch_sequences"] == 128 // 8 * 8
+
+
+@pytest.mark.unit
+def test_judges_get_a_judging_phase_by_hand(recipe, tmp_path):
+    """reward.models: a judging phase (the judges' whole budgets, the policy asleep as for training,
+    the trainer state not offloaded), their overhead while asleep, their host memory at level 1,
+    and the start-up check; too large a judge is an exit-2 error before anything loads."""
+    import shutil
+
+    from rlcore.cli import parse_config
+    from rlcore.config import ConfigError
+    from rlcore.judge import check_memory
+
+    judge = tmp_path / "judge"
+    judge.mkdir()
+    shutil.copy(os.path.join(REPO, "tests", "fixtures", "qwen3_1_7b", "config.json"), judge)
+    (judge / "tokenizer_config.json").write_text("{}")
+    models = ("[{name: clarity, path: %s, template: '{{ response }}', gpu_memory_utilization: %s, sleep_level: 1}]")
+    args = ["--config", recipe, "--reward.components", "{math: 1.0, clarity: 1.0}"]
+    cfg = parse_config(args + ["--reward.models", models % (judge, 0.25)], device_type="cuda")
+    plan = plan_from_config(cfg, world_size=16, device_gb=80, device_type="cuda")
+    j, train = plan.phases["judge"], plan.phases["train"]
+    assert j["judges"] == int(0.25 * 80 * GB)
+    # sleep level 2, offload on: the policy's engine and the trainer state are off the device
+    assert j["vllm_weights"] == j["kv_cache"] == j["trainer_params"] == j["optimizer"] == 0
+    assert j["reference"] == 2 * N // 16 and j["vllm_overhead"] == GB // 2
+    assert plan.total("judge") == int(0.25 * 80 * GB) + 2 * N // 16 + GB // 2
+    assert all(plan.phases[ph]["judges_asleep"] == GB // 2 for ph in ("train", "checkpoint", "sync", "generate"))
+    assert train["judges"] == 0 and plan.fits
+    check_memory(plan)  # fits: no error
+    params_1_7b = 151936 * 2048 + 28 * (2048 * 2048 * 2 + 2048 * 1024 * 2 + 256 + 4096 + 3 * 2048 * 6144) + 2048
+    text = format_plan(plan)
+    assert f"judges asleep: {2 * params_1_7b / 2 / GB:.2f} GB host memory per rank" in text  # bf16 over TP 2
+    big = plan_from_config(parse_config(args + ["--reward.models", models % (judge, 0.96)], device_type="cuda"),
+                           world_size=16, device_gb=80, device_type="cuda")
+    assert any("the judges are built while the policy's engine holds its budget" in w for w in big.warnings)
+    with pytest.raises(ConfigError, match=r"the judging phase needs .* lower reward.models\[\].gpu_memory_utilization"):
+        check_memory(big)
 
 
 @pytest.mark.unit

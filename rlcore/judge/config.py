@@ -75,6 +75,22 @@ class JudgeConfig:
         return self.kind == "generative"
 
 
+@dataclass(frozen=True)
+class JudgePlan:
+    """A judge's engine (rlcore/judge): its model's shape, its device share while awake, its sleep
+    level (1: weights wait in host memory, 2: reloaded from disk) and dtype bytes."""
+
+    shape: object  # rlcore.model_shape.ModelShape
+    gpu_memory_utilization: float
+    sleep_level: int = 1
+    c: int = 2
+
+    def host_bytes(self, tp: int) -> int:
+        """Host memory per rank while asleep: the weights at level 1 (vLLM's CPU backup), 0 at 2."""
+        return self.c * self.shape.params // tp if self.sleep_level == 1 else 0
+
+
+
 def parse_judges(entries: list[Any] | None) -> list[JudgeConfig]:
     """``reward.models`` as JudgeConfigs: every field checked, an unknown key named with the valid ones."""
     out, fields = [], {f.name for f in dataclasses.fields(JudgeConfig)}
@@ -117,6 +133,9 @@ def _check_fields(j: JudgeConfig, where: str) -> None:
           f"{where}.score_range", j.score_range, "give [lo, hi] with lo < hi, e.g. [1, 10]")
     check(j.max_tokens > 0 and j.max_model_len > 0, f"{where}.max_tokens", j.max_tokens,
           "max_tokens and max_model_len must be > 0")
+    check(0 < j.gpu_memory_utilization < 1, f"{where}.gpu_memory_utilization", j.gpu_memory_utilization,
+          "it must be in (0, 1): the judge engine's share of the device while it scores")
+    check(j.kv_cache_gb > 0, f"{where}.kv_cache_gb", j.kv_cache_gb, "it must be > 0 GiB")
     check(j.temperature >= 0, f"{where}.temperature", j.temperature, "it must be >= 0 (0 = greedy)")
     check(j.sleep_level in (None, 1, 2), f"{where}.sleep_level", j.sleep_level,
           "choose 1 (weights to host) or 2 (discarded, reloaded from path), or null")

@@ -18,6 +18,20 @@ from __future__ import annotations
 from rlcore.judge.config import JudgeConfig
 
 
+def judge_llm_kwargs(cfg: JudgeConfig, device_type: str, *, seed: int, dtype: str) -> dict:
+    """The ``vllm.LLM`` keywords of a judge's engine (what ColocateRollout builds it with; the dry
+    run, scripts/check_config.py, hands them to vLLM's EngineArgs)."""
+    from rlcore.colocate_rollout import llm_kwargs
+    from rlcore.rollout_checks import pick_enforce_eager
+
+    return llm_kwargs(cfg.path, device_type, tp_size=cfg.tensor_parallel_size or 1, seed=seed,
+                      max_model_len=cfg.max_model_len, dtype=dtype, kv_cache_gb=cfg.kv_cache_gb,
+                      gpu_memory_utilization=cfg.gpu_memory_utilization,
+                      enforce_eager=pick_enforce_eager(device_type, None), multimodal=False,
+                      speed=dict(max_num_seqs=None, max_num_batched_tokens=None, enable_prefix_caching=None),
+                      runner="generate" if cfg.generative else "pooling")
+
+
 class JudgeEngine:
     def __init__(self, cfg: JudgeConfig, info, *, seed: int, dtype: str, device_type: str):
         from rlcore.colocate_rollout import ColocateRollout
