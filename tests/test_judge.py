@@ -103,6 +103,12 @@ def judged(tiny_model, tmp_path_factory) -> tuple[list, dict]:
     d = tmp_path_factory.mktemp("judges")
     with quiet.filtered_output():
         gen = make_tiny_model(str(d / "gen"), seed=5, hidden_size=64, num_heads=2, num_kv_heads=1)
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(gen)  # a chat template, so the judge's chat path is the one tested
+        tok.chat_template = ("{% for m in messages %}{{ m['content'] }} {% endfor %}"
+                             "{% if add_generation_prompt %}ans is{% endif %}")
+        tok.save_pretrained(gen)
         rm = make_tiny_reward_model(str(d / "rm"), seed=2)
     out = str(d / "out.json")
     run_torchrun(WORKER, 2, tiny_model, gen, rm, out, timeout=600)
@@ -129,6 +135,10 @@ def test_generative_judge_equals_vllm_alone(judged):
         found = re.findall(r"(\d)", text)
         return float(found[-1]) if found else -1.0  # parse_fail_value
 
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(paths["gen"])
+    assert tok.decode(inputs[0]) == "the d 0 1 pick 1st = 3 4 ans is"  # template, then the judge's chat template
     assert r["gen_raw"] == alone
     assert r["gen_values"] == [parse(t) for t in alone]
     assert -1.0 in r["gen_values"] and len(set(r["gen_values"])) > 2  # failures and several scores

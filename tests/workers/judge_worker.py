@@ -1,7 +1,7 @@
 """Worker (torchrun, 2 ranks): judges on their own in-process vLLM engines beside the policy's.
 
-Every rank: the policy's engine (tiny Qwen3), then a generative judge (another tiny Qwen3, no chat
-template, a regex parser) and a discriminative one (a tiny Qwen3ForSequenceClassification), built
+Every rank: the policy's engine (tiny Qwen3), then a generative judge (another tiny Qwen3 with a
+small chat template, a regex parser) and a discriminative one (a tiny Qwen3ForSequenceClassification), built
 as train_grpo.py builds them (rlcore.judge.build_judges). A fixed set of samples (with repeats) is
 scored through rlcore.rewards.Scorer inside the phase switch's judging. Recorded per rank:
 
@@ -22,7 +22,7 @@ import torch
 from rlcore.dist import all_gather_objects, init_distributed
 
 RESPONSES = ["3 4", "7", "pick 2nd", "3 4", "9 9 9", "d", "7", "1st = 5"]
-ROWS = [{"prompt": f"d {i} {i + 1} pick 1st =", "answer": str(i), "topic": "digits"} for i in range(len(RESPONSES))]
+ROWS = [{"prompt": f"d {i} {i + 1} pick 1st =", "answer": str(i), "topic": "the"} for i in range(len(RESPONSES))]
 ROWS[3] = ROWS[0]  # sample 3 repeats sample 0 exactly: one judge request for both
 
 
@@ -30,8 +30,8 @@ def config(policy: str, gen: str, rm: str):
     from rlcore.config import Config, DataConfig, ModelConfig, RewardConfig, RolloutConfig
 
     models = [
-        {"name": "gen", "path": gen, "kind": "generative", "chat_template": False, "max_tokens": 6,
-         "template": "{{ topic }} {{ prompt }} {{ response }} ans is", "parser": r"(\d)", "parse_fail_value": -1.0,
+        {"name": "gen", "path": gen, "kind": "generative", "max_tokens": 6,  # the judge's chat template adds "ans is"
+         "template": "{{ topic }} {{ prompt }} {{ response }}", "parser": r"(\d)", "parse_fail_value": -1.0,
          "max_model_len": 64, "kv_cache_gb": 0.03125},
         {"name": "rm", "path": rm, "kind": "discriminative", "max_model_len": 64, "kv_cache_gb": 0.03125},
     ]
