@@ -254,9 +254,6 @@ class RewardConfig:
             check(name in REWARDS or name in (CUSTOM, "env", *judges), "reward.components", name,
                   f"choose from {', '.join(REWARDS)}, {CUSTOM} together with reward.fn, env with env.cls"
                   f"{', or a reward.models name: ' + ', '.join(judges) if judges else ''}")
-        unused = [n for n in judges if n not in components]
-        check(not unused, "reward.models", unused, "give each judge a weight in reward.components, e.g. "
-              f"{unused[0] if unused else ''}: 1.0 (an unweighted judge would only cost time)")
         check(CUSTOM not in components or self.fn, "reward.components", CUSTOM,
               "the custom component needs reward.fn=package.module:function")
         if self.fn:

@@ -171,3 +171,30 @@ def make_tiny_reward_model(out_dir: str, *, preferred: list[str] | None = None, 
             model.score.weight[0, 0] = 1.0
     model.save_pretrained(out_dir, safe_serialization=True)
     return out_dir
+
+
+def make_tiny_qwen2_reward_model(out_dir: str, *, hidden_size: int = 64, num_layers: int = 1, seed: int = 0) -> str:
+    """A tiny random ``Qwen2ForRewardModel`` (the Qwen2.5-Math-RM layout vLLM serves: Qwen2Model, then
+    score = Linear(h, h) -> ReLU -> Linear(h, 1) on every token) on the toy vocabulary. transformers has
+    no such class: the weights are written by hand under vLLM's checkpoint names."""
+    import json
+
+    import torch
+    from safetensors.torch import save_file
+    from transformers import Qwen2Config, Qwen2Model
+
+    os.makedirs(out_dir, exist_ok=True)
+    make_tokenizer(out_dir)
+    config = Qwen2Config(vocab_size=len(VOCAB), hidden_size=hidden_size, intermediate_size=2 * hidden_size,
+                         num_hidden_layers=num_layers, num_attention_heads=2, num_key_value_heads=1,
+                         max_position_embeddings=512, tie_word_embeddings=False, pad_token_id=VOCAB.index("<pad>"),
+                         eos_token_id=VOCAB.index("<eos>"), bos_token_id=None, torch_dtype="float32", num_labels=1)
+    torch.manual_seed(seed)
+    body = Qwen2Model(config).to(torch.float32)
+    head = torch.nn.Sequential(torch.nn.Linear(hidden_size, hidden_size), torch.nn.ReLU(), torch.nn.Linear(hidden_size, 1))
+    tensors = {f"model.{k}": v.contiguous() for k, v in body.state_dict().items()}
+    tensors.update({f"score.{k}": v.contiguous() for k, v in head.state_dict().items()})
+    save_file(tensors, os.path.join(out_dir, "model.safetensors"))
+    with open(os.path.join(out_dir, "config.json"), "w") as f:
+        json.dump({**config.to_dict(), "architectures": ["Qwen2ForRewardModel"]}, f, indent=1)
+    return out_dir

@@ -156,7 +156,7 @@ def test_dynamic_sampling_rounds_draw_fresh_seeds():
     rollout_cfg = types.SimpleNamespace(n=2, temperature=1.0, top_p=1.0, top_k=-1, max_response_length=2)
     sampler = StepSampler(RecordingRollout(), None, None, None, rollout_cfg, None, 1, 7,
                           lambda _: contextlib.nullcontext())
-    prompts = [types.SimpleNamespace(ids=[3, 4], answer="1")]
+    prompts = [types.SimpleNamespace(ids=[3, 4], answer="1", row=None)]
     for round_ in range(3):
         batch = sampler.generate(prompts, 5, round_)
         assert len(batch) == 2

@@ -98,7 +98,7 @@ def test_judge_entries_are_checked(tmp_path):
 @pytest.fixture(scope="module")
 def judged(tiny_model, tmp_path_factory) -> tuple[list, dict]:
     from rlcore import quiet
-    from rlcore.toy_task import make_tiny_model, make_tiny_reward_model
+    from rlcore.toy_task import make_tiny_model, make_tiny_qwen2_reward_model, make_tiny_reward_model
 
     d = tmp_path_factory.mktemp("judges")
     with quiet.filtered_output():
@@ -110,10 +110,11 @@ def judged(tiny_model, tmp_path_factory) -> tuple[list, dict]:
                              "{% if add_generation_prompt %}ans is{% endif %}")
         tok.save_pretrained(gen)
         rm = make_tiny_reward_model(str(d / "rm"), seed=2)
+        qrm = make_tiny_qwen2_reward_model(str(d / "qrm"), seed=3)
     out = str(d / "out.json")
-    run_torchrun(WORKER, 2, tiny_model, gen, rm, out, timeout=600)
+    run_torchrun(WORKER, 2, tiny_model, gen, rm, qrm, out, timeout=600)
     with open(out) as f:
-        return json.load(f), {"gen": gen, "rm": rm, "dir": str(d)}
+        return json.load(f), {"gen": gen, "rm": rm, "qrm": qrm, "dir": str(d)}
 
 
 def test_generative_judge_equals_vllm_alone(judged):
@@ -159,10 +160,31 @@ def test_reward_model_equals_transformers(judged):
     assert max(ref) - min(ref) > 0.05  # the samples score differently: the comparison means something
 
 
+def test_token_level_reward_model_equals_its_hand_forward(judged):
+    """Qwen2ForRewardModel (Qwen2.5-Math-RM's layout; vLLM's token_classify pooler): the value at the
+    last token equals transformers' Qwen2Model forward and the score head written out, within 1e-4."""
+    from safetensors.torch import load_file
+    from transformers import Qwen2Model
+
+    ranks, paths = judged
+    body = Qwen2Model.from_pretrained(paths["qrm"], dtype=torch.float32)
+    w = load_file(os.path.join(paths["qrm"], "model.safetensors"))
+    ref = []
+    with torch.no_grad():
+        for ids in ranks[0]["qrm_inputs"]:
+            h = body(torch.tensor([ids])).last_hidden_state[0, -1]
+            hidden = torch.relu(h @ w["score.0.weight"].T + w["score.0.bias"])
+            ref.append((hidden @ w["score.2.weight"].T + w["score.2.bias"]).item())
+    diff = max(abs(a - b) for a, b in zip(ranks[0]["qrm_values"], ref))
+    assert diff < 1e-4, diff
+    assert max(ref) - min(ref) > 1e-3
+
+
 def test_weighted_sum_and_dedup(judged):
     ranks, _ = judged
     r = ranks[0]
-    assert r["totals"] == pytest.approx([g + 0.5 * v for g, v in zip(r["gen_values"], r["rm_values"])], abs=1e-6)
+    assert r["totals"] == pytest.approx([g + 0.5 * v + 0.25 * q for g, v, q in
+                                         zip(r["gen_values"], r["rm_values"], r["qrm_values"])], abs=1e-6)
     assert r["metrics"]["judge/gen_distinct_frac"] == 7 / 8  # sample 3 repeats sample 0: one request
     assert r["metrics"]["reward/gen_parse_fail_frac"] == r["gen_values"].count(-1.0) / 8
     assert r["gen_raw"][3] == r["gen_raw"][0]
@@ -172,9 +194,11 @@ def test_memory_phases_and_policy_untouched(judged):
     """Judges hold their KV cache only while scoring; the policy's engine sleeps meanwhile and,
     woken by ensure_generation, samples exactly as before the judges existed."""
     for r in judged[0]:
-        assert r["judge_kv_gb_built"] == {"gen": 0.0, "rm": 0.0}  # asleep once built
-        assert r["inside"] == {"policy_released": ["kv_cache"], "judge_kv_gb": {"gen": 0.03125, "rm": 0.03125}}
-        assert r["after_judge_kv_gb"] == {"gen": 0.0, "rm": 0.0} and r["after_policy_released"] == ["kv_cache"]
+        assert r["judge_kv_gb_built"] == {"gen": 0.0, "rm": 0.0, "qrm": 0.0}  # asleep once built
+        assert r["inside"] == {"policy_released": ["kv_cache"],
+                               "judge_kv_gb": {"gen": 0.03125, "rm": 0.03125, "qrm": 0.03125}}
+        assert r["after_judge_kv_gb"] == {"gen": 0.0, "rm": 0.0, "qrm": 0.0}
+        assert r["after_policy_released"] == ["kv_cache"]
         assert [step for _, step, _ in r["resumed_trace"]] == ["wake_weights", "wake_kv_cache"]
         assert r["policy_same_ids"] and r["policy_max_logprob_diff"] < 1e-6
 

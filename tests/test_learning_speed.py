@@ -72,7 +72,7 @@ class ScriptedRollout:
 
 
 class Scorer:
-    def score(self, texts, answers):
+    def score(self, texts, answers, env_rewards=None, rows=None):
         return [float(a == "mix" and t == "8") for t, a in zip(texts, answers)], {"reward/math": 0.0}
 
 
@@ -84,7 +84,7 @@ class Tokenizer:
 def make_sampler(answers: list[str], algo: AlgorithmConfig, prompts_per_step: int = 4):
     from rlcore.data import PromptSampler
 
-    prompts = [types.SimpleNamespace(ids=[1, i], answer=a, images=None) for i, a in enumerate(answers)]
+    prompts = [types.SimpleNamespace(ids=[1, i], answer=a, images=None, row=None) for i, a in enumerate(answers)]
     cfg = RolloutConfig(n=4, temperature=1.0, top_p=1.0, top_k=-1, max_response_length=4)
     rollout = ScriptedRollout()
     s = sampling.StepSampler(rollout, PromptSampler(prompts, 0, shuffle=False), Tokenizer(), Scorer(), cfg, algo,

@@ -155,6 +155,10 @@ def check_judges(cfg) -> None:
     valid = {*REWARDS, *(j.name for j in judges), *([CUSTOM] if cfg.reward.fn else []), ENV}
     for name in cfg.val.reward_components or {}:
         check(name in valid, "val.reward_components", name, f"choose from {', '.join(sorted(valid))}")
+    used = {*cfg.reward.effective_components(), *(cfg.val.reward_components or {})}
+    unused = [j.name for j in judges if j.name not in used]
+    check(not unused, "reward.models", unused, "give each judge a weight in reward.components (or in "
+          f"val.reward_components for validation only), e.g. {unused[0] if unused else ''}: 1.0")
 
 
 def check_judge_data(judges: list[JudgeConfig], rows: list) -> None:

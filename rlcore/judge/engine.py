@@ -77,17 +77,23 @@ class JudgeEngine:
         return [samples[0].response_ids for samples in out]
 
     def classify(self, sequences: list[list[int]]) -> list[float]:
-        """The head's value (its first label) for each sequence."""
+        """The head's value (its first label) at each sequence's last token. A sequence
+        classifier (``classify`` task) pools the last token itself; a token-level reward model
+        (``token_classify``: Qwen2ForRewardModel, vllm 0.32 model_executor/models/qwen2_rm.py,
+        pooler_for_token_classify) returns every token's value and the last one is the reward."""
         from vllm import PoolingParams
         from vllm.inputs import TokensPrompt
 
         ro = self.rollout
         ro._require_awake("classify", {"weights", "kv_cache"})
         params = PoolingParams(use_activation=self.cfg.activation == "sigmoid")
+        prompts = [TokensPrompt(prompt_token_ids=[int(t) for t in s]) for s in sequences]
         with ro._engine_rng_scope():
-            outputs = ro.llm.classify([TokensPrompt(prompt_token_ids=[int(t) for t in s]) for s in sequences],
-                                      pooling_params=params, use_tqdm=False)
-        return [float(o.outputs.probs[0]) for o in outputs]
+            if "classify" in ro.llm.supported_tasks:
+                return [float(o.outputs.probs[0]) for o in ro.llm.classify(prompts, pooling_params=params,
+                                                                            use_tqdm=False)]
+            outputs = ro.llm.encode(prompts, pooling_params=params, pooling_task="token_classify", use_tqdm=False)
+        return [float(o.outputs.data[-1].reshape(-1)[0]) for o in outputs]
 
     def shutdown(self) -> None:
         self.rollout.shutdown()

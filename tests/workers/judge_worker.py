@@ -1,7 +1,8 @@
 """Worker (torchrun, 2 ranks): judges on their own in-process vLLM engines beside the policy's.
 
 Every rank: the policy's engine (tiny Qwen3), then a generative judge (another tiny Qwen3 with a
-small chat template, a regex parser) and a discriminative one (a tiny Qwen3ForSequenceClassification), built
+small chat template, a regex parser) and two discriminative ones (a tiny Qwen3ForSequenceClassification, a tiny
+Qwen2ForRewardModel: vLLM's token-level reward head), built
 as train_grpo.py builds them (rlcore.judge.build_judges). A fixed set of samples (with repeats) is
 scored through rlcore.rewards.Scorer inside the phase switch's judging. Recorded per rank:
 
@@ -11,7 +12,7 @@ scored through rlcore.rewards.Scorer inside the phase switch's judging. Recorded
 - the policy's samples and log-probs of one seeded generate before building the judges and after
   the judging (woken by ensure_generation): equal when the judges leave the policy's engine alone.
 
-    torchrun --nproc_per_node=2 tests/workers/judge_worker.py POLICY GEN_JUDGE RM OUT.json
+    torchrun --nproc_per_node=2 tests/workers/judge_worker.py POLICY GEN_JUDGE RM QWEN2_RM OUT.json
 """
 
 import json
@@ -26,7 +27,7 @@ ROWS = [{"prompt": f"d {i} {i + 1} pick 1st =", "answer": str(i), "topic": "the"
 ROWS[3] = ROWS[0]  # sample 3 repeats sample 0 exactly: one judge request for both
 
 
-def config(policy: str, gen: str, rm: str):
+def config(policy: str, gen: str, rm: str, qrm: str):
     from rlcore.config import Config, DataConfig, ModelConfig, RewardConfig, RolloutConfig
 
     models = [
@@ -34,10 +35,11 @@ def config(policy: str, gen: str, rm: str):
          "template": "{{ topic }} {{ prompt }} {{ response }}", "parser": r"(\d)", "parse_fail_value": -1.0,
          "max_model_len": 64, "kv_cache_gb": 0.03125},
         {"name": "rm", "path": rm, "kind": "discriminative", "max_model_len": 64, "kv_cache_gb": 0.03125},
+        {"name": "qrm", "path": qrm, "kind": "discriminative", "max_model_len": 64, "kv_cache_gb": 0.03125},
     ]
     return Config(model=ModelConfig(path=policy, dtype="float32"), data=DataConfig(),
                   rollout=RolloutConfig(max_model_len=64, max_response_length=8, kv_cache_gb=0.0625, dtype="float32"),
-                  reward=RewardConfig(components={"gen": 1.0, "rm": 0.5}, models=models))
+                  reward=RewardConfig(components={"gen": 1.0, "rm": 0.5, "qrm": 0.25}, models=models))
 
 
 def policy_samples(rollout) -> list:
@@ -46,14 +48,14 @@ def policy_samples(rollout) -> list:
 
 
 def main() -> None:
-    policy_dir, gen_dir, rm_dir, out_path = sys.argv[1:5]
+    policy_dir, gen_dir, rm_dir, qrm_dir, out_path = sys.argv[1:6]
     info = init_distributed("cpu", 300)
     from rlcore import judge, rewards
     from rlcore.colocate_rollout import ColocateRollout
     from rlcore.metrics import Timer
     from rlcore.switch import PhaseSwitcher
 
-    cfg = config(policy_dir, gen_dir, rm_dir)
+    cfg = config(policy_dir, gen_dir, rm_dir, qrm_dir)
     rollout = ColocateRollout(policy_dir, info, seed=0, kv_cache_gb=0.0625, max_model_len=64)
     before = policy_samples(rollout)
     judges = judge.build_judges(cfg, info)
