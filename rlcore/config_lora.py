@@ -70,15 +70,18 @@ def check_lora(lora: LoraConfig, model_path: str, experts: int, vision: bool) ->
     if not lora.enabled:
         return
     if experts:
+        # vllm 0.32 serves LoRA on fused-MoE layers only through its Triton MoE kernel (fused_moe/oracle/
+        # unquantized.py:234-248 picks TRITON once LoRA is on; its CPU punica wrapper has no expert ops,
+        # lora/punica_wrapper/punica_base.py add_lora_w13/w2), and VeOmni saves expert adapters as [E, ...]
+        # tensors where vLLM reads per-expert names (lora/utils.py:411-416): neither is wired in here.
         raise ConfigError(f"lora.rank={lora.rank} with model.path={model_path!r}, a mixture-of-experts model "
-                          f"({experts} experts): LoRA on MoE policies is not supported yet (VeOmni's expert "
-                          f"adapters and vLLM's fused-MoE LoRA are not wired in); use full fine-tuning (lora.rank: 0)")
-    if vision:
-        raise ConfigError(f"lora.rank={lora.rank} with model.path={model_path!r}, a vision-language model: "
-                          f"LoRA on VL policies is not supported yet; use full fine-tuning (lora.rank: 0)")
+                          f"({experts} experts): LoRA on MoE policies is not supported yet (vLLM's fused-MoE LoRA "
+                          f"needs its Triton kernel, and VeOmni's expert adapters are not converted to vLLM's "
+                          f"per-expert names); use full fine-tuning (lora.rank: 0)")
     try:
         with open(os.path.join(model_path, "config.json")) as f:
-            dims = _layer_dims(json.load(f))
+            config = json.load(f)
+        dims = _layer_dims(config.get("text_config", config) if vision else config)  # VL: the language model's
     except (OSError, ValueError, KeyError):
         return  # the model folder's own checks name what is wrong with it
     if lora.path is not None:

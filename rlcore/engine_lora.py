@@ -27,6 +27,7 @@ import torch
 from rlcore.engine_parts import hf_name
 from rlcore.engine_veomni import VeOmniPolicy, _to_dtype
 
+VISION_EXCLUDE = r".*\bvisual\b.*"  # regex over module names (VeOmni's mapping.py: full match)
 PREFIX = "base_model.model."  # VeOmniLoraModel -> LoraModel -> the HF model, as PEFT names them
 _OFF = "__rlcore_adapter_off__"
 
@@ -35,8 +36,10 @@ def veomni_config(lora):
     """``rlcore.config_lora.LoraConfig`` as VeOmni's ``VeOmniLoraConfig``."""
     from veomni.lora import VeOmniLoraConfig
 
+    # Never the vision tower: Qwen2.5-VL's ViT MLP has gate/up/down_proj too; vLLM serves LoRA on the
+    # language model only (its vision layers get no LoRA wrapper).
     return VeOmniLoraConfig(r=lora.rank, lora_alpha=lora.alpha, target_modules=lora.targets(),
-                            lora_dropout=lora.dropout)
+                            lora_dropout=lora.dropout, exclude_modules=VISION_EXCLUDE)
 
 
 def wrap(model, lora):

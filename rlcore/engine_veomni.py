@@ -161,7 +161,7 @@ class VeOmniPolicy:
                 f"{self.dtype}, attention {self.attn_implementation} ({self.attn_reason}), "
                 f"{describe_kernels(self.kernels)}, gradient checkpointing "
                 f"{'on' if self.gradient_checkpointing else 'off'}, offload: {offload}"
-                f"{engine_vl.describe(self.model, self.freeze_vision_tower or not self.trainable)}"
+                f"{engine_vl.describe(self.model, self.freeze_vision_tower or not self.trainable or self._wrap is not None)}"
                 f"{engine_moe.describe(self.model, self.moe_implementation, self.ep_size)}")
 
     def _build_optimizer(self, lr, weight_decay, betas, eps, schedule, warmup_steps, min_lr_ratio, total_steps):

@@ -104,7 +104,11 @@ def vision_tower(model) -> torch.nn.Module | None:
     """The whole ``visual`` module (patch embedding, position embedding, ViT blocks, the merger and
     the deepstack mergers), or None for a text-only model. The mergers count as the vision tower,
     as in verl's ``get_vl_model_vision_tower`` (``model.model.visual``): freezing it trains the
-    language model only."""
+    language model only. Under VeOmni's LoRA wrapper (rlcore.engine_lora), that of its base model."""
+    from veomni.lora import VeOmniLoraModel
+
+    if isinstance(model, VeOmniLoraModel):
+        model = model.get_base_model()
     inner = getattr(model, "model", None)
     return getattr(inner, "visual", None)
 

@@ -309,7 +309,9 @@ class Scorer:
 
     def _judge(self, responses: list[str], answers: list[str], rows: list | None) -> tuple[dict, dict]:
         active = [self.judges[name] for name in self.components if name in self.judges]
-        if not active or not responses:
+        if not responses:
+            return {j.name: ([], [], 1.0) for j in active}, {}
+        if not active:
             return {}, {}
         judged, metrics = {}, {}
         with self.judging(active):  # the policy's engine sleeps, the judges are awake

@@ -46,9 +46,9 @@ from __future__ import annotations
 import logging
 import time
 
-import torch
-
 from contextlib import contextmanager
+
+import torch
 
 from rlcore.dist import memory_stats
 

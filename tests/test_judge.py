@@ -92,6 +92,21 @@ def test_judge_entries_are_checked(tmp_path):
         RewardConfig(components={"j": 1.0}, models=[ok, ok])
 
 
+@pytest.mark.unit
+def test_a_template_failing_on_one_sample_scores_it_as_unreadable(tiny_model):
+    """A Jinja expression that raises on one row does not end the run: that sample is unscorable
+    (parse_fail_value, counted), the error printed once; the engine is never asked about it."""
+    from rlcore.judge.config import JudgeConfig
+    from rlcore.judge.scorer import Judge
+
+    cfg = JudgeConfig(name="j", path=tiny_model, template="{{ response }} {{ (extra | int) // 0 }}",
+                      parse_fail_value=-2.0)
+    judge = Judge(cfg, engine=None, prompt_key="prompt")  # no engine call: every input fails to render
+    values, failed, m = judge.score(["3", "4"], ["3", "4"], [{"prompt": "p", "extra": 1}] * 2)
+    assert values == [-2.0, -2.0] and failed == [True, True] and m["reward/j_parse_fail_frac"] == 1.0
+    assert m["judge/j_distinct_frac"] == 0.0
+
+
 # ----------------------------------------------------------------------------- engines
 
 

@@ -56,7 +56,7 @@ class Judge:
               ) -> tuple[list[float], list[bool], dict]:
         c = self.cfg
         rows = rows if rows is not None else [None] * len(responses)
-        inputs = [self.judge_ids(r, a, row) for r, a, row in zip(responses, answers, rows)]
+        inputs = [self._inputs(r, a, row) for r, a, row in zip(responses, answers, rows)]
         budget = c.max_model_len - (c.max_tokens if c.generative else 0)
         # One engine request per distinct judge input; an empty or over-long one is unscorable.
         distinct = list(dict.fromkeys(tuple(ids) for ids in inputs if 0 < len(ids) <= budget))
@@ -78,6 +78,16 @@ class Judge:
                    f"perf/judge_{c.name}_tokens_per_s": tokens / max(seconds, 1e-9)}
         self.last_values = values
         return values, failed, metrics
+
+    def _inputs(self, response: str, answer: str, row: dict | None) -> list[int]:
+        """judge_ids, or [] (unscorable: scored parse_fail_value) when the template fails on this sample."""
+        try:
+            return self.judge_ids(response, answer, row)
+        except Exception as e:  # e.g. a Jinja expression that fails on one row: the run goes on
+            from rlcore.rewards import _ErrorLog
+
+            _ErrorLog.report(f"{self.name} (its template)", e)
+            return []
 
     def _run(self, inputs: list[list[int]]) -> tuple[list, int]:
         """Raw outputs (decoded answers or head values) and the tokens the engine processed."""
