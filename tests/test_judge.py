@@ -1,4 +1,5 @@
-"""Model-based rewards (rlcore/judge): judges on their own in-process vLLM engines.
+"""Model-based rewards (rlcore/judge): judges on their own in-process vLLM engines (resume with a judge
+in the loop: tests/test_resume.py; judge outputs in validation examples: tests/test_evaluate.py).
 
 Unit tests check the templates, parsers and the weighted sum against hand computations; the
 worker (tests/workers/judge_worker.py, 2 ranks, the policy's engine beside a generative judge and
@@ -216,70 +217,3 @@ def test_memory_phases_and_policy_untouched(judged):
         assert r["after_policy_released"] == ["kv_cache"]
         assert [step for _, step, _ in r["resumed_trace"]] == ["wake_weights", "wake_kv_cache"]
         assert r["policy_same_ids"] and r["policy_max_logprob_diff"] < 1e-6
-
-
-# ----------------------------------------------------------------------------- in the loop
-
-STEPS = 4
-
-
-def loop_args(model, rm, data, val, out, *extra):
-    judge = {"name": "high_digit", "path": rm, "kind": "discriminative", "activation": "sigmoid",
-             "pass_threshold": 0.5, "template": "{{ response.split()[0] if response.split() else '?' }}",
-             "max_model_len": 32, "kv_cache_gb": 0.0625}
-    return ["--config", os.path.join(REPO, "configs", "demo_judge_cpu.yaml"), "--model.path", model,
-            "--data.train_files", json.dumps([data]), "--data.val_files", json.dumps([val]),
-            "--reward.models", json.dumps([judge]), "--trainer.output_dir", out,
-            "--trainer.total_steps", str(STEPS), "--trainer.prompts_per_step", "4", "--rollout.n", "4",
-            # validation after step 2 scores with the judge too: step 3's generate wakes the policy's engine
-            "--trainer.val_every", "2", "--val.max_samples", "8", "--checkpoint.keep_last", "10",
-            "--algorithm.dynamic_sampling", "true", *extra]
-
-
-@pytest.fixture(scope="module")
-def loop_runs(tiny_model, toy_data, tmp_path_factory):
-    from rlcore import quiet
-    from rlcore.toy_task import DEMO_RM_PREFERRED, make_tiny_reward_model
-    from workers.launch import TRAIN, Launch
-
-    root = tmp_path_factory.mktemp("judge_loop")
-    with quiet.filtered_output():
-        rm = make_tiny_reward_model(str(root / "rm"), preferred=DEMO_RM_PREFERRED)
-    a, b = str(root / "a"), str(root / "b")
-    run_torchrun(TRAIN, 2, *loop_args(tiny_model, rm, toy_data[0], toy_data[1], a, "--checkpoint.save_every", "2"))
-    b_args = loop_args(tiny_model, rm, toy_data[0], toy_data[1], b, "--checkpoint.save_every", "2",
-                       "--checkpoint.resume", "auto")
-    killed = Launch(2, b_args)
-    try:
-        killed.wait_for(r"saved checkpoint .*step_2$", timeout=600)
-        killed.wait_for(r"^step +3/", timeout=300)
-        killed.kill9()
-    finally:
-        killed.close()
-    finished = run_torchrun(TRAIN, 2, *b_args)
-    return {"a": a, "b": b, "finished_out": finished.stdout}
-
-
-def test_resume_after_kill9_with_a_judge_is_exact(loop_runs):
-    from workers.launch import comparable, read_rows
-
-    assert "resumed from" in loop_runs["finished_out"]
-    a_rows, b_rows = read_rows(loop_runs["a"]), read_rows(loop_runs["b"])
-    assert [r["step"] for r in a_rows] == [r["step"] for r in b_rows]
-    for ra, rb in zip(a_rows, b_rows):
-        assert comparable(ra) == comparable(rb), (ra["step"], comparable(ra), comparable(rb))
-    train = [r for r in a_rows if "reward/high_digit" in r]
-    assert len(train) == STEPS and all(r["reward/high_digit_parse_fail_frac"] == 0 for r in train)
-    assert all(r["reward/mean"] == pytest.approx(r["reward/high_digit"], abs=1e-6) for r in train)  # the only reward
-    assert all(r["timing/judge_s"] > 0 for r in train)
-    # the judge's KV cache is held only while it scores (CPU: no sleep mode, the buffer is freed)
-    assert all(r["memory/wake_judges_judge_kv_gb"] == 0.0625 and r["memory/train_judge_kv_gb"] == 0.0
-               for r in train)
-
-
-def test_validation_examples_show_the_judge_output(loop_runs):
-    with open(os.path.join(loop_runs["a"], "val", f"step_{STEPS}.jsonl")) as f:
-        rows = [json.loads(line) for line in f]
-    assert rows and all(r["judge_high_digit_output"] == r["judge_high_digit_score"] == r["reward"] for r in rows)
-    first = [r["response"].split()[0] if r["response"].split() else "?" for r in rows]
-    assert [r["judge_high_digit_score"] > 0.5 for r in rows] == [w in "56789" and len(w) == 1 for w in first]

@@ -12,6 +12,8 @@ Four launches share one module fixture (8 training prompts, 4 per step: an epoch
       folders every 2 steps in bfloat16.
 Exactness means equal, not close: every metrics.jsonl value but wall-clock ones (timing/, memory/,
 perf/), and every bit of the final model and optimizer state (DCP checkpoints of step 6).
+A judge is in the loop (rlcore/judge: a tiny reward model on its own in-process vLLM engine, half
+of the reward), so resuming with model-based rewards is covered by the same launches.
 """
 
 from __future__ import annotations
@@ -30,6 +32,13 @@ STEPS = 6
 PROBE = os.path.join(REPO, "tests", "workers", "trainer_probe.py")
 
 
+def judge_args(rm: str) -> list[str]:
+    judge = {"name": "high_digit", "path": rm, "kind": "discriminative", "activation": "sigmoid",
+             "pass_threshold": 0.5, "template": "{{ response.split()[0] if response.split() else '?' }}",
+             "max_model_len": 32, "kv_cache_gb": 0.0625}
+    return ["--reward.models", json.dumps([judge]), "--reward.components", '{"first_word_match": 1.0, "high_digit": 0.5}']
+
+
 def args(model, data, out, *extra):
     return ["--config", os.path.join(REPO, "configs", "demo_cpu.yaml"), "--model.path", model,
             "--data.train_files", json.dumps([data]), "--data.val_files", "[]", "--trainer.output_dir", out,
@@ -43,16 +52,21 @@ def args(model, data, out, *extra):
 
 @pytest.fixture(scope="module")
 def runs(tiny_model, toy_data, tmp_path_factory):
+    from rlcore import quiet
+    from rlcore.toy_task import DEMO_RM_PREFERRED, make_tiny_reward_model
+
     root = tmp_path_factory.mktemp("resume")
+    with quiet.filtered_output():
+        judge = judge_args(make_tiny_reward_model(str(root / "rm"), preferred=DEMO_RM_PREFERRED))
     a, b = str(root / "a"), str(root / "b")
     data = os.path.join(a, "train8.jsonl")  # next to A's output: a later test resumes A
     os.makedirs(a)
     with open(toy_data[0]) as src, open(data, "w") as dst:
         dst.writelines(src.readlines()[:8])
     # A runs through the probe: the same main, plus a report of any non-local network access.
-    straight = run_torchrun(PROBE, 2, *args(tiny_model, data, a, "--checkpoint.save_every", "2"))
+    straight = run_torchrun(PROBE, 2, *args(tiny_model, data, a, "--checkpoint.save_every", "2", *judge))
 
-    b_args = args(tiny_model, data, b, "--checkpoint.save_every", "3", "--checkpoint.resume", "auto")
+    b_args = args(tiny_model, data, b, "--checkpoint.save_every", "3", "--checkpoint.resume", "auto", *judge)
     killed = Launch(2, b_args)
     try:
         killed.wait_for(r"saved checkpoint .*step_3$", timeout=600)
@@ -68,7 +82,7 @@ def runs(tiny_model, toy_data, tmp_path_factory):
         preempted.close()
     finished = run_torchrun(TRAIN, 2, *args(tiny_model, data, b, "--checkpoint.save_every", "3",
                                             "--checkpoint.resume", b, "--checkpoint.hf_every", "2",
-                                            "--checkpoint.hf_dtype", "bfloat16"))
+                                            "--checkpoint.hf_dtype", "bfloat16", *judge))
     return {"a": a, "b": b, "rows_at_kill": rows_at_kill, "preempted_out": preempted.output,
             "straight_out": straight.stdout + straight.stderr, "finished_out": finished.stdout,
             "model": tiny_model}
@@ -100,6 +114,11 @@ def test_kill9_and_preemption_then_resume_is_exact(runs, tmp_path):
         assert comparable(ra) == comparable(rb), (ra["step"], comparable(ra), comparable(rb))
     assert any(r["actor/grad_norm"] > 0 for r in a_rows[3:])  # steps 4-6 really trained
     assert [r["actor/entropy_coef"] for r in b_rows] == pytest.approx([0.0, 0.01, 0.02, 0.03, 0.04, 0.05])
+    # the judge scored every step: half the reward, its KV cache held only while it scored
+    assert all(r["reward/mean"] == pytest.approx(r["reward/first_word_match"] + 0.5 * r["reward/high_digit"], abs=1e-6)
+               and r["reward/high_digit_parse_fail_frac"] == 0 and r["timing/judge_s"] > 0 for r in b_rows)
+    assert all(r["memory/wake_judges_judge_kv_gb"] == 0.0625 and r["memory/train_judge_kv_gb"] == 0.0
+               for r in a_rows)
     assert all(r["actor/clip_cov_frac"] > 0 for r in b_rows)
     sa = dcp_state(os.path.join(runs["a"], "checkpoints", "step_6"), tmp_path)
     sb = dcp_state(os.path.join(runs["b"], "checkpoints", "step_6"), tmp_path)
