@@ -199,7 +199,7 @@ def build_engines(cfg: Config, info: DistInfo, timer: Timer, probe_prompts: list
             policy.offload(params=cfg.offload.params, optimizer=cfg.offload.optimizer)
         rollout = build_rollout(cfg.model, cfg.rollout, info, cfg.trainer.seed,
                                 routed_experts=cfg.algorithm.routing_replay == "r3", lora_rank=lora_rank(cfg))
-        judges = build_judges(cfg, info)  # after the policy's engine: they share its vLLM process groups
+        judges = build_judges(cfg, info, rollout)  # after the policy's engine: they share its vLLM groups
     switch = build_switch(policy, rollout, cfg.model, cfg.rollout, cfg.offload, info, timer, probe_prompts)
     if cfg.logging.switch_trace:
         switch.trace_to_stderr()

@@ -91,7 +91,8 @@ class Sample:
 def llm_kwargs(model_path: str, device_type: str, *, tp_size: int, seed: int, max_model_len: int, dtype: str,
                kv_cache_gb: float, gpu_memory_utilization: float, enforce_eager: bool, multimodal: bool,
                speed: dict, limit_mm_per_prompt: dict | None = None, mm_processor_cache_gb: float | None = None,
-               routed_experts: bool = False, lora_rank: int = 0, runner: str = "generate") -> dict:
+               routed_experts: bool = False, lora_rank: int = 0, runner: str = "generate",
+               sleep_mode: bool = True) -> dict:
     """Every keyword ``ColocateRollout`` hands ``vllm.LLM(...)`` (and so vLLM's ``EngineArgs``),
     without building anything: the engine and scripts/check_config.py's dry run use this one.
     ``seed``: the engine seed plus the DP rank (same inside a TP group: ranks must sample the same
@@ -100,14 +101,15 @@ def llm_kwargs(model_path: str, device_type: str, *, tp_size: int, seed: int, ma
     switch (both read while the engine is built). ``routed_experts``: vLLM returns each sample's
     experts per token (R3 routing replay; rlcore.rollout_routing). ``lora_rank``: LoRA for
     the policy's adapter (rlcore.rollout_lora). ``runner="pooling"``: a classification / reward
-    head scored with ``LLM.classify`` (a discriminative judge, rlcore.judge.engine)."""
+    head scored with ``LLM.classify`` (a discriminative judge, rlcore.judge.engine). ``sleep_mode``
+    False: no vLLM sleep mode on accelerators (a second engine in the process: rlcore.judge.offload)."""
     if device_type == "cpu":
         # Explicit size: vLLM's auto sizing takes ~60% of host RAM per rank (OOM with 2 ranks).
         # The legacy env var would silently override it (restored by ProcessState).
         os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)
         memory = {"kv_cache_memory_bytes": int(kv_cache_gb * 2**30)}
     else:  # release_memory() -> llm.sleep(level) or release_kv_cache_memory(): the sleep-mode allocator
-        memory = {"gpu_memory_utilization": gpu_memory_utilization, "enable_sleep_mode": True}
+        memory = {"gpu_memory_utilization": gpu_memory_utilization, "enable_sleep_mode": sleep_mode}
     return dict(
         model=model_path, tensor_parallel_size=tp_size, distributed_executor_backend="external_launcher",
         seed=seed, logprobs_mode=LOGPROBS_MODE, use_tqdm_on_load=False,
@@ -147,6 +149,7 @@ class ColocateRollout:
         return_routed_experts: bool = False,
         lora_rank: int = 0,
         runner: str = "generate",
+        sleep_mode: bool = True,
     ):
         """``enforce_eager`` None: eager on CPU, CUDA/ACL graphs on accelerators (they survive
         sleep/wake: see rollout_checks.pick_enforce_eager). ``max_num_seqs``,
@@ -187,7 +190,7 @@ class ColocateRollout:
             speed=dict(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                        enable_prefix_caching=enable_prefix_caching),
             limit_mm_per_prompt=limit_mm_per_prompt, mm_processor_cache_gb=mm_processor_cache_gb,
-            routed_experts=return_routed_experts, lora_rank=lora_rank, runner=runner)
+            routed_experts=return_routed_experts, lora_rank=lora_rank, runner=runner, sleep_mode=sleep_mode)
         self.lora_request = None  # the policy's adapter once pushed (update_adapter)
         try:
             self.llm = self._build_engine(model_path, engine_kwargs)

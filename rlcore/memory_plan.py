@@ -29,6 +29,7 @@ Phases, in the order a run meets them (the steps are rlcore/switch.py's); each t
     judge     (reward.models only) the judges awake, each its whole vLLM budget (weights, KV cache,
               activations: gpu_memory_utilization x device), the policy's engine asleep as for
               training, the trainer state not offloaded; asleep, a judge keeps its overhead
+              (judges are built while the policy's engine sleeps: this phase bounds their start-up too)
 A phase fits when its total <= device - RESERVE_GB (CUDA/CANN context and kernels ~1 GB, the
 trainer's NCCL/HCCL communicators ~1 GB, allocator fragmentation ~1 GB).
 """
@@ -312,7 +313,7 @@ def component_bytes(p: PlanInputs) -> dict[str, int]:
     }
     sizes["fsdp_gathered"] = fsdp_gathered_bytes(p, sizes["activations"])
     sizes["judges"] = sum(int(j.gpu_memory_utilization * p.device_gb * GB) for j in p.judges)  # all awake at once
-    sizes["judges_asleep"] = len(p.judges) * int((VLLM_OVERHEAD_GB + VLLM_GRAPHS_GB * p.graphs) * GB)
+    sizes["judges_asleep"] = len(p.judges) * int(VLLM_OVERHEAD_GB * GB)  # eager: no graph pool
     sizes["kv_cache"] = vllm_budget - sizes["vllm_weights"] - sizes["vllm_activations"] - sizes["vllm_overhead"]
     return sizes
 
@@ -409,14 +410,6 @@ def build_plan(p: PlanInputs, suggest: bool = True) -> MemoryPlan:
           "batch_tokens_shared_prompts": int(p.prompts_per_step / p.dp * (p.prompt_len + p.n * p.response_len))}
     plan = MemoryPlan(p, phases, kv, RESERVE_GB.get(p.device_type, 0.0))
     plan.warnings = _kv_warnings(plan, suggest)
-    if p.judges:
-        # vLLM refuses an engine whose budget exceeds the device's free memory at its build
-        free = (plan.limit - plan.total("generate") + plan.phases["generate"]["judges_asleep"]) / GB
-        want = sum(j.gpu_memory_utilization for j in p.judges) * p.device_gb
-        if want > free:
-            plan.warnings.append(f"the judges are built while the policy's engine holds its budget: they ask for "
-                                 f"{want:.1f} GB, about {free:.1f} GB is free then; lower reward.models' "
-                                 "gpu_memory_utilization or rollout.gpu_memory_utilization")
     if p.shape.uncounted_vision:
         plan.warnings.append(f"config.json has a vision tower (model_type {p.shape.uncounted_vision!r}) whose layout "
                              f"the plan does not know: its parameters and activations are not counted")

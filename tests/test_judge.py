@@ -206,6 +206,17 @@ def test_weighted_sum_and_dedup(judged):
     assert r["gen_raw"][3] == r["gen_raw"][0]
 
 
+def test_accelerator_sleep_frees_and_restores_a_real_engine(judged):
+    """rlcore.judge.offload on a vLLM engine (bf16 on CPU: its linear layers use the parameters'
+    storages): level 1 frees weights and KV cache and restores them exactly; level 2 discards the
+    weights (generate refused), which are what vLLM computes with (zeros answer differently), and the
+    reload from the judge's folder brings the same answers back."""
+    for r in judged[0]:
+        assert r["storage_kv_gb_awake"] == 0.03125 and r["storage_kv_gb_asleep"] == 0.0
+        assert r["storage_params_freed"] and r["storage_level1_same"]
+        assert r["storage_level2_blocked"] and r["storage_zeros_differ"] and r["storage_level2_same"]
+
+
 def test_memory_phases_and_policy_untouched(judged):
     """Judges hold their KV cache only while scoring; the policy's engine sleeps meanwhile and,
     woken by ensure_generation, samples exactly as before the judges existed."""

@@ -130,7 +130,7 @@ def test_generate_phase_and_kv_cache_by_hand(recipe):
 def test_judges_get_a_judging_phase_by_hand(recipe, tmp_path):
     """reward.models: a judging phase (the judges' whole budgets, the policy asleep as for training,
     the trainer state not offloaded), their overhead while asleep, their host memory at level 1,
-    and the start-up check; too large a judge is an exit-2 error before anything loads."""
+    too large a judge is an exit-2 error before anything loads."""
     import shutil
 
     from rlcore.cli import parse_config
@@ -159,7 +159,6 @@ def test_judges_get_a_judging_phase_by_hand(recipe, tmp_path):
     assert f"judges asleep: {2 * params_1_7b / 2 / GB:.2f} GB host memory per rank" in text  # bf16 over TP 2
     big = plan_from_config(parse_config(args + ["--reward.models", models % (judge, 0.96)], device_type="cuda"),
                            world_size=16, device_gb=80, device_type="cuda")
-    assert any("the judges are built while the policy's engine holds its budget" in w for w in big.warnings)
     with pytest.raises(ConfigError, match=r"the judging phase needs .* lower reward.models\[\].gpu_memory_utilization"):
         check_memory(big)
 

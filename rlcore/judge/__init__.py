@@ -12,18 +12,23 @@ policy's engine sleeps -> the judges wake -> score -> the judges sleep -> train.
 from __future__ import annotations
 
 
-def build_judges(cfg, info) -> dict:
+def build_judges(cfg, info, policy_rollout=None) -> dict:
     """name -> rlcore.judge.scorer.Judge for ``reward.models`` (collective: every rank builds each
-    engine together, like the policy's); each engine asleep once built."""
+    engine together, like the policy's); each engine asleep once built. ``policy_rollout``: the
+    policy's engine, asleep while they are built (vLLM sizes a new engine from the free memory)."""
     from rlcore.judge.engine import JudgeEngine
     from rlcore.judge.scorer import Judge
 
-    judges = {}
-    for j in cfg.reward.judges():
+    judges, entries = {}, cfg.reward.judges()
+    if entries and policy_rollout is not None:
+        policy_rollout.release_memory()
+    for j in entries:
         engine = JudgeEngine(j, info, seed=cfg.trainer.seed, dtype=j.dtype or cfg.rollout.dtype or cfg.model.dtype,
                              device_type=info.device_type)
         engine.sleep()
         judges[j.name] = Judge(j, engine, cfg.data.prompt_key, seed=cfg.trainer.seed)
+    if entries and policy_rollout is not None:
+        policy_rollout.resume_memory()
     return judges
 
 
@@ -46,8 +51,8 @@ def check_memory(plan) -> None:
 
 
 def describe(judges: dict) -> str:
-    parts = [f"{j.name} ({j.cfg.kind}, {j.cfg.path}, sleep: "
-             f"{'KV buffer' if j.engine.device_type == 'cpu' else f'level {j.engine.sleep_level}'})"
+    parts = [f"{j.name} ({j.cfg.kind}, {j.cfg.path}, asleep: "
+             f"{'KV buffer freed' if j.engine.offload == 'kv' else f'level {j.engine.sleep_level}'})"
              for j in judges.values()]
     return "judges: " + ", ".join(parts)
 

@@ -8,9 +8,13 @@ sequence, the classification head at the last token (vllm 0.32 entrypoints/pooli
 model_executor/models/adapters.py ``as_seq_cls_model``). ``PoolingParams(use_activation=False)``
 returns the head's raw value (vLLM's default applies a sigmoid to one-label heads).
 
-Memory: ``sleep()`` after scoring, ``wake()`` before. Accelerators use vLLM's sleep mode (level 1:
-weights to host memory, level 2: discarded, reloaded from the judge's folder on wake-up); CPU has
-no sleep mode, so the KV cache buffer is freed and the weights stay (ColocateRollout.release_memory).
+Memory, ``sleep()`` after scoring and ``wake()`` before, by ``offload`` mode:
+    storage  (accelerators) the engine is built without vLLM's sleep mode, which serves one engine
+             per process (rlcore.judge.offload), and eager; sleeping frees the storages of its
+             weights (level 1: copied to host memory first; level 2: reloaded from the judge's
+             folder at wake-up), buffers and KV cache.
+    kv       (CPU) vLLM has no sleep mode on CPU and its fp32 linear weights live in oneDNN handles:
+             the KV cache buffer is freed (ColocateRollout.release_memory), the weights stay.
 """
 
 from __future__ import annotations
@@ -18,57 +22,89 @@ from __future__ import annotations
 from rlcore.judge.config import JudgeConfig
 
 
+def default_offload(device_type: str) -> str:
+    return "kv" if device_type == "cpu" else "storage"
+
+
 def judge_llm_kwargs(cfg: JudgeConfig, device_type: str, *, seed: int, dtype: str) -> dict:
     """The ``vllm.LLM`` keywords of a judge's engine (what ColocateRollout builds it with; the dry
     run, scripts/check_config.py, hands them to vLLM's EngineArgs)."""
     from rlcore.colocate_rollout import llm_kwargs
-    from rlcore.rollout_checks import pick_enforce_eager
 
     return llm_kwargs(cfg.path, device_type, tp_size=cfg.tensor_parallel_size or 1, seed=seed,
                       max_model_len=cfg.max_model_len, dtype=dtype, kv_cache_gb=cfg.kv_cache_gb,
-                      gpu_memory_utilization=cfg.gpu_memory_utilization,
-                      enforce_eager=pick_enforce_eager(device_type, None), multimodal=False,
+                      gpu_memory_utilization=cfg.gpu_memory_utilization, enforce_eager=True, multimodal=False,
                       speed=dict(max_num_seqs=None, max_num_batched_tokens=None, enable_prefix_caching=None),
-                      runner="generate" if cfg.generative else "pooling")
+                      runner="generate" if cfg.generative else "pooling", sleep_mode=False)
 
 
 class JudgeEngine:
-    def __init__(self, cfg: JudgeConfig, info, *, seed: int, dtype: str, device_type: str):
+    def __init__(self, cfg: JudgeConfig, info, *, seed: int, dtype: str, device_type: str,
+                 offload: str | None = None):
         from rlcore.colocate_rollout import ColocateRollout
 
         self.cfg, self.device_type = cfg, device_type
+        self.offload = offload or default_offload(device_type)
         self.sleep_level = cfg.sleep_level or 1
+        self._released: list | None = None  # storage mode: what sleep() freed
         self.rollout = ColocateRollout(
             cfg.path, info, tp_size=cfg.tensor_parallel_size or 1, seed=seed, max_model_len=cfg.max_model_len,
             dtype=dtype, kv_cache_gb=cfg.kv_cache_gb, gpu_memory_utilization=cfg.gpu_memory_utilization,
-            sleep_level=self.sleep_level if device_type != "cpu" else None,
-            runner="generate" if cfg.generative else "pooling")
+            sleep_level=1 if device_type != "cpu" else None, enforce_eager=True,
+            runner="generate" if cfg.generative else "pooling", sleep_mode=False)
 
     @property
     def asleep(self) -> bool:
-        return bool(self.rollout.released)
+        return self._released is not None if self.offload == "storage" else bool(self.rollout.released)
 
     def sleep(self) -> str:
-        self.rollout.release_memory()
-        return f"{self.cfg.name}: released {sorted(self.rollout.released)}"
+        if self.offload == "kv":
+            self.rollout.release_memory()
+            return f"{self.cfg.name}: released {sorted(self.rollout.released)}"
+        if self._released is not None:
+            return f"{self.cfg.name}: asleep"
+        from rlcore.judge import offload
+
+        model, keep = self.rollout._model_runner().get_model(), self.sleep_level == 1
+        params = offload.distinct_storages(model.parameters())
+        ptrs = {st.data_ptr() for st in params}
+        buffers = [st for st in offload.distinct_storages(model.buffers()) if st.data_ptr() not in ptrs]
+        self._released = (offload.release(params, keep) + offload.release(buffers, keep=True)
+                          + offload.release(self._kv_storages(), keep=False))
+        if not keep:
+            self.rollout.weights_valid = False  # generate() refuses until wake() reloads them
+        offload.empty_device_cache(self.device_type)
+        gb = sum(r.nbytes for r in self._released) / 2**30
+        return f"{self.cfg.name}: {gb:.2f} GiB freed (weights {'to host' if keep else 'discarded'}, KV cache)"
 
     def wake(self) -> str:
-        if not self.rollout.released:
+        if not self.asleep:
             return f"{self.cfg.name}: awake"
-        self.rollout.resume_memory()
+        if self.offload == "kv":
+            self.rollout.resume_memory()
+            return f"{self.cfg.name}: woken"
+        from rlcore.judge import offload
+        from rlcore.rollout_checks import reset_prefix_cache
+
+        offload.restore(self._released)
+        self._released = None
+        reset_prefix_cache(self.rollout.llm)  # the KV blocks' contents are gone
         if not self.rollout.weights_valid:  # level 2 discarded them: the folder on disk holds them
             self.rollout.update_weights_from_path(self.cfg.path)
             return f"{self.cfg.name}: woken, weights reloaded from {self.cfg.path}"
         return f"{self.cfg.name}: woken"
 
-    def kv_cache_gb(self) -> float | None:
-        """CPU: GiB the judge's KV cache holds now (0 while asleep); accelerators: None (the device
-        memory metrics show what its sleep frees)."""
-        if self.device_type != "cpu":
-            return None
-        from rlcore.cpu_kv import cpu_kv_bytes
+    def _kv_storages(self) -> list:
+        from rlcore.judge.offload import distinct_storages
 
-        return cpu_kv_bytes(self.rollout._model_runner()) / 2**30
+        def flat(x):
+            return [t for item in x for t in flat(item)] if isinstance(x, (list, tuple)) else [x]
+
+        return distinct_storages(flat(self.rollout._model_runner().kv_caches))
+
+    def kv_cache_gb(self) -> float:
+        """GiB the judge's KV cache holds now (0 while asleep)."""
+        return sum(st.nbytes() for st in self._kv_storages()) / 2**30
 
     def generate(self, prompts: list[list[int]], seed: int) -> list[list[int]]:
         """The judge's answer (token ids) to each prompt."""

@@ -47,6 +47,35 @@ def policy_samples(rollout) -> list:
     return [(s.response_ids, s.logprobs) for group in out for s in group]
 
 
+def storage_sleep(jcfg, info, prompts) -> dict:
+    """The accelerators' judge sleep (rlcore.judge.offload) on a real vLLM engine: in bfloat16 vLLM's
+    CPU linear layers compute with the parameters' own storages (fp32 would repack them), so freeing
+    and restoring those storages is what a GPU judge does."""
+    from rlcore.judge import offload
+    from rlcore.judge.engine import JudgeEngine
+
+    e = JudgeEngine(jcfg, info, seed=0, dtype="bfloat16", device_type="cpu", offload="storage")
+    model = e.rollout._model_runner().get_model()
+    ref = e.generate(prompts, seed=1)
+    out = {"storage_kv_gb_awake": e.kv_cache_gb()}
+    e.sleep()  # level 1: weights to host memory
+    out["storage_params_freed"] = all(p.untyped_storage().nbytes() == 0 for p in model.parameters())
+    out["storage_kv_gb_asleep"] = e.kv_cache_gb()
+    e.wake()
+    out["storage_level1_same"] = e.generate(prompts, seed=1) == ref
+    e.sleep_level = 2
+    e.sleep()  # level 2: weights discarded
+    out["storage_level2_blocked"] = not e.rollout.weights_valid
+    offload.restore(e._released)  # back without the reload: zeros, to show vLLM computes with these storages
+    e._released, e.rollout.weights_valid = None, True
+    out["storage_zeros_differ"] = e.generate(prompts, seed=1) != ref
+    e.sleep()
+    e.wake()  # reloaded from the judge's folder
+    out["storage_level2_same"] = e.generate(prompts, seed=1) == ref
+    e.shutdown()
+    return out
+
+
 def main() -> None:
     policy_dir, gen_dir, rm_dir, qrm_dir, out_path = sys.argv[1:6]
     info = init_distributed("cpu", 300)
@@ -88,6 +117,7 @@ def main() -> None:
     after = policy_samples(rollout)
     m["policy_same_ids"] = [a[0] for a in after] == [b[0] for b in before]
     m["policy_max_logprob_diff"] = max(abs(x - y) for a, b in zip(after, before) for x, y in zip(a[1], b[1]))
+    m.update(storage_sleep(cfg.reward.judges()[0], info, m["gen_inputs"][:4]))
     judge.shutdown(judges)
     rollout.shutdown()
     ranks = all_gather_objects(m)
