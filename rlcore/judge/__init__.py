@@ -3,6 +3,7 @@
     config.py   reward.models entries (JudgeConfig) and their checks
     prompts.py  templates over the sample and its data row; score parsers
     engine.py   the judge's engine (a rollout engine: the only module here that touches vLLM)
+    offload.py  its sleep on accelerators (storages freed and restored in place; plain torch)
     scorer.py   a judge as a reward component (batched, de-duplicated, parsed, metrics)
 
 The phase switch (rlcore.switch.PhaseSwitcher.judging) orders the memory: generate -> the
