@@ -144,7 +144,8 @@ def check_vllm(cfg: Config, device: str) -> Check:
             return Check("vllm_engine_args", FAIL, f"vLLM {vllm.__version__}: {problem}")
     judges = cfg.reward.judges()
     for j in judges:  # each judge's engine (reward.models), as rlcore.judge.engine builds it
-        jk = judge_llm_kwargs(j, device, seed=cfg.trainer.seed, dtype=j.dtype or r.dtype or cfg.model.dtype)
+        jk = judge_llm_kwargs(j, device, seed=cfg.trainer.seed, dtype=j.dtype or r.dtype or cfg.model.dtype,
+                              tp_size=j.tensor_parallel_size or r.tensor_parallel_size)
         for step in (lambda: check_engine_kwargs(fields, jk), lambda: EngineArgs(**jk)):
             if problem := _quiet(step)[1]:
                 return Check("vllm_engine_args", FAIL, f"vLLM {vllm.__version__}, judge {j.name!r}: {problem}")

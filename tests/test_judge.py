@@ -228,3 +228,30 @@ def test_memory_phases_and_policy_untouched(judged):
         assert r["after_policy_released"] == ["kv_cache"]
         assert [step for _, step, _ in r["resumed_trace"]] == ["wake_weights", "wake_kv_cache"]
         assert r["policy_same_ids"] and r["policy_max_logprob_diff"] < 1e-6
+
+
+def test_judge_in_a_tensor_parallel_group(tiny_model, toy_data, tmp_path):
+    """rollout.tensor_parallel_size 2: the judge's engine is built at the policy engine's TP (its
+    tensor_parallel_size left null) and both ranks of the group score the same samples alike."""
+    from rlcore import quiet
+    from rlcore.toy_task import DEMO_RM_PREFERRED, make_tiny_reward_model
+    from workers.launch import TRAIN, read_rows
+
+    with quiet.filtered_output():
+        rm = make_tiny_reward_model(str(tmp_path / "rm"), preferred=DEMO_RM_PREFERRED)
+    judge = {"name": "high_digit", "path": rm, "kind": "discriminative", "activation": "sigmoid",
+             "template": "{{ response.split()[0] if response.split() else '?' }}", "max_model_len": 32,
+             "kv_cache_gb": 0.0625}
+    out = str(tmp_path / "tp2")
+    proc = run_torchrun(TRAIN, 2, "--config", os.path.join(REPO, "configs", "demo_judge_cpu.yaml"),
+                        "--model.path", tiny_model, "--data.train_files", json.dumps([toy_data[0]]),
+                        "--data.val_files", json.dumps([toy_data[1]]), "--val.max_samples", "8",
+                        "--reward.models", json.dumps([judge]),
+                        "--rollout.tensor_parallel_size", "2", "--trainer.total_steps", "2",
+                        "--trainer.prompts_per_step", "4", "--rollout.n", "4", "--trainer.output_dir", out,
+                        "--checkpoint.save_hf_final", "false")
+    assert "tp=2" in proc.stdout and "judges: high_digit" in proc.stdout
+    rows = read_rows(out)
+    train = [r for r in rows if "reward/high_digit" in r]
+    assert [r["step"] for r in train] == [1, 2] and any("val/reward_mean" in r for r in rows)
+    assert all(0 < r["reward/high_digit"] < 1 and r["reward/high_digit_parse_fail_frac"] == 0 for r in train)

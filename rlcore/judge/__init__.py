@@ -25,7 +25,8 @@ def build_judges(cfg, info, policy_rollout=None) -> dict:
         policy_rollout.release_memory()
     for j in entries:
         engine = JudgeEngine(j, info, seed=cfg.trainer.seed, dtype=j.dtype or cfg.rollout.dtype or cfg.model.dtype,
-                             device_type=info.device_type)
+                             device_type=info.device_type,
+                             tp_size=j.tensor_parallel_size or cfg.rollout.tensor_parallel_size)
         engine.sleep()
         judges[j.name] = Judge(j, engine, cfg.data.prompt_key, seed=cfg.trainer.seed)
     if entries and policy_rollout is not None:

@@ -26,12 +26,12 @@ def default_offload(device_type: str) -> str:
     return "kv" if device_type == "cpu" else "storage"
 
 
-def judge_llm_kwargs(cfg: JudgeConfig, device_type: str, *, seed: int, dtype: str) -> dict:
+def judge_llm_kwargs(cfg: JudgeConfig, device_type: str, *, seed: int, dtype: str, tp_size: int) -> dict:
     """The ``vllm.LLM`` keywords of a judge's engine (what ColocateRollout builds it with; the dry
     run, scripts/check_config.py, hands them to vLLM's EngineArgs)."""
     from rlcore.colocate_rollout import llm_kwargs
 
-    return llm_kwargs(cfg.path, device_type, tp_size=cfg.tensor_parallel_size or 1, seed=seed,
+    return llm_kwargs(cfg.path, device_type, tp_size=tp_size, seed=seed,
                       max_model_len=cfg.max_model_len, dtype=dtype, kv_cache_gb=cfg.kv_cache_gb,
                       gpu_memory_utilization=cfg.gpu_memory_utilization, enforce_eager=True, multimodal=False,
                       speed=dict(max_num_seqs=None, max_num_batched_tokens=None, enable_prefix_caching=None),
@@ -39,8 +39,9 @@ def judge_llm_kwargs(cfg: JudgeConfig, device_type: str, *, seed: int, dtype: st
 
 
 class JudgeEngine:
-    def __init__(self, cfg: JudgeConfig, info, *, seed: int, dtype: str, device_type: str,
+    def __init__(self, cfg: JudgeConfig, info, *, seed: int, dtype: str, device_type: str, tp_size: int = 1,
                  offload: str | None = None):
+        """``tp_size``: the policy engine's (the only one an in-process engine can have; judge.config)."""
         from rlcore.colocate_rollout import ColocateRollout
 
         self.cfg, self.device_type = cfg, device_type
@@ -48,7 +49,7 @@ class JudgeEngine:
         self.sleep_level = cfg.sleep_level or 1
         self._released: list | None = None  # storage mode: what sleep() freed
         self.rollout = ColocateRollout(
-            cfg.path, info, tp_size=cfg.tensor_parallel_size or 1, seed=seed, max_model_len=cfg.max_model_len,
+            cfg.path, info, tp_size=tp_size, seed=seed, max_model_len=cfg.max_model_len,
             dtype=dtype, kv_cache_gb=cfg.kv_cache_gb, gpu_memory_utilization=cfg.gpu_memory_utilization,
             sleep_level=1 if device_type != "cpu" else None, enforce_eager=True,
             runner="generate" if cfg.generative else "pooling", sleep_mode=False)
