@@ -176,18 +176,16 @@ def check_judge_data(judges: list[JudgeConfig], rows: list) -> None:
                   "answer): fix the field names or the data")
 
 
-def check_judge_world(j: JudgeConfig, where: str, rollout_tp: int, nproc_per_node: int | None = None) -> None:
+def check_judge_world(j: JudgeConfig, where: str, rollout_tp: int) -> None:
     """The judge's TP against this launch. vLLM keeps one set of model-parallel groups per process
     (vllm 0.32 distributed/parallel_state.py:2392 ``ensure_model_parallel_initialized`` asserts
     that a second engine's TP equals the first one's), so an in-process judge shares the policy
-    engine's TP size: its TP group is the policy engine's, inside the node."""
+    engine's TP size: its TP group is the policy engine's, inside the node (rollout.tensor_parallel_size
+    is checked against the node already)."""
     tp = j.tensor_parallel_size or rollout_tp
     check(tp == rollout_tp, f"{where}.tensor_parallel_size", tp,
           f"an in-process judge must use the policy engine's TP size {rollout_tp} (vLLM keeps one model-parallel "
           f"group per process); set it to {rollout_tp} or leave it null")
-    if nproc_per_node:
-        check(nproc_per_node % tp == 0, f"{where}.tensor_parallel_size", tp,
-              f"it must divide the ranks per node ({nproc_per_node}): a TP group lives inside a node")
 
 
 def check_judge_model(j: JudgeConfig, where: str) -> dict:
