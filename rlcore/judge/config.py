@@ -180,8 +180,8 @@ def check_judge_world(j: JudgeConfig, where: str, rollout_tp: int) -> None:
     """The judge's TP against this launch. vLLM keeps one set of model-parallel groups per process
     (vllm 0.32 distributed/parallel_state.py:2392 ``ensure_model_parallel_initialized`` asserts
     that a second engine's TP equals the first one's), so an in-process judge shares the policy
-    engine's TP size: its TP group is the policy engine's, inside the node (rollout.tensor_parallel_size
-    is checked against the node already)."""
+    engine's TP size: its TP group is the policy engine's (rollout.tensor_parallel_size is checked
+    against the world size in rlcore.preflight)."""
     tp = j.tensor_parallel_size or rollout_tp
     check(tp == rollout_tp, f"{where}.tensor_parallel_size", tp,
           f"an in-process judge must use the policy engine's TP size {rollout_tp} (vLLM keeps one model-parallel "
