@@ -94,13 +94,15 @@ def test_judge_entries_are_checked(tmp_path):
 
 
 @pytest.mark.unit
-def test_a_template_failing_on_one_sample_scores_it_as_unreadable(tiny_model):
+def test_a_template_failing_on_one_sample_scores_it_as_unreadable(tmp_path):
     """A Jinja expression that raises on one row does not end the run: that sample is unscorable
     (parse_fail_value, counted), the error printed once; the engine is never asked about it."""
     from rlcore.judge.config import JudgeConfig
     from rlcore.judge.scorer import Judge
+    from rlcore.toy_task import make_tokenizer
 
-    cfg = JudgeConfig(name="j", path=tiny_model, template="{{ response }} {{ (extra | int) // 0 }}",
+    make_tokenizer(str(tmp_path))  # the judge reads its tokenizer only: no model here
+    cfg = JudgeConfig(name="j", path=str(tmp_path), template="{{ response }} {{ (extra | int) // 0 }}",
                       parse_fail_value=-2.0)
     judge = Judge(cfg, engine=None, prompt_key="prompt")  # no engine call: every input fails to render
     values, failed, m = judge.score(["3", "4"], ["3", "4"], [{"prompt": "p", "extra": 1}] * 2)
