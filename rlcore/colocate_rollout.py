@@ -100,9 +100,8 @@ def llm_kwargs(model_path: str, device_type: str, *, tp_size: int, seed: int, ma
     drops ``VLLM_CPU_KVCACHE_SPACE`` from the environment and on npu it sets vllm-ascend's NZ
     switch (both read while the engine is built). ``routed_experts``: vLLM returns each sample's
     experts per token (R3 routing replay; rlcore.rollout_routing). ``lora_rank``: LoRA for
-    the policy's adapter (rlcore.rollout_lora). ``runner="pooling"``: a classification / reward
-    head scored with ``LLM.classify`` (a discriminative judge, rlcore.judge.engine). ``sleep_mode``
-    False: no vLLM sleep mode on accelerators (a second engine in the process: rlcore.judge.offload)."""
+    the policy's adapter (rlcore.rollout_lora). ``runner``, ``sleep_mode``: a judge's engine
+    (pooling for reward models; no vLLM sleep mode for a second engine: rlcore.judge.offload)."""
     if device_type == "cpu":
         # Explicit size: vLLM's auto sizing takes ~60% of host RAM per rank (OOM with 2 ranks).
         # The legacy env var would silently override it (restored by ProcessState).

@@ -25,11 +25,6 @@ def _cpu_kv_storages(model_runner) -> list[torch.UntypedStorage]:
     return storages
 
 
-def cpu_kv_bytes(model_runner) -> int:
-    """Bytes the KV cache holds now (0 while released)."""
-    return sum(st.nbytes() for st in _cpu_kv_storages(model_runner))
-
-
 def release_cpu_kv(model_runner) -> list[tuple[torch.UntypedStorage, int]]:
     # resize_(0) frees the allocation while every view (layers, attention metadata) keeps
     # pointing at the same storage object, so resize_(nbytes) later restores them all.

@@ -147,7 +147,7 @@ def run_eval(args, prompts, tokenizer, scorer):
     cfg = resolve_image_limit(cfg, prompts)
     with quiet.filtered_output():
         rollout = build_rollout(cfg.model, cfg.rollout, info, seed=args.seed)
-        judges = build_judges(cfg, info)
+        judges = build_judges(cfg, info, rollout)  # built while the model's engine sleeps, as in training
     switch = PhaseSwitcher(None, rollout, Timer(), info.device_type, offload_params=False, offload_optimizer=False,
                            free_kv_cache=True)
     scorer.attach_judges(judges, switch.judging)
