@@ -118,7 +118,8 @@ def build_rollout(model: ModelConfig, rollout: RolloutConfig, info: DistInfo, se
         dtype=r.dtype or model.dtype, kv_cache_gb=r.kv_cache_gb, gpu_memory_utilization=r.gpu_memory_utilization,
         sleep_level=r.sleep_level, weight_load=r.weight_load, enforce_eager=r.enforce_eager,
         max_num_seqs=r.max_num_seqs, max_num_batched_tokens=r.max_num_batched_tokens,
-        enable_prefix_caching=r.enable_prefix_caching, return_routed_experts=routed_experts, lora_rank=lora_rank,
+        enable_prefix_caching=r.enable_prefix_caching, block_size=r.block_size,
+        return_routed_experts=routed_experts, lora_rank=lora_rank,
         **({"limit_mm_per_prompt": r.limit_mm_per_prompt} if r.limit_mm_per_prompt is not None else {}))
 
 
@@ -132,7 +133,7 @@ def config_llm_kwargs(cfg, device_type: str) -> dict:
                       gpu_memory_utilization=r.gpu_memory_utilization, enforce_eager=r.enforce_eager,
                       multimodal=bool(cfg.data.image_key), limit_mm_per_prompt=r.limit_mm_per_prompt,
                       speed=dict(max_num_seqs=r.max_num_seqs, max_num_batched_tokens=r.max_num_batched_tokens,
-                                 enable_prefix_caching=r.enable_prefix_caching),
+                                 enable_prefix_caching=r.enable_prefix_caching, block_size=r.block_size),
                       routed_experts=cfg.algorithm.routing_replay == "r3", lora_rank=lora_rank(cfg))
 
 

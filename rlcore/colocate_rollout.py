@@ -55,6 +55,7 @@ from rlcore.rollout_checks import (
     slot_token_ids,
     is_multimodal_config,
     multimodal_kwargs,
+    pick_block_size as _pick_block_size,
     pick_enforce_eager as _pick_enforce_eager,
     pick_sleep_level as _pick_sleep_level,
     pick_weight_load as _pick_weight_load,
@@ -143,6 +144,7 @@ class ColocateRollout:
         max_num_seqs: int | None = None,
         max_num_batched_tokens: int | None = None,
         enable_prefix_caching: bool | None = None,
+        block_size: int | None = None,
         limit_mm_per_prompt: dict[str, int] | None = None,
         mm_processor_cache_gb: float | None = None,
         return_routed_experts: bool = False,
@@ -154,6 +156,7 @@ class ColocateRollout:
         sleep/wake: see rollout_checks.pick_enforce_eager). ``max_num_seqs``,
         ``max_num_batched_tokens``, ``enable_prefix_caching`` (the n samples of a prompt share
         its prefix blocks): None leaves vLLM's default; only set values reach ``LLM(...)``.
+        ``block_size`` None: 32 on CPU (rollout_checks.pick_block_size), vLLM's default elsewhere.
 
         Vision-language models (images in prompts, see generate): ``limit_mm_per_prompt``, e.g.
         {"image": 2, "video": 0}, the most items of each kind a prompt may have (None: vLLM's
@@ -164,6 +167,8 @@ class ColocateRollout:
             raise ValueError(f"tp_size={tp_size} must divide world_size={info.world_size}")
         self.info = info
         self.tp_size = tp_size
+        self.dp_rank, self.tp_rank = divmod(info.rank, tp_size)  # TP groups are consecutive ranks
+        self.dp_size = info.world_size // tp_size
         self.seed = seed
         self.enforce_eager = _pick_enforce_eager(info.device_type, enforce_eager)
         self.sleep_level = _pick_sleep_level(info.device_type, sleep_level)
@@ -187,7 +192,8 @@ class ColocateRollout:
             dtype=dtype, kv_cache_gb=kv_cache_gb, gpu_memory_utilization=gpu_memory_utilization,
             enforce_eager=self.enforce_eager, multimodal=multimodal_guess,
             speed=dict(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                       enable_prefix_caching=enable_prefix_caching),
+                       enable_prefix_caching=enable_prefix_caching,
+                       block_size=_pick_block_size(info.device_type, block_size, enable_prefix_caching)),
             limit_mm_per_prompt=limit_mm_per_prompt, mm_processor_cache_gb=mm_processor_cache_gb,
             routed_experts=return_routed_experts, lora_rank=lora_rank, runner=runner, sleep_mode=sleep_mode)
         self.lora_request = None  # the policy's adapter once pushed (update_adapter)
@@ -241,18 +247,6 @@ class ColocateRollout:
         return describe_engine(self.llm.llm_engine.vllm_config, device_type=self.info.device_type,
                                tp_size=self.tp_size, dp_size=self.dp_size, weight_load=self.weight_load,
                                sleep_level=self.sleep_level)
-
-    @property
-    def dp_rank(self) -> int:
-        return self.info.rank // self.tp_size
-
-    @property
-    def dp_size(self) -> int:
-        return self.info.world_size // self.tp_size
-
-    @property
-    def tp_rank(self) -> int:
-        return self.info.rank % self.tp_size
 
     @contextmanager
     def _engine_rng_scope(self) -> Iterator[None]:

@@ -137,6 +137,10 @@ class RolloutConfig:
     """vLLM's token budget per scheduler step; null = vLLM's default."""
     enable_prefix_caching: Optional[bool] = None
     """Share the prompt's KV blocks between the n samples of a prompt; null = vLLM's default."""
+    block_size: Optional[int] = None
+    """Tokens per KV-cache block (prefix caching shares whole blocks only). null = 32 on cpu (vLLM's CPU
+    default, 128, shares no prompt shorter than 128 tokens; 32 made SmolLM2's generate 1.8x faster),
+    vLLM's default on cuda/npu. On cpu a multiple of 32."""
     limit_mm_per_prompt: Optional[dict[str, int]] = None
     """Vision-language models: most items of each kind per prompt vLLM accepts (and budgets its
     encoder cache for), e.g. {image: 2, video: 0}. null = the most images a data row has, no video."""
@@ -502,7 +506,8 @@ def resolve(cfg: Config, device_type: str) -> Config:
     is what matters. Call once, after parsing; resolving a resolved config changes nothing."""
     from rlcore.attention import pick_attn_implementation
     from rlcore.engine_moe import pick_moe_implementation
-    from rlcore.rollout_checks import check_npu_moe, pick_enforce_eager, pick_sleep_level, pick_weight_load
+    from rlcore.rollout_checks import (check_npu_moe, pick_block_size, pick_enforce_eager, pick_sleep_level,
+                                       pick_weight_load)
 
 
     accel = device_type != "cpu"
@@ -517,6 +522,10 @@ def resolve(cfg: Config, device_type: str) -> Config:
         weight_load = pick_weight_load(device_type, r.weight_load, moe=experts > 0)
     except ValueError as e:
         raise ConfigError(f"rollout.weight_load={r.weight_load!r} is invalid: {e}") from e
+    try:
+        block_size = pick_block_size(device_type, r.block_size, r.enable_prefix_caching)
+    except ValueError as e:
+        raise ConfigError(f"rollout.block_size={r.block_size!r} is invalid on {device_type}: {e}") from e
     dtype = m.dtype or ("bfloat16" if accel else "float32")
     try:
         attn = pick_attn_implementation(m.attn_implementation, device_type, dtype=dtype)[0]
@@ -547,7 +556,7 @@ def resolve(cfg: Config, device_type: str) -> Config:
                                       oversample=accel if cfg.algorithm.oversample is None else cfg.algorithm.oversample),
         rollout=dataclasses.replace(
             r, sleep_level=_lora_sleep_level(cfg, pick_sleep_level(device_type, r.sleep_level)), weight_load=weight_load,
-            dtype=r.dtype or dtype, check_sync=_check_sync(cfg),
+            dtype=r.dtype or dtype, check_sync=_check_sync(cfg), block_size=block_size,
             enforce_eager=pick_enforce_eager(device_type, r.enforce_eager)),
         offload=dataclasses.replace(o, params=params, optimizer=accel if o.optimizer is None else o.optimizer,
                                     ref=params if o.ref is None else o.ref),

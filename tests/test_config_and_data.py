@@ -157,6 +157,24 @@ def test_accelerator_defaults_resolve_per_device():
 
 
 @pytest.mark.unit
+def test_kv_block_size_per_device():
+    """CPU gets 32-token blocks so that prompts under vLLM's CPU default of 128 tokens are shared by
+    their n samples (rollout_checks.pick_block_size); accelerators keep vLLM's default; a size the
+    CPU kernels cannot take is refused naming the field and the fix."""
+    from rlcore.config import Config, ConfigError, RolloutConfig, resolve
+
+    assert resolve(Config(), "cpu").rollout.block_size == 32
+    assert resolve(Config(), "cuda").rollout.block_size is None and resolve(Config(), "npu").rollout.block_size is None
+    assert resolve(Config(rollout=RolloutConfig(enable_prefix_caching=False)), "cpu").rollout.block_size is None
+    assert resolve(Config(rollout=RolloutConfig(block_size=64)), "cpu").rollout.block_size == 64
+    assert resolve(Config(rollout=RolloutConfig(block_size=16)), "cuda").rollout.block_size == 16
+    with pytest.raises(ConfigError, match=r"rollout.block_size=48 is invalid on cpu.*multiple of 32.*e.g. 32"):
+        resolve(Config(rollout=RolloutConfig(block_size=48)), "cpu")
+    with pytest.raises(ConfigError, match=r"rollout.block_size=0 is invalid on cuda.*> 0"):
+        resolve(Config(rollout=RolloutConfig(block_size=0)), "cuda")
+
+
+@pytest.mark.unit
 def test_share_prompt_follows_the_attention_kernel():
     """share_prompt needs a dense mask: auto is on with sdpa/eager, off with a flash kernel, and
     asking for it with a flash kernel is a config error that names both fixes."""

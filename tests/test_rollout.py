@@ -97,3 +97,12 @@ def test_release_resume_memory(run):
 def test_shutdown_keeps_process_group(run):
     for r in run["ranks"]:
         assert r["all_reduce_after_shutdown"] == 3.0  # ranks contribute 1 + 2
+
+
+def test_cpu_blocks_share_a_prompt(run):
+    """32-token KV blocks on CPU: a prompt's full blocks are computed once for its n samples, and
+    again served from the cache to the next call (vLLM's CPU default of 128 shares no prompt
+    shorter than 128 tokens: rollout_checks.pick_block_size)."""
+    for r in run["ranks"]:
+        assert r["block_size"] == 32
+        assert r["prefix_cached_tokens"][1] == 64, r["prefix_cached_tokens"]

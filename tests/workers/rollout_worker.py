@@ -103,6 +103,21 @@ def memory_checks(ro, hf, prompts, m: dict) -> None:
     m["greedy_same_after_resume"] = as_plain(ro.generate(prompts, **greedy)) == before
 
 
+def prefix_checks(ro, m: dict) -> None:
+    """A 70-token prompt's n samples share its two full 32-token blocks (CPU block size:
+    rollout_checks.pick_block_size; with vLLM's CPU default of 128 nothing would be shared)."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    m["block_size"] = ro.llm.llm_engine.vllm_config.cache_config.block_size
+    ro.llm.reset_prefix_cache()
+    ids = [3 + i % 20 for i in range(70)]
+    params = SamplingParams(n=N, max_tokens=2, seed=3)
+    first = ro.llm.generate([TokensPrompt(prompt_token_ids=ids)], params, use_tqdm=False)[0]
+    again = ro.llm.generate([TokensPrompt(prompt_token_ids=ids)], params, use_tqdm=False)[0]
+    m["prefix_cached_tokens"] = [first.num_cached_tokens, again.num_cached_tokens]
+
+
 def main() -> None:
     model_dir, out_json, tp = sys.argv[1], sys.argv[2], int(sys.argv[3])
     info = init_distributed("cpu")
@@ -114,6 +129,7 @@ def main() -> None:
     first = sampling_checks(ro, hf, prompts, m)
     update_checks(ro, hf, prompts, first, m)
     memory_checks(ro, hf, prompts, m)
+    prefix_checks(ro, m)
     ro.shutdown()
     # The trainer's default process group must still work after the engine is gone.
     t = torch.tensor([float(info.rank + 1)])
