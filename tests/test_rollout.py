@@ -105,4 +105,6 @@ def test_cpu_blocks_share_a_prompt(run):
     shorter than 128 tokens: rollout_checks.pick_block_size)."""
     for r in run["ranks"]:
         assert r["block_size"] == 32
-        assert r["prefix_cached_tokens"][1] == 64, r["prefix_cached_tokens"]
+        # [first call after a cache reset, the same prompt again]: 64 both times, so the first
+        # call's samples already shared the blocks one of them computed
+        assert r["prefix_cached_tokens"] == [64, 64], r["prefix_cached_tokens"]
