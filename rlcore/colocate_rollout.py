@@ -55,7 +55,7 @@ from rlcore.rollout_checks import (
     slot_token_ids,
     is_multimodal_config,
     multimodal_kwargs,
-    pick_block_size as _pick_block_size,
+    pick_block_size,
     pick_enforce_eager as _pick_enforce_eager,
     pick_sleep_level as _pick_sleep_level,
     pick_weight_load as _pick_weight_load,
@@ -102,7 +102,8 @@ def llm_kwargs(model_path: str, device_type: str, *, tp_size: int, seed: int, ma
     switch (both read while the engine is built). ``routed_experts``: vLLM returns each sample's
     experts per token (R3 routing replay; rlcore.rollout_routing). ``lora_rank``: LoRA for
     the policy's adapter (rlcore.rollout_lora). ``runner``, ``sleep_mode``: a judge's engine
-    (pooling for reward models; no vLLM sleep mode for a second engine: rlcore.judge.offload)."""
+    (pooling for reward models; no vLLM sleep mode for a second engine: rlcore.judge.offload).
+    ``speed["block_size"]`` None is 32 on CPU (rollout_checks.pick_block_size)."""
     if device_type == "cpu":
         # Explicit size: vLLM's auto sizing takes ~60% of host RAM per rank (OOM with 2 ranks).
         # The legacy env var would silently override it (restored by ProcessState).
@@ -113,7 +114,9 @@ def llm_kwargs(model_path: str, device_type: str, *, tp_size: int, seed: int, ma
     return dict(
         model=model_path, tensor_parallel_size=tp_size, distributed_executor_backend="external_launcher",
         seed=seed, logprobs_mode=LOGPROBS_MODE, use_tqdm_on_load=False,
-        max_model_len=max_model_len, dtype=dtype, enforce_eager=enforce_eager, **memory, **speed_kwargs(**speed),
+        max_model_len=max_model_len, dtype=dtype, enforce_eager=enforce_eager, **memory,
+        **speed_kwargs(**{**speed, "block_size": pick_block_size(device_type, speed.get("block_size"),
+                                                                 speed.get("enable_prefix_caching"))}),
         **disable_npu_nz(device_type),  # before the build: vllm-ascend reads its NZ setting then
         **cpu_prefill_kwargs(device_type),
         **multimodal_kwargs(multimodal, limit_mm_per_prompt=limit_mm_per_prompt,
@@ -154,9 +157,8 @@ class ColocateRollout:
     ):
         """``enforce_eager`` None: eager on CPU, CUDA/ACL graphs on accelerators (they survive
         sleep/wake: see rollout_checks.pick_enforce_eager). ``max_num_seqs``,
-        ``max_num_batched_tokens``, ``enable_prefix_caching`` (the n samples of a prompt share
-        its prefix blocks): None leaves vLLM's default; only set values reach ``LLM(...)``.
-        ``block_size`` None: 32 on CPU (rollout_checks.pick_block_size), vLLM's default elsewhere.
+        ``max_num_batched_tokens``, ``enable_prefix_caching`` (the n samples of a prompt share its
+        prefix blocks), ``block_size``: None leaves vLLM's default (block_size: 32 on CPU, see llm_kwargs).
 
         Vision-language models (images in prompts, see generate): ``limit_mm_per_prompt``, e.g.
         {"image": 2, "video": 0}, the most items of each kind a prompt may have (None: vLLM's
@@ -192,8 +194,7 @@ class ColocateRollout:
             dtype=dtype, kv_cache_gb=kv_cache_gb, gpu_memory_utilization=gpu_memory_utilization,
             enforce_eager=self.enforce_eager, multimodal=multimodal_guess,
             speed=dict(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                       enable_prefix_caching=enable_prefix_caching,
-                       block_size=_pick_block_size(info.device_type, block_size, enable_prefix_caching)),
+                       enable_prefix_caching=enable_prefix_caching, block_size=block_size),
             limit_mm_per_prompt=limit_mm_per_prompt, mm_processor_cache_gb=mm_processor_cache_gb,
             routed_experts=return_routed_experts, lora_rank=lora_rank, runner=runner, sleep_mode=sleep_mode)
         self.lora_request = None  # the policy's adapter once pushed (update_adapter)

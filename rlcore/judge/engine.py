@@ -30,13 +30,11 @@ def judge_llm_kwargs(cfg: JudgeConfig, device_type: str, *, seed: int, dtype: st
     """The ``vllm.LLM`` keywords of a judge's engine (what ColocateRollout builds it with; the dry
     run, scripts/check_config.py, hands them to vLLM's EngineArgs)."""
     from rlcore.colocate_rollout import llm_kwargs
-    from rlcore.rollout_checks import pick_block_size
 
     return llm_kwargs(cfg.path, device_type, tp_size=tp_size, seed=seed,
                       max_model_len=cfg.max_model_len, dtype=dtype, kv_cache_gb=cfg.kv_cache_gb,
                       gpu_memory_utilization=cfg.gpu_memory_utilization, enforce_eager=True, multimodal=False,
-                      speed=dict(max_num_seqs=None, max_num_batched_tokens=None, enable_prefix_caching=None,
-                                 block_size=pick_block_size(device_type, None)),
+                      speed=dict(max_num_seqs=None, max_num_batched_tokens=None, enable_prefix_caching=None),
                       runner="generate" if cfg.generative else "pooling", sleep_mode=False)
 
 
