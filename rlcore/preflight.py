@@ -40,11 +40,35 @@ def preflight(cfg: Config, rank: int, world_size: int):
     except ConfigError as e:
         fail(str(e))
     if rank == 0:
+        note = cpu_bf16_note(detect_device(cfg.parallel.device)[0], (cfg.model.dtype, cfg.rollout.dtype),
+                             cpu_bf16_isa())
+        if note:
+            print(f"warning: {note}", flush=True)
         images = sum(len(p.images or []) for p in prompts)
         print(f"train data: {stats['data/prompts']} prompts{f' with {images} images' if images else ''} "
               f"({stats['data/bad_rows']} bad rows skipped, "
               f"{stats['data/filtered_too_long']} over data.max_prompt_length filtered)", flush=True)
     return tokenizer, processor, prompts, resume_from
+
+
+def cpu_bf16_isa() -> str | None:
+    """The instructions that make bfloat16 fast on this CPU: ``amx`` (vLLM then runs its AMX attention,
+    vllm 0.32.0 v1/attention/backends/cpu_attn.py:533-545, and oneDNN its AMX GEMMs), ``avx512_bf16``,
+    or None (bf16 is emulated: about 4x slower than float32 in vLLM, docs/platform.md)."""
+    import torch
+
+    if torch.cpu._is_amx_tile_supported():
+        return "amx"
+    return "avx512_bf16" if torch.cpu._is_avx512_bf16_supported() else None
+
+
+def cpu_bf16_note(device_type: str, dtypes, isa: str | None) -> str | None:
+    """A warning when bfloat16 runs on a CPU without bf16 instructions (fast with them: on AMX, 24-token
+    generation of the SmolLM2 example is 2.7x faster than float32; docs/learning.md section 5)."""
+    if device_type != "cpu" or "bfloat16" not in dtypes or isa is not None:
+        return None
+    return ("model.dtype/rollout.dtype=bfloat16 on a CPU without AMX or AVX512-BF16: bfloat16 is emulated "
+            "there and generates about 4x slower than float32; set model.dtype: float32 and rollout.dtype: null")
 
 
 def prepare_scoring(cfg: Config, tokenizer, rank: int, processor=None):

@@ -175,6 +175,29 @@ def test_kv_block_size_per_device():
 
 
 @pytest.mark.unit
+def test_cpu_bf16_warning_follows_the_cpu():
+    """bfloat16 on a CPU without AMX / AVX512-BF16 is emulated (about 4x slower than float32): the run
+    warns naming both fields and the fix; with the instructions, on accelerators or in float32 it
+    does not. The probe is torch's own (the one vLLM's CPU attention asks) and agrees with the
+    kernel's flags in /proc/cpuinfo."""
+    from rlcore.preflight import cpu_bf16_isa, cpu_bf16_note
+
+    note = cpu_bf16_note("cpu", ("bfloat16", "bfloat16"), None)
+    assert "model.dtype/rollout.dtype=bfloat16" in note and "model.dtype: float32" in note
+    assert cpu_bf16_note("cpu", ("float32", "bfloat16"), None) == note  # a bf16 engine alone is enough
+    assert cpu_bf16_note("cpu", ("float32", "float32"), None) is None
+    assert cpu_bf16_note("cpu", (None, None), None) is None  # null resolves to float32 on cpu
+    assert cpu_bf16_note("cpu", ("bfloat16", None), "amx") is None
+    assert cpu_bf16_note("cpu", ("bfloat16", None), "avx512_bf16") is None
+    assert cpu_bf16_note("cuda", ("bfloat16", None), None) is None
+    flags = set()
+    if os.path.exists("/proc/cpuinfo"):
+        flags = set(next((l.split(":", 1)[1].split() for l in open("/proc/cpuinfo") if l.startswith("flags")), []))
+        expected = "amx" if "amx_tile" in flags else "avx512_bf16" if "avx512_bf16" in flags else None
+        assert cpu_bf16_isa() == expected, (sorted(f for f in flags if "amx" in f or "bf16" in f), cpu_bf16_isa())
+
+
+@pytest.mark.unit
 def test_share_prompt_follows_the_attention_kernel():
     """share_prompt needs a dense mask: auto is on with sdpa/eager, off with a flash kernel, and
     asking for it with a flash kernel is a config error that names both fixes."""
