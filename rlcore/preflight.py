@@ -54,12 +54,18 @@ def preflight(cfg: Config, rank: int, world_size: int):
 def cpu_bf16_isa() -> str | None:
     """The instructions that make bfloat16 fast on this CPU: ``amx`` (vLLM then runs its AMX attention,
     vllm 0.32.0 v1/attention/backends/cpu_attn.py:533-545, and oneDNN its AMX GEMMs), ``avx512_bf16``,
+    ``arm_bf16`` (vLLM's own test for Arm, model_executor/layers/mamba/ops/cpu/gdn_attention.py:127-131),
     or None (bf16 is emulated: about 4x slower than float32 in vLLM, docs/platform.md)."""
+    import platform
+
     import torch
 
     if torch.cpu._is_amx_tile_supported():
         return "amx"
-    return "avx512_bf16" if torch.cpu._is_avx512_bf16_supported() else None
+    if torch.cpu._is_avx512_bf16_supported():
+        return "avx512_bf16"
+    arm = platform.machine().lower() in ("aarch64", "arm64")
+    return "arm_bf16" if arm and torch.cpu.get_capabilities().get("bf16", False) else None
 
 
 def cpu_bf16_note(device_type: str, dtypes, isa: str | None) -> str | None:

@@ -189,11 +189,13 @@ def test_cpu_bf16_warning_follows_the_cpu():
     assert cpu_bf16_note("cpu", (None, None), None) is None  # null resolves to float32 on cpu
     assert cpu_bf16_note("cpu", ("bfloat16", None), "amx") is None
     assert cpu_bf16_note("cpu", ("bfloat16", None), "avx512_bf16") is None
+    assert cpu_bf16_note("cpu", ("bfloat16", None), "arm_bf16") is None
     assert cpu_bf16_note("cuda", ("bfloat16", None), None) is None
-    flags = set()
     if os.path.exists("/proc/cpuinfo"):
-        flags = set(next((l.split(":", 1)[1].split() for l in open("/proc/cpuinfo") if l.startswith("flags")), []))
-        expected = "amx" if "amx_tile" in flags else "avx512_bf16" if "avx512_bf16" in flags else None
+        flags = set(next((l.split(":", 1)[1].split() for l in open("/proc/cpuinfo")
+                          if l.startswith(("flags", "Features"))), []))  # x86 / Arm
+        expected = "amx" if "amx_tile" in flags else "avx512_bf16" if "avx512_bf16" in flags else \
+            "arm_bf16" if "bf16" in flags else None  # Arm's flag for FEAT_BF16
         assert cpu_bf16_isa() == expected, (sorted(f for f in flags if "amx" in f or "bf16" in f), cpu_bf16_isa())
 
 
