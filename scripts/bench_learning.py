@@ -4,7 +4,8 @@ several settings, one run after the other, and compare held-out accuracy against
     .venv/bin/python scripts/bench_learning.py --budget-min 34 \
         --run before="--algorithm.oversample false" --run after="--exploration.entropy_target 0.3" \
         [--config configs/smollm2_arith_cpu.yaml] [--common "--rollout.max_response_length 24"] \
-        [--val-every 5] [--val-samples 200] [--nproc 2] [--out outputs/bench_learning]
+        [--val-every 5] [--val-samples 200] [--nproc 2] [--out outputs/bench_learning] \
+        [--breakdown op,carries --val-file data/word99c/arith_val.jsonl]
     .venv/bin/python scripts/bench_learning.py --report-only --run before= --run after=   (re-read the logs)
 
 Each run is ``train_grpo.py`` under torchrun with the config, the --common overrides, its own
@@ -18,6 +19,11 @@ past it (the table gives the exact minutes).
 Prints per run a table of the validations (step, training minutes, accuracy, entropy, zero-variance
 fraction and generated samples per trained sample over the steps since the previous validation),
 then one summary table side by side, then writes ``<out>/learning.png`` and ``<out>/summary.json``.
+``--breakdown FIELDS`` adds, per validation, the greedy accuracy for each value of those fields of the
+validation rows (``op``: add / sub; ``op,carries`` with ``make_arith_data.py --with-carries``), which
+shows which problems a plateau is made of. Every run writes all its greedy validation rows
+(``val/step_N.jsonl``) for that; the join is by prompt, so the --val-file may be a copy of the runs'
+validation file with extra fields.
 Runs are sequential on purpose: two runs sharing the cores would time each other.
 """
 
@@ -51,8 +57,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--val-samples", type=int, default=200)
     p.add_argument("--nproc", type=int, default=2)
     p.add_argument("--out", default="outputs/bench_learning")
+    p.add_argument("--breakdown", metavar="FIELDS",
+                   help="comma-separated fields of --val-file's rows: accuracy per value (e.g. op,carries)")
+    p.add_argument("--val-file", help="the validation JSONL the runs use (with --breakdown)")
     p.add_argument("--report-only", action="store_true", help="only summarise the runs' metrics already in --out")
     args = p.parse_args(argv)
+    if args.breakdown and not args.val_file:
+        p.error(f"--breakdown {args.breakdown}: also give --val-file, the validation JSONL whose rows carry that field")
     args.runs = []
     for spec in args.run:
         name, sep, overrides = spec.partition("=")
@@ -94,7 +105,8 @@ def launch(args, name: str, overrides: list[str]) -> None:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}",
            "train_grpo.py", "--config", args.config, "--trainer.output_dir", out, "--trainer.total_steps", "100000",
            "--trainer.val_every", str(args.val_every), "--trainer.val_before_train", "true",
-           "--val.max_samples", str(args.val_samples), "--checkpoint.save_every", "0", "--checkpoint.hf_every", "0",
+           "--val.max_samples", str(args.val_samples), "--val.num_examples", str(args.val_samples),
+           "--checkpoint.save_every", "0", "--checkpoint.hf_every", "0",
            "--checkpoint.save_hf_final", "false", "--checkpoint.resume", "never",
            *shlex.split(args.common), *overrides]
     env = {**os.environ, **QUIET_ENV, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
@@ -151,13 +163,39 @@ def summarise(name: str, rows: list[dict], budget_min: float) -> dict:
     }
 
 
+def field_accuracy(run_dir: str, val_file: str, fields: str) -> dict[int, dict[str, tuple[int, int]]]:
+    """step -> {values of ``fields`` joined by "/": (correct, count)} over a run's greedy validation rows.
+    A row is matched to its data row by the data prompt it contains (the logged prompt is the
+    chat-templated one), so a prompt the data filter dropped cannot shift the join."""
+    with open(val_file) as f:
+        data = [json.loads(line) for line in f if line.strip()]
+    names = fields.split(",")
+    by_prompt = {d["prompt"]: "/".join(str(d.get(k)) for k in names) for d in data}
+    out = {}
+    val_dir = os.path.join(run_dir, "val")
+    for name in sorted(os.listdir(val_dir)) if os.path.isdir(val_dir) else []:
+        with open(os.path.join(val_dir, name)) as f:
+            rows = [json.loads(line) for line in f if line.strip()]
+        counts: dict[str, tuple[int, int]] = {}
+        for r in rows:
+            # the longest data prompt inside the logged one (a prompt may be a prefix of another)
+            hits = [p for p in by_prompt if p in r["prompt"]]
+            value = by_prompt[max(hits, key=len)] if hits else "?"
+            c, n = counts.get(value, (0, 0))
+            counts[value] = (c + bool(r["correct"]), n + 1)
+        if rows:
+            out[rows[0]["step"]] = dict(sorted(counts.items()))
+    return out
+
+
 def print_tables(results: list[dict]) -> None:
     for r in results:
         print(f"\n== {r['name']}: {r['steps']} steps in {r['train_min']} training minutes")
         print(f"{'step':>5} {'min':>6} {'acc':>6} {'entropy':>8} {'reward':>7} {'zero_var':>8} {'gen/train':>9}")
         for t in r["validations"]:
+            parts = "".join(f"  {k} {c}/{n}" for k, (c, n) in t.get("by_field", {}).items())
             print(f"{t['step']:>5} {t['train_min']:>6.1f} {t['accuracy']:>6.3f} {t['entropy']:>8.3f} "
-                  f"{t['reward']:>7.3f} {t['zero_var_frac']:>8.3f} {t['gen_per_trained']:>9.2f}")
+                  f"{t['reward']:>7.3f} {t['zero_var_frac']:>8.3f} {t['gen_per_trained']:>9.2f}{parts}")
     keys = ["steps", "final_accuracy", "accuracy_at_two_thirds", "best_accuracy", "final_entropy", "final_reward",
             "step_s_median", "generate_s_median", "train_s_median", "generate_s_per_trained_sample",
             "gen_per_trained_mean", "sampling_rounds_mean", "zero_var_frac_mean"]
@@ -196,6 +234,11 @@ def main(argv=None) -> None:
         if not args.report_only:
             launch(args, name, overrides)
     results = [summarise(name, read_rows(os.path.join(args.out, name)), args.budget_min) for name, _ in args.runs]
+    if args.breakdown:
+        for r in results:
+            per_step = field_accuracy(os.path.join(args.out, r["name"]), args.val_file, args.breakdown)
+            for t in r["validations"]:
+                t["by_field"] = per_step.get(t["step"], {})
     print_tables(results)
     with open(os.path.join(args.out, "summary.json"), "w") as f:
         json.dump(results, f, indent=1)

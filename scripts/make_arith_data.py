@@ -13,6 +13,10 @@ Each row: {"prompt": "<text>", "answer": "<integer>", "op": "add|sub"}. Two styl
     so answers may be negative ("-48"). Default --max-operand 99.
     {"prompt": "What is 37 - 85? Answer with just the number.", "answer": "-48", "op": "sub"}
 
+``--with-carries`` adds "carries": the columns in which the written computation carries (add) or
+borrows (sub, the larger operand minus the smaller), for per-kind accuracy (``scripts/bench_learning.py
+--breakdown op,carries``); without it the files stay byte for byte what they were.
+
 The prompt is plain text; the trainer wraps it in the model's chat template
 (data.apply_chat_template=true). Difficulty knobs: --max-operand and --ops. The answer is a
 plain integer string (a leading '-' when negative), which the "last_number" reward checks (the
@@ -26,6 +30,7 @@ import argparse
 import json
 import os
 import random
+import re
 
 NAMES = ["Tom", "Anna", "Ben", "Mia", "Sam", "Lily", "Max", "Emma", "Leo", "Zoe", "Jack", "Nora"]
 ITEMS = ["apples", "books", "coins", "pencils", "marbles", "stickers", "cookies", "cards", "shells", "toys"]
@@ -48,6 +53,28 @@ SUB = [
     "{n} had {a} {it} and lost {b}. How many {it} does {n} have now?",
     "What is {a} minus {b}?",
 ]
+
+
+def carries(a: int, b: int, op: str) -> int:
+    """Columns of the schoolbook computation that carry (a + b) or borrow (max - min of a, b)."""
+    if op == "sub":
+        a, b = max(a, b), min(a, b)
+    count, carry = 0, 0
+    while a or b:
+        da, db = a % 10, b % 10
+        if op == "add":
+            carry = int(da + db + carry >= 10)
+        else:
+            carry = int(da - db - carry < 0)
+        count += carry
+        a, b = a // 10, b // 10
+    return count
+
+
+def with_carries(row: dict) -> dict:
+    """The row with its "carries" field (the operands read back from the prompt)."""
+    a, b = (int(x) for x in re.findall(r"\d+", row["prompt"])[:2])
+    return {**row, "carries": carries(a, b, row["op"])}
 
 
 def make_problem(rng: random.Random, max_operand: int, ops: list[str], style: str = "word") -> dict:
@@ -109,6 +136,8 @@ def main() -> None:
                     help="operands are drawn from 1..MAX_OPERAND (default: 9 for --style word, 99 for bare)")
     ap.add_argument("--ops", default="add,sub", help="comma-separated subset of add,sub")
     ap.add_argument("--seed", type=int, default=0, help="train seed; the validation split uses seed + 1")
+    ap.add_argument("--with-carries", action="store_true",
+                    help='add a "carries" field to each row (columns that carry or borrow); same problems')
     args = ap.parse_args()
     ops = [o.strip() for o in args.ops.split(",") if o.strip()]
     bad = [o for o in ops if o not in ("add", "sub")]
@@ -128,6 +157,8 @@ def main() -> None:
     val = make_split(args.seed + 1, args.n_val, args.max_operand, ops, set(), args.style)
     # Held-out: no validation problem (same wording and numbers) appears in training.
     train = make_split(args.seed, args.n_train, args.max_operand, ops, {r["prompt"] for r in val}, args.style)
+    if args.with_carries:
+        train, val = [with_carries(r) for r in train], [with_carries(r) for r in val]
     write_jsonl(os.path.join(args.out, "arith_train.jsonl"), train)
     write_jsonl(os.path.join(args.out, "arith_val.jsonl"), val)
     print(f"wrote {len(train)} train and {len(val)} validation problems to {args.out}/")

@@ -355,3 +355,20 @@ def test_math_reward_scores_negative_answers(response, gold, expected):
     from rlcore.rewards import math_answer
 
     assert math_answer(response, gold) == expected
+
+
+@pytest.mark.unit
+def test_arith_carries_by_hand(tmp_path):
+    """Schoolbook carries and borrows, hand-counted; --with-carries adds the field and nothing else."""
+    sys.path.insert(0, os.path.join(REPO, "scripts"))
+    import make_arith_data as mad
+
+    hand = {(73, 98, "add"): 2, (61, 6, "add"): 0, (55, 8, "add"): 1, (95, 5, "add"): 2, (98, 54, "sub"): 0,
+            (76, 37, "sub"): 1, (100, 1, "sub"): 2, (37, 85, "sub"): 1, (40, 40, "sub"): 0}
+    assert {k: mad.carries(*k) for k in hand} == hand
+    plain, _ = make_arith(tmp_path / "a", "--n-train", "50", "--n-val", "10", "--max-operand", "99")
+    marked, _ = make_arith(tmp_path / "b", "--n-train", "50", "--n-val", "10", "--max-operand", "99", "--with-carries")
+    assert [{k: v for k, v in r.items() if k != "carries"} for r in marked] == plain
+    for r in marked:
+        a, b = (int(x) for x in re.findall(r"\d+", r["prompt"])[:2])
+        assert r["carries"] == mad.carries(a, b, r["op"]) and r["answer"] == str(a + b if r["op"] == "add" else a - b)

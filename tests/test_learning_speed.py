@@ -6,6 +6,7 @@ real vLLM engine runs the same sampler in tests/test_e2e.py."""
 from __future__ import annotations
 
 import contextlib
+import json
 import dataclasses
 import types
 
@@ -257,3 +258,28 @@ def test_bench_learning_budget_and_summary():
     assert r["generate_s_per_trained_sample"] == pytest.approx(15.0 / 16)
     args = bl.parse_args(["--run", "a=--algorithm.oversample false", "--run", "b="])
     assert args.runs == [("a", ["--algorithm.oversample", "false"]), ("b", [])]
+
+
+def test_bench_learning_breakdown_joins_by_prompt(tmp_path):
+    """Per-value accuracy of the logged greedy rows, joined to the data rows by the prompt they
+    contain: a templated prompt, a prompt that is a prefix of another, and a row the data lacks."""
+    from scripts import bench_learning as bl
+
+    data = [{"prompt": "What is 1 + 2?", "op": "add", "carries": 0},
+            {"prompt": "What is 1 + 2? Twice.", "op": "sub", "carries": 1},  # contains the first
+            {"prompt": "What is 9 + 9?", "op": "add", "carries": 1}]
+    (tmp_path / "val.jsonl").write_text("".join(json.dumps(d) + "\n" for d in data))
+    (tmp_path / "run" / "val").mkdir(parents=True)
+
+    def logged(step, prompt, correct):
+        return json.dumps({"step": step, "prompt": f"<|user|>\n{prompt}<|end|>\n", "correct": correct}) + "\n"
+
+    (tmp_path / "run" / "val" / "step_5.jsonl").write_text(
+        logged(5, "What is 1 + 2?", True) + logged(5, "What is 1 + 2? Twice.", False)
+        + logged(5, "What is 9 + 9?", True) + logged(5, "not in the data", True))
+    (tmp_path / "run" / "val" / "step_10.jsonl").write_text(logged(10, "What is 9 + 9?", False))
+    got = bl.field_accuracy(str(tmp_path / "run"), str(tmp_path / "val.jsonl"), "op,carries")
+    assert got == {5: {"?": (1, 1), "add/0": (1, 1), "add/1": (1, 1), "sub/1": (0, 1)}, 10: {"add/1": (0, 1)}}
+    assert bl.field_accuracy(str(tmp_path / "run"), str(tmp_path / "val.jsonl"), "op")[5]["add"] == (2, 2)
+    with pytest.raises(SystemExit):  # a breakdown needs the data file
+        bl.parse_args(["--run", "a=", "--breakdown", "op"])
