@@ -253,6 +253,17 @@ def test_bench_learning_budget_and_summary():
     r = bl.summarise("x", rows, budget_min=3.0)
     assert r["steps"] == 6 and r["final_accuracy"] == pytest.approx(0.7) and r["accuracy_at_two_thirds"] == 0.4
     assert [v["train_min"] for v in r["validations"]] == [0.0, 1.5, 3.0]
+    # last third: the anchor at 1.5 min (0.4) and 3.0 min (0.7), a line through both
+    assert r["last_third_rise"] == pytest.approx(0.3)
+    flat = [{"step": 0, "train_min": 0.0, "accuracy": 0.1}] + [
+        {"step": s, "train_min": m, "accuracy": a}
+        for s, m, a in [(1, 20.0, 0.5), (2, 25.0, 0.6), (3, 30.0, 0.4), (4, 34.0, 0.5)]]
+    # by hand, anchor 20 min (the last at or before 2/3 of 34): x = 20, 25, 30, 34 (mean 27.25),
+    # y = .5, .6, .4, .5 (mean .5);
+    # Sxy = (-7.25)(0) + (-2.25)(.1) + (2.75)(-.1) + (6.75)(0) = -0.5;
+    # Sxx = 52.5625 + 5.0625 + 7.5625 + 45.5625 = 110.75; rise = -0.5 / 110.75 * 14
+    assert bl.last_third_rise(flat, 34.0) == pytest.approx(-0.5 / 110.75 * 14)
+    assert bl.last_third_rise(flat[:1], 34.0) is None
     assert r["validations"][1]["entropy"] == pytest.approx((1 + 1 / 2 + 1 / 3) / 3)
     assert r["validations"][2]["gen_per_trained"] == 1.0 and r["gen_per_trained_mean"] == 1.5
     assert r["generate_s_per_trained_sample"] == pytest.approx(15.0 / 16)
