@@ -199,21 +199,3 @@ def test_ppo_epochs_and_mini_batches_in_bfloat16(tiny_model, toy_data, tmp_path)
         assert 0 <= r["rollout/mismatch_kl"] < 1e-2 and math.isfinite(r["rollout/mismatch_max"]), r
         assert math.isfinite(r["actor/pg_loss"]) and r["actor/entropy"] > 0
     assert max(r["rollout/mismatch_max"] for r in rows) > 1e-4  # bf16 rounding really shows
-
-
-def test_checkpoints_are_saved_and_loaded_while_vllm_sleeps(tiny_model, toy_data, tmp_path):
-    """The phase machine's record (logging.switch_trace) of every save and of the resume's load:
-    each in the train phase with vLLM's memory released (on CPU its KV cache: no sleep mode), so the
-    trainer state a save brings to the device never meets vLLM's (docs/memory_plan.md, checkpoint
-    column). The loop used to save after the weight sync, with vLLM awake."""
-    out = str(tmp_path / "asleep")
-    trace = ["--checkpoint.save_every", "1", "--logging.switch_trace", "true", "--checkpoint.save_hf_final", "false"]
-    first = train(2, tiny_model, toy_data[0], out, 2, *trace)
-    again = train(2, tiny_model, toy_data[0], out, 3, *trace, "--checkpoint.resume", "auto")
-    asleep = "phase training, vLLM released ['kv_cache']"
-    for proc, events in ((first, ["save step_1", "save step_2"]), (again, ["load step_2", "save step_3"])):
-        for rank in (0, 1):
-            seen = [line.split("checkpoint ", 1)[1] for line in proc.stderr.splitlines()
-                    if line.startswith(f"[switch] rank {rank} checkpoint ")]
-            assert seen == [f"{e}: {asleep}" for e in events], seen
-    assert [r["step"] for r in read_metrics(out)] == [1, 2, 3]

@@ -11,6 +11,7 @@ from __future__ import annotations
 import ctypes
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -92,10 +93,28 @@ def subreaper():
     libc.prctl(PR_SET_CHILD_SUBREAPER, 0, 0, 0, 0)
 
 
+ASLEEP = "phase training, vLLM released ['kv_cache']"
+
+
+def checkpoint_events(stderr: str, rank: int) -> list[str]:
+    """The phase machine's record of one rank's checkpoint saves and loads (logging.switch_trace)."""
+    return [line.split("checkpoint ", 1)[1] for line in stderr.splitlines()
+            if line.startswith(f"[switch] rank {rank} checkpoint ")]
+
+
 def test_kill9_of_the_launcher_group_ends_every_rank_then_resume_is_exact(tiny_model, toy_data, tmp_path):
+    """Also the phase machine's record (logging.switch_trace) of every save and of the resume's load:
+    each in the train phase with vLLM's memory released (on CPU its KV cache: no sleep mode), so the
+    trainer state a save brings to the device never meets vLLM's (docs/memory_plan.md, checkpoint
+    column). The loop used to save after the weight sync, with vLLM awake. (Checked on these
+    launches rather than two of its own: the suite's time is kept under 20 minutes.)"""
     data = ["--model.path", tiny_model, "--data.train_files", json.dumps([toy_data[0]]), "--data.val_files", "[]"]
-    reference = launch(str(tmp_path / "reference"), 6, *data)
-    assert reference.wait(timeout=600) == 0, reference.communicate()
+    trace = ("--logging.switch_trace", "true")
+    reference = launch(str(tmp_path / "reference"), 6, *data, *trace)
+    _, ref_err = reference.communicate(timeout=600)
+    assert reference.returncode == 0, ref_err[-3000:]
+    for rank in (0, 1):
+        assert checkpoint_events(ref_err, rank) == [f"save step_{s}: {ASLEEP}" for s in (2, 4, 6)], ref_err[-3000:]
 
     out = str(tmp_path / "killed")
     run = launch(out, 6, *data)
@@ -120,11 +139,15 @@ def test_kill9_of_the_launcher_group_ends_every_rank_then_resume_is_exact(tiny_m
     assert len(rows(out)) == at_kill < 6  # nothing written after the kill
 
     # A new run takes the lock at once (the OS dropped it with the dead holder) and resumes exactly.
-    resumed = launch(out, 6, *data, "--checkpoint.resume", "auto")
+    resumed = launch(out, 6, *data, *trace, "--checkpoint.resume", "auto")
     stdout, stderr = resumed.communicate(timeout=600)
     assert resumed.returncode == 0, stderr[-3000:]
     assert "resumed from" in stdout, stdout[-2000:]
     assert comparable(rows(out)) == comparable(rows(str(tmp_path / "reference")))
+    start = int(re.search(r"resumed from \S+ at step (\d+)", stdout).group(1))
+    for rank in (0, 1):
+        assert checkpoint_events(stderr, rank) == [f"load step_{start}: {ASLEEP}"] + [
+            f"save step_{s}: {ASLEEP}" for s in range(start + 2, 7, 2)], stderr[-3000:]
 
 
 def test_a_second_run_on_a_live_output_dir_exits_2_naming_the_holder(tiny_model, toy_data, tmp_path):
