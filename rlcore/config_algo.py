@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Literal, Optional
 
 from rlcore import advantage
-from rlcore.rollout_correction import IS_LEVELS, IS_MODES, RS_MODES
+from rlcore.rollout_correction import IS_LEVELS, IS_MASK_NORMALIZERS, IS_MODES, RS_MODES
 from rlcore.exit_codes import ConfigError
 
 
@@ -140,7 +140,14 @@ class RolloutCorrectionConfig:
     epoch and mini-batch they cost one extra forward per step."""
     is_mode: str = "truncate"
     """truncate (TIS: min(w, is_high)) or mask (MIS / IcePop: tokens or sequences with w outside
-    [is_low, is_high] leave the loss and its normaliser)."""
+    [is_low, is_high] get weight 0; is_mask_normalizer says whether they still count in the
+    loss's normaliser)."""
+    is_mask_normalizer: Literal["all", "kept"] = "all"
+    """is_mode mask only. all: the out-of-band tokens stay in the normaliser, contributing 0, as
+    IcePop's objective (arXiv:2510.18855: its mean over all |y| tokens of M(w) * the PPO term) and
+    verl 0.9.1's compute_rollout_correction_weights (weight 0, response mask unchanged) define it.
+    kept: they also leave the normaliser, so the remaining tokens' mean sets the step (larger when
+    many are masked; the earlier default here). Rejection (rs) always shrinks it."""
     is_high: float = 2.0
     """Upper bound of the importance weight."""
     is_low: Optional[float] = None
@@ -160,6 +167,9 @@ class RolloutCorrectionConfig:
         check(self.is_level is None or self.is_level in IS_LEVELS, "rollout_correction.is_level", self.is_level,
               f"choose one of {', '.join(IS_LEVELS)}, or null")
         check(self.is_mode in IS_MODES, "rollout_correction.is_mode", self.is_mode, f"choose one of {', '.join(IS_MODES)}")
+        check(self.is_mask_normalizer in IS_MASK_NORMALIZERS, "rollout_correction.is_mask_normalizer",
+              self.is_mask_normalizer, "choose all (masked tokens count in the normaliser, as IcePop and verl) "
+              "or kept (they leave it)")
         check(self.tis_cap is None or self.is_level is None, "rollout_correction.tis_cap", self.tis_cap,
               "tis_cap is token-level TIS, which is_level: token with is_mode: truncate and is_high replaces: set one")
         check(self.is_high > 0 and (self.is_low is None or 0 < self.is_low < self.is_high),
@@ -174,7 +184,8 @@ class RolloutCorrectionConfig:
         """rlcore.rollout_correction.correct's settings; None when neither is_level nor rs is on."""
         if self.is_level is None and self.rs is None:
             return None
-        return {"is_level": self.is_level, "is_mode": self.is_mode, "is_high": self.is_high,
+        return {"is_level": self.is_level, "is_mode": self.is_mode, "is_mask_normalizer": self.is_mask_normalizer,
+                "is_high": self.is_high,
                 "is_low": self.is_low if self.is_low is not None else 1.0 / self.is_high,
                 "rs": self.rs, "rs_threshold": self.rs_threshold, "rs_low": self.rs_low}
 

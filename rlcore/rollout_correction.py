@@ -8,15 +8,22 @@ sampling probability; log rho = old_logp - rollout_logp, clamped to +-20 before 
 - importance weights (``is_level``): ``token`` w_t = rho_t; ``sequence`` w = prod_t rho_t (one
   weight per sequence, unbiased, high variance); ``geometric`` w = exp(mean_t log rho_t) (the
   sequence's geometric mean, length-independent). ``is_mode: truncate`` (TIS) uses min(w, high);
-  ``mask`` (MIS / IcePop) keeps w where low <= w <= high and drops the token (or sequence) from
-  the loss otherwise.
+  ``mask`` (MIS / IcePop) keeps w where low <= w <= high and gives the token (or sequence) weight
+  0 otherwise.
 - rejection (``rs``): a whole sequence (``seq_*``) or token (``token_*``) is dropped when its
   divergence passes the threshold: k1 = -log rho (bounds on rho itself: low <= exp(agg log rho)
   <= high), k2 = (log rho)^2 / 2, k3 = rho - 1 - log rho (an upper bound on the aggregate), the
   aggregate being the token's own value, the sequence's sum, mean or max (max: k2 and k3 only).
 
-Dropped tokens leave the loss *and its normaliser* (the mask shrinks), the convention verl's
-rollout-correction and slime's MIS follow: a rejected token must not dilute the others' gradient.
+The normaliser. Rejected tokens leave the loss *and its normaliser* (``keep`` shrinks), as in
+verl's ``compute_rollout_rejection_mask`` (it returns response_mask * the rejection mask). Tokens
+that ``mask`` puts outside the band only get weight 0 and stay in the normaliser
+(``is_mask_normalizer: all``, the default): IcePop's objective (Ling Team, "Every Step Evolves",
+arXiv:2510.18855) averages over all response tokens, the masked ones contributing 0, and verl 0.9.1's
+``compute_rollout_correction_weights`` (verl/trainer/ppo/rollout_corr_helper.py, its IcePop branch
+for a "lower_upper" threshold) zeroes the weight with ``torch.where(token_kept_mask, weights, 0)``
+and leaves the response mask alone. ``is_mask_normalizer: kept`` also removes them from the
+normaliser (this module's behaviour before; a larger per-token step when many tokens are masked).
 Weights are detached: they change the measure, not the objective.
 """
 
@@ -29,6 +36,7 @@ import torch
 SAFETY_BOUND = 20.0  # exp(+-20): no overflow in fp32, and a bound no real weight reaches
 IS_LEVELS = ("token", "sequence", "geometric")
 IS_MODES = ("truncate", "mask")
+IS_MASK_NORMALIZERS = ("all", "kept")  # is_mode mask: out-of-band tokens stay in the normaliser, or leave it
 RS_MODES = tuple(f"token_k{k}" for k in (1, 2, 3)) + tuple(
     f"seq_{agg}_k{k}" for agg in ("sum", "mean") for k in (1, 2, 3)) + ("seq_max_k2", "seq_max_k3")
 
@@ -38,7 +46,7 @@ class Correction:
     """What the update applies: (N, T) loss weights (None = 1) and the mask of tokens still in the loss."""
 
     weights: torch.Tensor | None
-    keep: torch.Tensor  # (N, T) 0/1, response mask times what rejection and MIS left
+    keep: torch.Tensor  # (N, T) 0/1, response mask times what rejection left (and MIS, with normaliser "kept")
 
 
 def _seq(x: torch.Tensor, mask: torch.Tensor, how: str) -> torch.Tensor:
@@ -62,8 +70,8 @@ def log_weights(log_rho: torch.Tensor, mask: torch.Tensor, level: str) -> torch.
 
 def importance(log_rho: torch.Tensor, mask: torch.Tensor, level: str, mode: str, low: float, high: float
                ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(weights, keep), both (N, T): TIS weights min(w, high) with everything kept, or MIS weights
-    w with keep = low <= w <= high (tested in log space: no overflow decides it)."""
+    """(weights, in_band), both (N, T): TIS weights min(w, high) with everything in band, or MIS
+    weights w * in_band with in_band = low <= w <= high (tested in log space: no overflow decides it)."""
     lw = log_weights(log_rho, mask, level).clamp(-SAFETY_BOUND, SAFETY_BOUND)
     w = torch.exp(lw)
     if mode == "truncate":
@@ -118,8 +126,12 @@ def weight_stats(weights: torch.Tensor, keep: torch.Tensor) -> dict[str, float]:
 
 def correct(old_logp: torch.Tensor, rollout_logp: torch.Tensor, mask: torch.Tensor, *, is_level: str | None,
             is_mode: str, is_low: float, is_high: float, rs: str | None, rs_threshold: float | None,
-            rs_low: float | None) -> tuple[Correction, dict[str, float]]:
-    """The correction of this rank's samples and the sums its metrics need (see ``summarise``)."""
+            rs_low: float | None, is_mask_normalizer: str = "all") -> tuple[Correction, dict[str, float]]:
+    """The correction of this rank's samples and the sums its metrics need (see ``summarise``).
+    ``is_mask_normalizer`` (is_mode mask): "all" keeps out-of-band tokens in ``keep`` (weight 0,
+    still counted by the normaliser: IcePop, verl), "kept" drops them from ``keep`` too."""
+    if is_mask_normalizer not in IS_MASK_NORMALIZERS:
+        raise ValueError(f"unknown is_mask_normalizer {is_mask_normalizer!r}; valid: {', '.join(IS_MASK_NORMALIZERS)}")
     mask = mask.to(old_logp.dtype)
     log_rho = (old_logp.detach() - rollout_logp) * mask  # (N, T)
     keep = mask.clone()
@@ -133,9 +145,11 @@ def correct(old_logp: torch.Tensor, rollout_logp: torch.Tensor, mask: torch.Tens
     if is_level is not None:
         weights, in_band = importance(log_rho, mask, is_level, is_mode, is_low, is_high)
         sums["is_masked"] = (keep * (1 - in_band)).sum().item()
-        keep = keep * in_band
-        sums.update(weight_stats(weights, keep))
-        sums["w_max"] = (weights * keep).max().item() if keep.any() else 0.0
+        kept = keep * in_band  # the weight statistics: over the tokens whose weight counts
+        sums.update(weight_stats(weights, kept))
+        sums["w_max"] = (weights * kept).max().item() if kept.any() else 0.0
+        if is_mask_normalizer == "kept":
+            keep = kept
     sums.update(diagnostics(log_rho, mask))
     return Correction(weights.detach() if weights is not None else None, keep), sums
 

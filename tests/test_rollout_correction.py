@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 
-from rlcore import grpo
+from rlcore import advantage, grpo
 from rlcore import rollout_correction as rc
 from rlcore.config import ConfigError, RolloutCorrectionConfig
 
@@ -39,10 +39,11 @@ def as_matrix(rows: list[list[float]]) -> torch.Tensor:
 
 @pytest.mark.parametrize("level", rc.IS_LEVELS)
 @pytest.mark.parametrize("mode", rc.IS_MODES)
-def test_importance_weights_equal_the_reference(level, mode):
+@pytest.mark.parametrize("normalizer", rc.IS_MASK_NORMALIZERS)
+def test_importance_weights_equal_the_reference(level, mode, normalizer):
     low, high = 0.5, 1.5
     corr, sums = rc.correct(OLD, ROLL, MASK, is_level=level, is_mode=mode, is_low=low, is_high=high,
-                            rs=None, rs_threshold=None, rs_low=None)
+                            rs=None, rs_threshold=None, rs_low=None, is_mask_normalizer=normalizer)
     weights, keep = [], []
     for seq in LOG_RHO:
         w = ref_weight(seq, level)
@@ -54,13 +55,54 @@ def test_importance_weights_equal_the_reference(level, mode):
             weights.append([x * k for x, k in zip(w, inside)])
             keep.append(inside)
     assert torch.allclose(corr.weights * MASK, as_matrix(weights), atol=1e-6)
-    assert torch.equal(corr.keep, as_matrix(keep))
+    # out-of-band tokens: weight 0, and still in the normaliser unless is_mask_normalizer is "kept"
+    assert torch.equal(corr.keep, as_matrix(keep) if normalizer == "kept" else MASK)
     kept_w = [x for ws, ks in zip(weights, keep) for x, k in zip(ws, ks) if k]
     m = rc.summarise(dict(sums), sums["w_max"])
     assert m["rollout_corr/is_weight_mean"] == pytest.approx(sum(kept_w) / len(kept_w), rel=1e-6)
     assert m["rollout_corr/ess"] == pytest.approx(sum(kept_w) ** 2 / (len(kept_w) * sum(x * x for x in kept_w)),
                                                   rel=1e-6)
     assert m["rollout_corr/is_masked_frac"] == pytest.approx((9 - len(kept_w)) / 9)
+
+
+# A (2, 3) batch with 5 response tokens, one (log rho 1.0: rho e = 2.718) outside the band [0.5, 2];
+# on-policy (ratio 1), so each token's PPO term is -A: -1 in sequence 0, +0.5 in sequence 1.
+ICE_LOG_RHO = torch.tensor([[0.1, 1.0, -0.2], [0.0, 0.3, 0.0]])
+ICE_MASK = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])
+ICE_ADV = torch.tensor([[1.0, 1.0, 1.0], [-0.5, -0.5, -0.5]])
+# sum over the in-band tokens of w * term: -e^0.1 - e^-0.2 + 0.5 * 1 + 0.5 * e^0.3
+ICE_SUM = -1.1051709 - 0.8187308 + 0.5 + 0.6749294  # -0.7489723
+
+
+def ice_loss(**kw) -> float:
+    """The token-mean policy loss as ppo_update computes it: the response mask times
+    ``Correction.keep`` is the loss mask (and its normaliser), ``Correction.weights`` multiply each term."""
+    old = torch.zeros(2, 3)
+    corr, _ = rc.correct(old, old - ICE_LOG_RHO, ICE_MASK, is_level="token", is_mode="mask", is_low=0.5,
+                         is_high=2.0, **{"rs": None, "rs_threshold": None, "rs_low": None, **kw})
+    mask = ICE_MASK * corr.keep
+    loss, _ = advantage.policy_loss("vanilla", old, old, ICE_ADV, mask, is_weights=corr.weights,
+                                    agg_mode="token-mean", global_tokens=mask.sum().item())
+    return loss.item()
+
+
+def test_icepop_masked_token_stays_in_the_normaliser():
+    """IcePop (arXiv:2510.18855) and verl 0.9.1: the out-of-band token adds 0 to the sum and 1 to
+    the count, -0.7489723 / 5 = -0.1497945; the old normaliser ("kept") divides by 4: -0.1872431."""
+    assert ice_loss() == pytest.approx(ICE_SUM / 5, abs=1e-6)
+    assert ice_loss() == pytest.approx(-0.1497945, abs=1e-6)
+    assert ice_loss(is_mask_normalizer="kept") == pytest.approx(ICE_SUM / 4, abs=1e-6)
+    assert abs(ice_loss() - ice_loss(is_mask_normalizer="kept")) > 0.03
+
+
+def test_rejection_still_shrinks_the_normaliser():
+    """rs token_k1 with rho >= 0.9 rejects the token with rho e^-0.2 = 0.819: it leaves the sum and
+    the count (4 tokens), while the out-of-band token stays counted: (ICE_SUM + e^-0.2) / 4."""
+    loss = ice_loss(rs="token_k1", rs_threshold=1e9, rs_low=0.9)
+    assert loss == pytest.approx((ICE_SUM + 0.8187308) / 4, abs=1e-6)
+    assert loss == pytest.approx(0.0174396, abs=1e-6)
+    kept = ice_loss(rs="token_k1", rs_threshold=1e9, rs_low=0.9, is_mask_normalizer="kept")
+    assert kept == pytest.approx((ICE_SUM + 0.8187308) / 3, abs=1e-6)
 
 
 def test_geometric_and_sequence_weights_by_hand():
@@ -191,9 +233,14 @@ def test_token_truncation_equals_tis_cap():
 
 def test_masked_is_drops_tokens_outside_the_band():
     grads, m = update(options(is_level="geometric", is_mode="mask", is_low=0.2, is_high=3.0))
-    assert 0 < m["rollout_corr/is_masked_frac"] < 1 and 0 < m["rollout_corr/ess"] <= 1
+    frac = m["rollout_corr/is_masked_frac"]
+    assert 0 < frac < 1 and 0 < m["rollout_corr/ess"] <= 1
     plain, _ = update()
     assert not torch.allclose(grads, plain)
+    # token-mean: the same sum over all response tokens (default) or over the in-band ones ("kept")
+    kept, _ = update(options(is_level="geometric", is_mode="mask", is_low=0.2, is_high=3.0,
+                             is_mask_normalizer="kept"))
+    assert torch.allclose(grads, kept * (1 - frac), rtol=1e-5, atol=1e-7)
 
 
 def test_config_checks_name_the_fix():
@@ -205,5 +252,8 @@ def test_config_checks_name_the_fix():
         RolloutCorrectionConfig(tis_cap=2.0, is_level="token")
     with pytest.raises(ConfigError, match="is_level"):
         RolloutCorrectionConfig(is_level="tokens")
+    with pytest.raises(ConfigError, match=r"rollout_correction.is_mask_normalizer='some'.*choose all"):
+        RolloutCorrectionConfig(is_level="token", is_mode="mask", is_mask_normalizer="some")
+    assert options(is_level="token", is_mode="mask")["is_mask_normalizer"] == "all"
     assert RolloutCorrectionConfig().options() is None
     assert options(is_level="token", is_high=4.0)["is_low"] == 0.25
