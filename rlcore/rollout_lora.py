@@ -8,7 +8,8 @@ lora_path, load_inplace)`` (lora/request.py:24-28); ``load_inplace`` reloads an 
 already loaded (lora/worker_manager.py:289-314); ``LLMEngine.add_lora`` loads one outside a
 request (v1/engine/llm_engine.py:469). vLLM reads adapters from a folder only, so the folder is a
 per-process one under /dev/shm (tmpfs: memory, no disk). ``max_lora_rank`` must be one of
-vLLM's sizes (config/lora.py:26); a smaller adapter is padded to it.
+vLLM's sizes (``MaxLoRARanks``, config/lora.py:26, read from the installed vLLM: ``ranks``); a
+smaller adapter is padded to it.
 """
 
 from __future__ import annotations
@@ -16,17 +17,27 @@ from __future__ import annotations
 import os
 import tempfile
 
-RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 NAME, ADAPTER_ID = "policy", 1
+
+
+def ranks() -> tuple[int, ...]:
+    """The LoRA ranks the installed vLLM builds (its ``MaxLoRARanks``; imported here, not at
+    module import: this module imports without vLLM)."""
+    from typing import get_args
+
+    from vllm.config.lora import MaxLoRARanks
+
+    return tuple(sorted(get_args(MaxLoRARanks)))
 
 
 def engine_kwargs(rank: int) -> dict:
     """The ``LLM(...)`` keywords of an engine that serves the policy's adapter (one at a time)."""
     if rank <= 0:
         return {}
-    fits = [r for r in RANKS if r >= rank]
+    sizes = ranks()
+    fits = [r for r in sizes if r >= rank]
     if not fits:
-        raise ValueError(f"lora.rank={rank} is above vLLM's largest LoRA rank {RANKS[-1]}")
+        raise ValueError(f"lora.rank={rank} is above vLLM's largest LoRA rank {sizes[-1]}")
     return {"enable_lora": True, "max_lora_rank": fits[0], "max_loras": 1}
 
 

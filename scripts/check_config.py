@@ -6,8 +6,10 @@
 Runs everything of the trainer's build that allocates no device memory, through the real
 libraries' own validation (rlcore/dry_run.py): the config resolved for the device, the world size,
 the attention kernel against the packages installed here, VeOmni's kernel choices with VeOmni's
-device probe set to the device, every vLLM engine keyword against the installed vLLM, and the
-memory plan per phase (checkpoint included). ``model.path`` needs only the model's config.json.
+device probe set to the device, every vLLM engine (policy and judges) through the installed
+vLLM's ``EngineArgs.create_engine_config`` on this machine's platform (device-only settings stay
+advisory; the check's line names them), and the memory plan per phase (checkpoint included).
+``model.path`` needs the model's config.json (and, for vLLM, readable *.safetensors headers if any).
 One line per check; exit code 0 when every check passes (warnings allowed), 2 naming the failures.
 """
 

@@ -1,10 +1,11 @@
 """scripts/check_config.py: the device dry run (rlcore/dry_run.py) of every shipped cluster config,
 on this CPU machine, through the real libraries' validation (VeOmni's with its device probe set to
-the config's device, the installed vLLM's EngineArgs).
+the config's device, the installed vLLM's EngineArgs.create_engine_config on this CPU platform).
 
-The configs are run against stand-in model folders (the public config.json in tests/fixtures, an
-empty safetensors file) and empty data files, as a login node would hold them. One interpreter runs
-them all (vLLM and VeOmni imported once)."""
+The configs are run against stand-in model folders (the public config.json in tests/fixtures, a
+safetensors file holding no tensors: vLLM reads its header) and empty data files, as a login node
+would hold them. One interpreter runs them all (vLLM and VeOmni imported once) and reports whether a
+dry run left the process environment changed."""
 
 from __future__ import annotations
 
@@ -20,24 +21,34 @@ import pytest
 from conftest import QUIET_ENV, REPO
 
 RUNNER = textwrap.dedent("""
-    import json, sys
+    import json, os, sys
     from rlcore import quiet
     quiet.install()
     from rlcore.dry_run import dry_run
-    out = []
-    for argv, device, nproc, nnodes in json.loads(sys.argv[1]):
+    out, env_changed = [], set()
+    for i, (argv, device, nproc, nnodes) in enumerate(json.loads(sys.argv[1])):
+        env = dict(os.environ)
         with quiet.filtered_output():
             checks = dry_run(argv, device, nproc, nnodes)
+        if i:  # the first one imports vLLM and VeOmni
+            env_changed |= {k for k in set(env) | set(os.environ) if env.get(k) != os.environ.get(k)}
         out.append([[c.name, c.status, c.detail] for c in checks])
-    print(json.dumps(out))
+    print(json.dumps({"checks": out, "env_changed": sorted(env_changed)}))
 """)
+
+
+def empty_safetensors(path) -> None:
+    """A safetensors file holding no tensors (vLLM reads the header of a tied model's weights)."""
+    from safetensors.torch import save_file
+
+    save_file({}, str(path))
 
 
 def stand_in(tmp_path, name: str, fixture: str) -> list[str]:
     model = tmp_path / name
     model.mkdir()
     shutil.copy(os.path.join(REPO, "tests", "fixtures", fixture, "config.json"), model)
-    (model / "model.safetensors").write_bytes(b"")
+    empty_safetensors(model / "model.safetensors")
     data = [str(tmp_path / f"{name}_train.parquet"), str(tmp_path / f"{name}_test.parquet")]
     for f in data:
         open(f, "w").close()
@@ -45,21 +56,22 @@ def stand_in(tmp_path, name: str, fixture: str) -> list[str]:
             json.dumps(data[1:]), "--trainer.output_dir", str(tmp_path / "out" / name)]
 
 
-def judge_recipe(tmp_path) -> list[str]:
-    """configs/qwen3_8b_judge_16gpu.yaml with its judge pointed at a stand-in Qwen3-1.7B folder."""
+def judge_recipe(tmp_path, name: str = "judge", **judge_settings) -> list[str]:
+    """configs/qwen3_8b_judge_16gpu.yaml with its judge pointed at a stand-in Qwen3-1.7B folder
+    (and ``judge_settings`` set on it)."""
     import yaml
 
-    judge = tmp_path / "judge_1_7b"
+    judge = tmp_path / f"{name}_1_7b"
     judge.mkdir()
     shutil.copy(os.path.join(REPO, "tests", "fixtures", "qwen3_1_7b", "config.json"), judge)
-    (judge / "model.safetensors").write_bytes(b"")
+    empty_safetensors(judge / "model.safetensors")
     (judge / "tokenizer_config.json").write_text("{}")
     with open(os.path.join(REPO, "configs", "qwen3_8b_judge_16gpu.yaml")) as f:
         cfg = yaml.safe_load(f)
-    cfg["reward"]["models"][0]["path"] = str(judge)
-    path = tmp_path / "qwen3_8b_judge_16gpu.yaml"
+    cfg["reward"]["models"][0].update(path=str(judge), **judge_settings)
+    path = tmp_path / f"{name}_qwen3_8b_judge_16gpu.yaml"
     path.write_text(yaml.safe_dump(cfg))
-    return ["--config", str(path), *stand_in(tmp_path, "j", "qwen3_8b")]
+    return ["--config", str(path), *stand_in(tmp_path, f"{name}_j", "qwen3_8b")]
 
 
 def gpu_check_config(tmp_path, model_args: list[str]) -> str:
@@ -98,6 +110,11 @@ def results(tmp_path_factory, tiny_model, toy_data) -> dict[str, dict[str, list]
         "moe_on_npu": (["--config", cfg("qwen3_30b_a3b_math_16gpu"), *stand_in(tmp, "e", "qwen3_30b_a3b")], "npu", 16, 1),
         "r3_cuda": (["--config", cfg("qwen3_30b_a3b_math_16gpu"), *stand_in(tmp, "h", "qwen3_30b_a3b"),
                      "--algorithm.routing_replay", "r3"], "cuda", 8, 2),
+        # both passed the dry run while it only constructed EngineArgs; vLLM's create_engine_config refuses them
+        "r3_cuda_without_prefix_caching": (["--config", cfg("qwen3_30b_a3b_math_16gpu"),
+                                            *stand_in(tmp, "i", "qwen3_30b_a3b"), "--algorithm.routing_replay", "r3",
+                                            "--rollout.enable_prefix_caching", "false"], "cuda", 8, 2),
+        "judge_context_too_long": (judge_recipe(tmp, "long", max_model_len=65536), "cuda", 8, 2),
         "r3_cpu": (["--config", cfg("demo_moe_cpu"), "--model.path", make_tiny_moe_model(str(tmp / "moe")),
                     "--data.train_files", json.dumps([toy_data[0]]), "--data.val_files", json.dumps([toy_data[0]]),
                     "--trainer.output_dir", str(tmp / "r3"), "--algorithm.routing_replay", "r3"], "cpu", 2, 1),
@@ -110,7 +127,9 @@ def results(tmp_path_factory, tiny_model, toy_data) -> dict[str, dict[str, list]
     proc = subprocess.run([sys.executable, "-c", RUNNER, json.dumps(list(cases.values()))], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    reply = json.loads(proc.stdout.strip().splitlines()[-1])
+    out = reply["checks"]
+    assert reply["env_changed"] == [], f"the dry run left os.environ changed: {reply['env_changed']}"
     for name, checks in zip(cases, out):
         print(f"== {name}\n" + "\n".join(f"{s:<5} {n}: {d}" for n, s, d in checks))
     return {name: {n: [s, d] for n, s, d in checks} for name, checks in zip(cases, out)}
@@ -148,17 +167,38 @@ def test_the_dry_run_reports_what_each_device_would_run(results):
 
 
 def test_the_judge_recipe_plans_its_judging_phase(results):
-    """The judge's engine keywords go through vLLM's EngineArgs too; the plan has a judging phase."""
+    """The judge's engine keywords go through vLLM's create_engine_config too; the plan has a judging phase."""
     checks = results["qwen3_8b_judge_16gpu"]
-    assert "and those of judge(s) clarity" in checks["vllm_engine_args"][1]
+    assert "and those of judge(s) clarity and builds each engine's config" in checks["vllm_engine_args"][1]
     assert " judge " in checks["memory"][1] and checks["memory"][0] == "ok", checks["memory"]
 
 
-def test_r3_is_judged_by_vllm_on_its_own_platform_only(results):
+def test_vllm_builds_every_engine_config_and_says_what_stays_advisory(results):
+    """vLLM's create_engine_config runs for every engine on this CPU platform without the device-only
+    switches; what only the device's platform decides is named, not claimed."""
+    for name in CUDA:
+        status, detail = results[name]["vllm_engine_args"]
+        assert status == "ok" and "config (create_engine_config on this machine's cpu platform" in detail, detail
+        assert "enable_sleep_mode left out" in detail and "advisory until the cuda run: block size" in detail
+        assert "CUDA graph sizes, gpu_memory_utilization, sleep mode, kernels" in detail
+    npu = results["qwen3_8b_math_16npu"]["vllm_engine_args"][1]
+    assert "advisory until the npu run" in npu and "vllm-ascend's own checks" in npu
+
+
+def test_what_vllm_refuses_fails_the_dry_run_with_its_reason(results):
+    """Configs the former EngineArgs-only dry run passed: vLLM's own validation names the reason."""
+    judge = results["judge_context_too_long"]["vllm_engine_args"]
+    assert judge[0] == "FAIL" and "judge 'clarity' refuses the engine config" in judge[1], judge
+    assert "max_model_len (65536) is greater than the derived max_model_len (max_position_embeddings=40960" in judge[1]
+    r3 = results["r3_cuda_without_prefix_caching"]["vllm_engine_args"]
+    assert r3[0] == "FAIL" and "AuxOutput Connector requires prefix caching" in r3[1], r3
+
+
+def test_r3_is_judged_by_vllm_with_its_v2_model_runner(results):
     """R3 (vLLM returns routed experts): this CPU host's vLLM refuses it (its own check, V2 model
-    runner); for CUDA the dry run cannot ask it and says where the check runs."""
+    runner); for CUDA the dry run forces the V2 runner so vLLM's other R3 requirements run."""
     cuda, cpu = results["r3_cuda"]["vllm_engine_args"], results["r3_cpu"]["vllm_engine_args"]
-    assert cuda[0] == "warn" and "r3's routed-experts check (vLLM's own) runs on the cuda machine" in cuda[1]
+    assert cuda[0] == "ok" and "config with r3 (" in cuda[1] and "V2 model runner forced for r3" in cuda[1], cuda
     assert cpu[0] == "FAIL" and "AuxOutput Connector requires Model Runner V2" in cpu[1]
 
 
