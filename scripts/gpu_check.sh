@@ -1,31 +1,60 @@
 #!/usr/bin/env bash
 # shellcheck disable=SC1091  # CANN's set_env.sh scripts are not part of this repository
-# First thing to run on a new GPU (or Ascend NPU) machine, before any real job: trains the tiny
-# offline demo model for 3 GRPO steps with the accelerator path a real run takes (bf16, trainer
-# parameters and optimizer offloaded while vLLM generates, vLLM sleep level 2, direct weight
-# loading, CUDA graphs), then prints one JSON line: memory per phase, the largest trainer-vs-vLLM
-# log-prob difference after the weight sync, step time, and "pass": true/false with the reasons.
+# First thing to run on a new GPU (or Ascend NPU) machine, before any real job. Short GRPO runs of
+# the tiny offline demo models (scripts/prepare_demo.py), one after the other, each on the
+# accelerator path a real run takes (bf16, trainer parameters and optimizer offloaded while vLLM
+# generates, direct weight loading, CUDA graphs), then ONE JSON line with pass/fail per part and
+# overall. The parts (PARTS picks them and their order; default all, as listed):
+#   base    the dense tiny Qwen3, vLLM sleep level 2: memory per phase, the largest trainer-vs-vLLM
+#           log-prob difference after the weight sync, step time
+#   judge   base + a model-based reward (reward.models: the tiny reward model on its own in-process
+#           vLLM engine, woken and put to sleep around every scoring)
+#   lora    base + a rank-8 LoRA adapter (sleep level 1: vLLM keeps its base weights in host memory;
+#           only the adapter is synced)
+#   moe_r3  the tiny Qwen3-MoE (4 experts, top-2; EP = the rank count) with R3 routing replay (vLLM
+#           returns its routed experts, the trainer replays them); weight_load reload (MoE). Skipped
+#           on NPU: the trainer refuses MoE with the pinned vllm-ascend (rollout_checks.check_npu_moe)
 #
 #   bash scripts/gpu_check.sh                 # CUDA: 1 or 2 visible GPUs (CUDA_VISIBLE_DEVICES picks them)
 #   DEVICE=npu bash scripts/gpu_check.sh      # Ascend NPUs (ASCEND_RT_VISIBLE_DEVICES picks them)
+#   PARTS=base,lora bash scripts/gpu_check.sh # some parts only
 #
 # Needs the accelerator stack in .venv (requirements-cuda.txt or requirements-npu.txt; PYTHON=...
-# for another interpreter). Exit code: 0 pass, 1 fail, 2 no usable accelerator or environment.
-# Environment (all optional): NPROC (visible devices, at most 2), TP (rollout tensor parallel size,
-# default NPROC: 2 devices also test the sharded weight sync), MAX_LOGP_DIFF (1e-3), STEPS (3),
-# GPU_MEM_UTIL (0.3: vLLM's share; the tiny model needs little), OUT (default /tmp/rlcore_gpu_check.USER),
-# WEIGHT_LOAD (direct), ENFORCE_EAGER (false). Extra arguments reach train_grpo.py.
-# PRINT_CONFIG=1 skips the device checks and only prints the trainer's resolved config for these
-# arguments (the tests use it to keep the check's overrides in step with rlcore/config.py).
+# for another interpreter). Exit code: 0 every part that ran passed, 1 a part failed, 2 no usable
+# accelerator or environment (or an unknown part). Environment (all optional): PARTS, NPROC (visible
+# devices, at most 2), TP (rollout tensor parallel size, default NPROC: 2 devices also test the
+# sharded weight sync), MAX_LOGP_DIFF (1e-3, every part), MIN_ROUTER_AGREEMENT (0.5, moe_r3), STEPS
+# (3, each part), GPU_MEM_UTIL (0.3: vLLM's share; the tiny models need little), OUT (default
+# /tmp/rlcore_gpu_check.USER; part P logs to OUT/P/train.log), WEIGHT_LOAD (direct; moe_r3 always
+# reloads), ENFORCE_EAGER (false). Extra arguments reach train_grpo.py in every part.
+# PRINT_CONFIG=1 (or =PART) skips the device checks and only prints the trainer's config for the base
+# part (or PART) with these arguments (the tests use it to keep each part's overrides in step with
+# rlcore/config.py).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
+ALL_PARTS="base judge lora moe_r3"
 DEVICE=${DEVICE:-cuda}
 SMI=$([ "$DEVICE" = npu ] && echo "npu-smi info" || echo nvidia-smi)
 refuse() { echo "gpu_check: $*" >&2; exit 2; }
+known_part() { case " $ALL_PARTS " in *" $1 "*) return 0 ;; *) return 1 ;; esac; }
+
+PARTS=${PARTS:-${ALL_PARTS// /,}}
+IFS=', ' read -r -a PART_LIST <<< "$PARTS"
+[ "${#PART_LIST[@]}" -gt 0 ] || refuse "PARTS is empty: name some of ${ALL_PARTS// /,}"
+for part in "${PART_LIST[@]}"; do
+    known_part "$part" || refuse "PARTS=$PARTS: unknown part '$part'; the parts: ${ALL_PARTS// /,}"
+done
+PRINT_PART=""
+case "${PRINT_CONFIG:-0}" in
+    0) ;;
+    1) PRINT_PART=base ;;
+    *) known_part "$PRINT_CONFIG" || refuse "PRINT_CONFIG=$PRINT_CONFIG: use 1 (the base part) or a part: ${ALL_PARTS// /,}"
+       PRINT_PART=$PRINT_CONFIG ;;
+esac
 
 PYTHON=${PYTHON:-.venv/bin/python}
-if [ "${PRINT_CONFIG:-0}" = 1 ]; then
+if [ -n "$PRINT_PART" ]; then
     case "$DEVICE" in cuda|npu) ;; *) refuse "DEVICE=$DEVICE: use cuda or npu" ;; esac
     count=${NPROC:-2}
 else
@@ -69,38 +98,116 @@ NPROC=${NPROC:-$(( count < 2 ? count : 2 ))}
 TP=${TP:-$NPROC}
 STEPS=${STEPS:-3}
 MAX_LOGP_DIFF=${MAX_LOGP_DIFF:-1e-3}
+MIN_ROUTER_AGREEMENT=${MIN_ROUTER_AGREEMENT:-0.5}
 OUT=${OUT:-/tmp/rlcore_gpu_check.${USER:-$(id -u)}}
+JUDGE=high_digit  # the judge's reward component (scripts/gpu_check_report.py JUDGE reads reward/$JUDGE)
 
-ARGS=(train_grpo.py --config configs/demo_cpu.yaml
-    --model.path "$OUT/assets/tiny_qwen3"
-    --data.train_files "[\"$OUT/assets/data/toy_train.jsonl\"]" --data.val_files "[]"
-    --parallel.device "$DEVICE" --model.dtype bfloat16
-    --offload.params true --offload.optimizer true
-    --rollout.sleep_level 2 --rollout.weight_load "${WEIGHT_LOAD:-direct}"
-    --rollout.enforce_eager "${ENFORCE_EAGER:-false}"
-    --rollout.tensor_parallel_size "$TP" --rollout.gpu_memory_utilization "${GPU_MEM_UTIL:-0.3}"
-    --rollout.n 8 --rollout.max_num_seqs 128
-    --trainer.prompts_per_step 16 --trainer.total_steps "$STEPS" --trainer.output_dir "$OUT/run"
-    --trainer.val_before_train false --trainer.val_every 0
-    --checkpoint.resume never --checkpoint.save_hf_final false
-    "$@")
-if [ "${PRINT_CONFIG:-0}" = 1 ]; then
+# ---------------------------------------------------------------------------------------------
+# each part's train_grpo.py arguments: part_args PART [extra...] sets ARGS
+# ---------------------------------------------------------------------------------------------
+
+# What every part runs: the demo task on the dense tiny Qwen3 with the accelerator path.
+common_args() {
+    ARGS=(train_grpo.py --config configs/demo_cpu.yaml
+        --model.path "$OUT/assets/tiny_qwen3"
+        --data.train_files "[\"$OUT/assets/data/toy_train.jsonl\"]" --data.val_files "[]"
+        --parallel.device "$DEVICE" --model.dtype bfloat16
+        --offload.params true --offload.optimizer true
+        --rollout.sleep_level 2 --rollout.weight_load "${WEIGHT_LOAD:-direct}"
+        --rollout.enforce_eager "${ENFORCE_EAGER:-false}"
+        --rollout.tensor_parallel_size "$TP" --rollout.gpu_memory_utilization "${GPU_MEM_UTIL:-0.3}"
+        --rollout.n 8 --rollout.max_num_seqs 128
+        --trainer.prompts_per_step 16 --trainer.total_steps "$STEPS" --trainer.output_dir "$OUT/$1/run"
+        --trainer.val_before_train false --trainer.val_every 0
+        --checkpoint.resume never --checkpoint.save_hf_final false)
+}
+
+base_args() { :; }
+
+# The only reward is the tiny reward model's (configs/demo_judge_cpu.yaml's judge): a sequence-
+# classification head on its own vLLM engine, scoring the response's first word.
+judge_args() {
+    local template="{{ response.split()[0] if response.split() else '?' }}"
+    ARGS+=(--reward.components "{\"$JUDGE\": 1.0}"
+        --reward.models "[{\"name\": \"$JUDGE\", \"path\": \"$OUT/assets/tiny_rm_high_digits\",
+            \"kind\": \"discriminative\", \"template\": \"$template\", \"activation\": \"sigmoid\",
+            \"pass_threshold\": 0.5, \"max_model_len\": 32}]")
+}
+
+# LoRA pushes only the adapter, so vLLM must keep its base weights (level 1). lr 1e-2 (as
+# tests/test_lora.py) moves the adapter enough that a stale one shows in the mismatch from step 2.
+lora_args() {
+    ARGS+=(--lora.rank 8 --lora.alpha 16 --optim.lr 1e-2 --rollout.sleep_level 1)
+}
+
+# R3 needs vLLM's routed experts: prefix caching on (vLLM 0.32 requires it); MoE weights reload
+# (a direct load skips vLLM's post-load expert re-layout and is refused).
+moe_r3_args() {
+    ARGS+=(--model.path "$OUT/assets/tiny_qwen3_moe" --parallel.ep_size "$NPROC"
+        --rollout.weight_load reload --rollout.enable_prefix_caching true
+        --algorithm.routing_replay r3)
+}
+
+part_args() {
+    local part=$1
+    shift
+    common_args "$part"
+    "${part}_args"
+    ARGS+=("$@")
+}
+
+# Why PART cannot run on this device (nothing when it can).
+skip_reason() {
+    case "$1:$DEVICE" in
+        moe_r3:npu) echo "mixture-of-experts models are refused on Ascend NPUs with the pinned vllm-ascend 0.23.0" \
+                         "(its wake_up swaps the expert tensors for transposed views, rlcore/rollout_checks.py" \
+                         "check_npu_moe), so R3 routing replay has no model to run on there" ;;
+    esac
+}
+
+if [ -n "$PRINT_PART" ]; then
+    part_args "$PRINT_PART" "$@"
     exec "$PYTHON" "${ARGS[@]}" --print_config
 fi
+
+# ---------------------------------------------------------------------------------------------
+# the runs
+# ---------------------------------------------------------------------------------------------
 
 TORCHRUN=$(dirname "$PYTHON")/torchrun
 [ -x "$TORCHRUN" ] || TORCHRUN=torchrun
 export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false OMP_NUM_THREADS=${OMP_NUM_THREADS:-4}
 export PYTHONWARNINGS=${PYTHONWARNINGS:-ignore::FutureWarning}
 
-rm -rf "$OUT/run"
+# Runs PART; its outcome goes to REPORT_ARGS (--ran PART=EXIT_CODE or --skipped PART=REASON).
+run_part() {
+    local part=$1 rc=0 reason
+    shift
+    rm -rf "${OUT:?}/$part"
+    reason=$(skip_reason "$part")
+    if [ -n "$reason" ]; then
+        echo "gpu_check: $part skipped: $reason" >&2
+        REPORT_ARGS+=(--skipped "$part=$reason")
+        return
+    fi
+    mkdir -p "$OUT/$part"
+    part_args "$part" "$@"
+    echo "gpu_check: $part: $STEPS steps (log: $OUT/$part/train.log)" >&2
+    "$TORCHRUN" --standalone --nproc_per_node "$NPROC" "${ARGS[@]}" > "$OUT/$part/train.log" 2>&1 || rc=$?
+    [ "$rc" -eq 0 ] || { echo "gpu_check: $part: the trainer exited $rc; the end of $OUT/$part/train.log:" >&2
+                         tail -n 40 "$OUT/$part/train.log" >&2; }
+    REPORT_ARGS+=(--ran "$part=$rc")
+}
+
 mkdir -p "$OUT"
-echo "gpu_check: $DEVICE, $count visible, using $NPROC rank(s), rollout TP $TP; output in $OUT" >&2
+echo "gpu_check: $DEVICE, $count visible, using $NPROC rank(s), rollout TP $TP; parts ${PARTS// /}; output in $OUT" >&2
 "$PYTHON" scripts/prepare_demo.py --out "$OUT/assets" >&2
 
-rc=0
-"$TORCHRUN" --standalone --nproc_per_node "$NPROC" "${ARGS[@]}" > "$OUT/train.log" 2>&1 || rc=$?
-[ "$rc" -eq 0 ] || { echo "gpu_check: the trainer exited $rc; the end of $OUT/train.log:" >&2; tail -n 40 "$OUT/train.log" >&2; }
+REPORT_ARGS=()
+for part in "${PART_LIST[@]}"; do
+    run_part "$part" "$@"
+done
 
-exec "$PYTHON" scripts/gpu_check_report.py --run-dir "$OUT/run" --steps "$STEPS" --max-logp-diff "$MAX_LOGP_DIFF" \
-    --rc "$rc" --log "$OUT/train.log" --device "$DEVICE" --nproc "$NPROC" --tp "$TP"
+exec "$PYTHON" scripts/gpu_check_report.py --out "$OUT" "${REPORT_ARGS[@]}" --steps "$STEPS" \
+    --max-logp-diff "$MAX_LOGP_DIFF" --min-router-agreement "$MIN_ROUTER_AGREEMENT" \
+    --device "$DEVICE" --nproc "$NPROC" --tp "$TP"

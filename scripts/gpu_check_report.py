@@ -1,15 +1,25 @@
-"""The verdict of scripts/gpu_check.sh: reads the check run's metrics.jsonl and prints ONE JSON line
-with memory per phase (the last step's ``memory/*``), step time, the largest trainer-vs-vLLM
-log-prob difference after the weight sync, and ``"pass"`` with the reasons when it fails.
+"""The verdict of scripts/gpu_check.sh: reads each part's metrics.jsonl (OUT/PART/run) and prints ONE
+JSON line with, per part, memory per phase (the last step's ``memory/*``), step time, the largest
+trainer-vs-vLLM log-prob difference after the weight sync, what the part is for (the judge's
+reward, the router agreement under R3) and ``"pass"`` with the reasons when it fails; then the
+overall ``"pass"``.
 
-    python scripts/gpu_check_report.py --run-dir /tmp/rlcore_gpu_check.me/run [--steps 3] [--max-logp-diff 1e-3]
+    python scripts/gpu_check_report.py --out /tmp/rlcore_gpu_check.me --ran base=0 --ran judge=1 \
+        --skipped 'moe_r3=why' [--steps 3] [--max-logp-diff 1e-3] [--min-router-agreement 0.5]
+    python scripts/gpu_check_report.py --run-dir /tmp/rlcore_gpu_check.me/base/run [--part lora]   # one run
     python scripts/gpu_check_report.py --probe cuda|npu    # prints the device count, or "ERROR ..."
 
-A check passes when the trainer exited 0, logged every step, logged ``rollout/mismatch_max``
+Every part passes when the trainer exited 0, logged every step, logged ``rollout/mismatch_max``
 (max |trainer log-prob - vLLM log-prob| over the response tokens of a step) and
 ``rollout/mismatch_kl`` on every step, the largest mismatch_max is at most --max-logp-diff, no
-step had a non-finite loss or gradient norm, and memory and step time were logged.
-Exit code: 0 pass, 1 fail.
+step had a non-finite loss or gradient norm, and memory and step time were logged. On top:
+judge: the judge's component ``reward/high_digit`` logged every step, finite, in [0, 1] (sigmoid),
+every sample scored (``reward/high_digit_parse_fail_frac`` 0) and ``timing/judge_s`` logged;
+lora: a non-zero finite ``actor/grad_norm`` every step (the adapter learns) and at least 2 steps
+(the first sync of a trained adapter is checked at step 2); moe_r3: ``actor/router_agreement``
+(tokens whose trainer top-k already was vLLM's) at least --min-router-agreement every step and
+``actor/router_replay_missing`` 0. The whole check passes when at least one part ran and every part
+that ran passed (a skipped part, e.g. moe_r3 on NPU, is named with its reason). Exit code: 0 pass, 1 fail.
 """
 
 from __future__ import annotations
@@ -23,6 +33,8 @@ import sys
 MISMATCH_MAX = "rollout/mismatch_max"
 MISMATCH_KL = "rollout/mismatch_kl"
 STEP_TIME = "timing/step_s"
+PARTS = ("base", "judge", "lora", "moe_r3")
+JUDGE = "high_digit"  # the judge part's reward component (scripts/gpu_check.sh JUDGE)
 
 
 def read_rows(run_dir: str) -> list[dict]:
@@ -96,6 +108,94 @@ def report(rows: list[dict], *, steps: int, max_logp_diff: float, rc: int = 0, l
     return out
 
 
+def _per_step(rows: list[dict], key: str, out: dict, name: str, reasons: list[str]) -> list[float] | None:
+    """``key``'s values on every step into out[name + "_per_step"]; None (with the reason) when a step
+    lacks it or a value is not finite."""
+    missing = [r["step"] for r in rows if key not in r]
+    values = [number(r[key]) for r in rows if key in r]
+    out[f"{name}_per_step"] = [_round(v, 8) for v in values]
+    if missing:
+        reasons.append(f"metric {key} is missing from metrics.jsonl (steps {missing})")
+        return None
+    if not all(math.isfinite(v) for v in values):
+        reasons.append(f"metric {key} is not finite: {out[f'{name}_per_step']}")
+        return None
+    return values
+
+
+def check_judge(rows: list[dict], out: dict, reasons: list[str], **_) -> None:
+    """The judge scored every sample of every step, within the sigmoid's range."""
+    values = _per_step(rows, f"reward/{JUDGE}", out, "judge_reward", reasons)
+    if values is not None and not all(0.0 <= v <= 1.0 for v in values):
+        reasons.append(f"reward/{JUDGE} outside [0, 1] (a sigmoid head's range): {out['judge_reward_per_step']}")
+    failed = _per_step(rows, f"reward/{JUDGE}_parse_fail_frac", out, "judge_unscored_frac", reasons)
+    if failed is not None and max(failed) > 0:
+        reasons.append(f"reward/{JUDGE}_parse_fail_frac={max(failed):g}: the judge returned no score for some "
+                       f"samples (see the log's warnings)")
+    timing = _per_step(rows, "timing/judge_s", out, "judge_s", reasons)
+    out["judge_s"] = _round(timing[-1], 3) if timing else None  # the last step's scoring time
+
+
+def check_lora(rows: list[dict], out: dict, reasons: list[str], *, steps: int, **_) -> None:
+    """The adapter gets gradients, and a trained adapter's sync is checked (the mismatch from step 2)."""
+    if steps < 2:
+        reasons.append(f"--steps {steps}: the LoRA part needs at least 2 steps (step 1 samples from the initial "
+                       f"adapter, which changes nothing; the first synced trained adapter is checked at step 2)")
+    norms = _per_step(rows, "actor/grad_norm", out, "grad_norm", reasons)
+    if norms is not None and not all(v > 0 for v in norms):
+        reasons.append(f"actor/grad_norm is 0 on some step ({out['grad_norm_per_step']}): the adapter gets no gradient")
+
+
+def check_moe_r3(rows: list[dict], out: dict, reasons: list[str], *, min_router_agreement: float, **_) -> None:
+    """R3: vLLM's routed experts reached every training forward (none missing) and the trainer's own
+    routers mostly agree with them (a wrong layer or expert mapping agrees at chance, 1/6 for top-2 of 4)."""
+    agree = _per_step(rows, "actor/router_agreement", out, "router_agreement", reasons)
+    out["router_agreement"] = _round(min(agree), 6) if agree else None
+    out["min_router_agreement"] = min_router_agreement
+    if agree is not None and min(agree) < min_router_agreement:
+        reasons.append(f"actor/router_agreement={min(agree):.3g} < {min_router_agreement:g}: the trainer's routers "
+                       f"disagree with the experts vLLM returned (wrong layer/expert mapping, or different weights)")
+    missing = _per_step(rows, "actor/router_replay_missing", out, "router_replay_missing", reasons)
+    if missing is not None and max(missing) > 0:
+        reasons.append(f"actor/router_replay_missing={max(missing):g}: tokens without vLLM's routing in a training "
+                       f"forward")
+
+
+PART_CHECKS = {"judge": check_judge, "lora": check_lora, "moe_r3": check_moe_r3}
+
+
+def part_report(part: str, rows: list[dict], *, steps: int, max_logp_diff: float, min_router_agreement: float = 0.5,
+                rc: int = 0, log: str | None = None) -> dict:
+    """``report`` and the part's own checks (PART_CHECKS) on its rows."""
+    out = report(rows, steps=steps, max_logp_diff=max_logp_diff, rc=rc, log=log)
+    if rows and part in PART_CHECKS:
+        PART_CHECKS[part](rows, out, out["reasons"], steps=steps, min_router_agreement=min_router_agreement)
+        out["pass"] = not out["reasons"]
+    return out
+
+
+def overall(parts: dict[str, dict]) -> dict:
+    """The whole check from each part's result ({"skipped": why} for a skipped one): passes when a
+    part ran and every part that ran passed; reasons are "part: reason"."""
+    ran = {name: p for name, p in parts.items() if "skipped" not in p}
+    reasons = [f"{name}: {r}" for name, p in ran.items() for r in p["reasons"]]
+    if not ran:
+        reasons.append("no part ran (" + "; ".join(f"{n} skipped: {p['skipped']}" for n, p in parts.items()) + ")")
+    return {"pass": not reasons, "reasons": reasons, "passed": [n for n, p in ran.items() if p["pass"]],
+            "failed": [n for n, p in ran.items() if not p["pass"]],
+            "skipped": [n for n, p in parts.items() if "skipped" in p]}
+
+
+def _named(values: list[str], flag: str, ap) -> list[tuple[str, str]]:
+    pairs = []
+    for v in values:
+        name, sep, rest = v.partition("=")
+        if not sep or name not in PARTS:
+            ap.error(f"{flag} {v!r}: give PART=VALUE with PART one of {', '.join(PARTS)}")
+        pairs.append((name, rest))
+    return pairs
+
+
 def probe(device: str) -> str:
     """The number of visible devices, or a line starting with ERROR saying why there are none."""
     try:
@@ -120,11 +220,17 @@ def probe(device: str) -> str:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--probe", choices=["cuda", "npu"], help="print the visible device count and exit")
-    ap.add_argument("--run-dir", help="the check run's trainer.output_dir (holds metrics.jsonl)")
+    ap.add_argument("--out", help="gpu_check.sh's OUT: part P's run in OUT/P/run, its log OUT/P/train.log")
+    ap.add_argument("--ran", action="append", default=[], metavar="PART=RC", help="a part that ran and the "
+                    "trainer's exit code (in the order run)")
+    ap.add_argument("--skipped", action="append", default=[], metavar="PART=REASON", help="a part not run, and why")
+    ap.add_argument("--run-dir", help="one run's trainer.output_dir (holds metrics.jsonl), instead of --out")
+    ap.add_argument("--part", choices=PARTS, default="base", help="with --run-dir: the part's checks to apply")
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--max-logp-diff", type=float, default=1e-3)
-    ap.add_argument("--rc", type=int, default=0, help="the trainer's exit code")
-    ap.add_argument("--log", help="the trainer's log file (named in the reasons)")
+    ap.add_argument("--min-router-agreement", type=float, default=0.5)
+    ap.add_argument("--rc", type=int, default=0, help="with --run-dir: the trainer's exit code")
+    ap.add_argument("--log", help="with --run-dir: the trainer's log file (named in the reasons)")
     ap.add_argument("--device")
     ap.add_argument("--nproc", type=int)
     ap.add_argument("--tp", type=int)
@@ -132,14 +238,31 @@ def main(argv=None) -> int:
     if args.probe:
         print(probe(args.probe))
         return 0
-    if not args.run_dir:
-        ap.error("--run-dir is required")
-    result = report(read_rows(args.run_dir), steps=args.steps, max_logp_diff=args.max_logp_diff, rc=args.rc,
-                    log=args.log)
-    head = {"check": "gpu_check", "pass": result.pop("pass")}
+    if bool(args.run_dir) == bool(args.out):
+        ap.error("give --out (every part of a gpu_check.sh run) or --run-dir (one run)")
+    limits = {"steps": args.steps, "max_logp_diff": args.max_logp_diff,
+              "min_router_agreement": args.min_router_agreement}
     extra = {k: v for k, v in (("device", args.device), ("nproc", args.nproc), ("tp", args.tp)) if v is not None}
-    print(json.dumps({**head, **result, **extra, "run_dir": args.run_dir}), flush=True)
-    return 0 if head["pass"] else 1
+    if args.run_dir:
+        result = part_report(args.part, read_rows(args.run_dir), rc=args.rc, log=args.log, **limits)
+        head = {"check": "gpu_check", "pass": result.pop("pass")}
+        print(json.dumps({**head, **result, **extra, "run_dir": args.run_dir}), flush=True)
+        return 0 if head["pass"] else 1
+    if not args.ran and not args.skipped:
+        ap.error("name the parts: --ran PART=RC for each part that ran, --skipped PART=REASON for each skipped one")
+    parts: dict[str, dict] = {}
+    for name, rc in _named(args.ran, "--ran", ap):
+        if not rc.lstrip("-").isdigit():
+            ap.error(f"--ran {name}={rc}: the exit code must be an integer")
+        run_dir, log = os.path.join(args.out, name, "run"), os.path.join(args.out, name, "train.log")
+        parts[name] = {**part_report(name, read_rows(run_dir), rc=int(rc), log=log, **limits),
+                       "run_dir": run_dir, "log": log}
+    for name, reason in _named(args.skipped, "--skipped", ap):
+        parts[name] = {"pass": None, "skipped": reason}
+    parts = {name: parts[name] for name in PARTS if name in parts}  # in gpu_check.sh's default order
+    verdict = overall(parts)
+    print(json.dumps({"check": "gpu_check", **verdict, "parts": parts, **extra, "out": args.out}), flush=True)
+    return 0 if verdict["pass"] else 1
 
 
 if __name__ == "__main__":

@@ -1,6 +1,8 @@
 """scripts/gpu_check.sh and its verdict (scripts/gpu_check_report.py), on a machine without a GPU:
-the script refuses clearly, and the report passes or fails synthetic metrics.jsonl files for the
-right reasons. The check itself (3 GRPO steps on 1-2 GPUs) needs a GPU and is not run here."""
+the script refuses clearly, every part's trainer arguments (base, judge, lora, moe_r3) parse and
+resolve for cuda and npu, the parts run in order with stand-ins for torchrun (skip and failure
+included), and the report passes or fails synthetic metrics.jsonl files for the right reasons, per
+part and overall. The check itself (a few GRPO steps per part on 1-2 GPUs) needs a GPU and is not run here."""
 
 from __future__ import annotations
 
@@ -67,25 +69,202 @@ def test_gpu_check_refuses_when_torch_sees_no_gpu(tmp_path):
 
 
 @pytest.mark.unit
-def test_gpu_check_overrides_are_valid_trainer_config(tmp_path):
-    """The check's train_grpo.py arguments parse against the current config (PRINT_CONFIG=1 skips
-    the device checks), and they select the accelerator path the check is for."""
+def test_gpu_check_refuses_unknown_parts(tmp_path):
+    """A typo in PARTS or PRINT_CONFIG stops before the device checks (exit 2, the valid names)."""
+    proc = run_check({"PATH": bare_path(tmp_path), "PARTS": "base,lroa"}, tmp_path)
+    assert proc.returncode == 2 and "unknown part 'lroa'" in proc.stderr and "base,judge,lora,moe_r3" in proc.stderr
+    assert not (tmp_path / "out").exists()
+    proc = run_check({"PATH": str(tmp_path / "bin"), "PRINT_CONFIG": "moe"}, tmp_path)
+    assert proc.returncode == 2 and "PRINT_CONFIG=moe" in proc.stderr, proc.stderr
+
+
+PARTS = ("base", "judge", "lora", "moe_r3")
+
+
+@pytest.fixture(scope="module")
+def check_out(tmp_path_factory) -> str:
+    """An OUT with the assets gpu_check.sh builds (scripts/prepare_demo.py --out OUT/assets)."""
+    out = tmp_path_factory.mktemp("gpu_check_out")
+    proc = subprocess.run([sys.executable, os.path.join(REPO, "scripts", "prepare_demo.py"), "--out",
+                           str(out / "assets")], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return str(out)
+
+
+def printed_config(part: str, device: str, out: str, tmp_path, **env) -> tuple[dict, str]:
+    """gpu_check.sh's config for ``part`` (PRINT_CONFIG=part): as YAML (a dict) and its file."""
     import yaml
 
-    for device in ("cuda", "npu"):
-        proc = run_check({"PRINT_CONFIG": "1", "DEVICE": device, "PYTHON": sys.executable, "NPROC": "2"}, tmp_path)
-        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-        cfg = yaml.safe_load(proc.stdout)
+    proc = subprocess.run(["bash", SCRIPT], cwd=REPO, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "OUT": out, "PRINT_CONFIG": "1" if part == "base" else part,
+                               "DEVICE": device, "PYTHON": sys.executable, "NPROC": "2", **env})
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    path = tmp_path / f"{part}_{device}.yaml"
+    path.write_text(proc.stdout)
+    return yaml.safe_load(proc.stdout), str(path)
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("device", ["cuda", "npu"])
+def test_gpu_check_overrides_are_valid_trainer_config(device, check_out, tmp_path, capsys):
+    """Each part's train_grpo.py arguments parse against the current config (PRINT_CONFIG=PART skips
+    the device checks), select the accelerator path and the part's feature, and resolve for the
+    device against the assets prepare_demo.py builds, with sizes that fit the 2 ranks. On npu the
+    trainer refuses moe_r3's MoE model, which is why gpu_check.sh skips that part there."""
+    import gpu_check_report
+    from rlcore.cli import parse_config
+    from rlcore.preflight import validate_against_world
+
+    assets = os.path.join(check_out, "assets")
+    for part in PARTS:
+        cfg, path = printed_config(part, device, check_out, tmp_path)
         assert cfg["parallel"]["device"] == device and cfg["model"]["dtype"] == "bfloat16"
         assert cfg["offload"]["params"] is True and cfg["offload"]["optimizer"] is True
         r = cfg["rollout"]
-        assert (r["sleep_level"], r["weight_load"], r["enforce_eager"], r["tensor_parallel_size"]) == (2, "direct", False, 2)
-        assert cfg["trainer"]["total_steps"] == 3 and cfg["trainer"]["output_dir"] == str(tmp_path / "out" / "run")
-        assert cfg["model"]["path"] == str(tmp_path / "out" / "assets" / "tiny_qwen3")
-    proc = run_check({"PRINT_CONFIG": "1", "PYTHON": sys.executable, "NPROC": "1", "WEIGHT_LOAD": "reload",
-                      "ENFORCE_EAGER": "true"}, tmp_path)
-    r = yaml.safe_load(proc.stdout)["rollout"]
-    assert (r["weight_load"], r["enforce_eager"], r["tensor_parallel_size"]) == ("reload", True, 1)
+        assert (r["enforce_eager"], r["tensor_parallel_size"]) == (False, 2)
+        assert cfg["trainer"]["total_steps"] == 3 and cfg["trainer"]["output_dir"] == os.path.join(check_out, part, "run")
+        assert cfg["checkpoint"]["resume"] == "never"
+        model = "tiny_qwen3_moe" if part == "moe_r3" else "tiny_qwen3"
+        assert cfg["model"]["path"] == os.path.join(assets, model)
+        assert (r["sleep_level"], r["weight_load"]) == {"lora": (1, "direct"), "moe_r3": (2, "reload")}.get(part, (2, "direct"))
+        assert (cfg["lora"]["rank"] > 0) == (part == "lora")
+        assert (cfg["algorithm"]["routing_replay"] == "r3") == (part == "moe_r3")
+        judges = cfg["reward"]["models"]
+        assert bool(judges) == (part == "judge")
+        if part == "judge":  # the judge the report reads (reward/<JUDGE>), and its only reward
+            assert [j["name"] for j in judges] == [gpu_check_report.JUDGE]
+            assert cfg["reward"]["components"] == {gpu_check_report.JUDGE: 1.0}
+            assert judges[0]["path"] == os.path.join(assets, "tiny_rm_high_digits")
+        if part == "moe_r3":
+            assert cfg["parallel"]["ep_size"] == 2 and r["enable_prefix_caching"] is True
+
+        if part == "moe_r3" and device == "npu":
+            with pytest.raises(SystemExit) as e:
+                parse_config(["--config", path], device_type=device)
+            assert e.value.code == 2 and "vllm-ascend 0.23.0" in capsys.readouterr().err
+            continue
+        resolved = parse_config(["--config", path], device_type=device)
+        validate_against_world(resolved, 2)
+        assert resolved.rollout.sleep_level == (1 if part == "lora" else 2)
+        assert resolved.rollout.check_sync == ("off" if part == "lora" else "warn")
+        if part == "moe_r3":
+            assert resolved.model.moe_implementation == {"cuda": "triton", "npu": "npu"}[device]
+        if part == "judge":
+            assert resolved.reward.judges()[0].kind == "discriminative"
+
+
+@pytest.mark.unit
+def test_gpu_check_knobs_reach_every_part(check_out, tmp_path):
+    """NPROC, WEIGHT_LOAD, ENFORCE_EAGER, STEPS and extra arguments reach each part (moe_r3 reloads
+    whatever WEIGHT_LOAD says: a direct load is refused for MoE); extra arguments come last and win."""
+    env = {"NPROC": "1", "WEIGHT_LOAD": "reload", "ENFORCE_EAGER": "true", "STEPS": "2"}
+    for part in PARTS:
+        cfg, _ = printed_config(part, "cuda", check_out, tmp_path, **env)
+        r = cfg["rollout"]
+        assert (r["weight_load"], r["enforce_eager"], r["tensor_parallel_size"]) == ("reload", True, 1)
+        assert cfg["trainer"]["total_steps"] == 2 and cfg["parallel"]["ep_size"] == 1
+    proc = subprocess.run(["bash", SCRIPT, "--rollout.sleep_level", "0", "--trainer.seed", "7"], cwd=REPO,
+                          env={**os.environ, "OUT": check_out, "PRINT_CONFIG": "lora", "PYTHON": sys.executable},
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "  sleep_level: 0\n" in proc.stdout and "  seed: 7\n" in proc.stdout
+
+
+# ---------------------------------------------------------------------------------------------
+# the parts in order, with stand-ins for the device, torchrun and the assets
+# ---------------------------------------------------------------------------------------------
+
+FAKE_PYTHON = """#!/bin/bash
+case "$1 $2" in
+    "scripts/gpu_check_report.py --probe") echo "a library's banner"; echo 2; exit 0 ;;
+    "scripts/prepare_demo.py --out") mkdir -p "$3"; exit 0 ;;
+esac
+exec {python} "$@"
+"""
+
+# torchrun's stand-in: the part's hand-written metrics into trainer.output_dir, its arguments
+# beside them, exit code FAKE_RC_<part> (0)
+FAKE_TORCHRUN = """#!{python}
+import json, os, shutil, sys
+args = sys.argv[1:]
+run = args[len(args) - 1 - args[::-1].index("--trainer.output_dir") + 1]
+part = os.path.basename(os.path.dirname(run))
+os.makedirs(run)
+with open(os.path.join(os.path.dirname(run), "argv.json"), "w") as f:
+    json.dump(args, f)
+shutil.copy(os.path.join(os.environ["FAKE_ROWS"], part + ".jsonl"), os.path.join(run, "metrics.jsonl"))
+print("trainer of", part)
+sys.exit(int(os.environ.get("FAKE_RC_" + part, "0")))
+"""
+
+
+def good_rows(part: str) -> list[dict]:
+    extra = {"judge": {f"reward/{gpu_check_report.JUDGE}": 0.4, f"reward/{gpu_check_report.JUDGE}_parse_fail_frac": 0.0,
+                       "timing/judge_s": 0.3},
+             "moe_r3": {"actor/router_agreement": 0.93, "actor/router_replay_missing": 0.0}}.get(part, {})
+    return [row(s, **extra) for s in (1, 2, 3)]
+
+
+def fake_run(tmp_path, device: str, rows: dict[str, list[dict]], *args, **env) -> subprocess.CompletedProcess:
+    bin_dir = tmp_path / "fakebin"
+    bin_dir.mkdir(parents=True)
+    tools = {"python": FAKE_PYTHON, "torchrun": FAKE_TORCHRUN, "nvidia-smi": "#!/bin/bash\n", "npu-smi": "#!/bin/bash\n"}
+    for name, text in tools.items():
+        (bin_dir / name).write_text(text.format(python=sys.executable))
+        (bin_dir / name).chmod(0o755)
+    (tmp_path / "rows").mkdir()
+    for part, part_rows in rows.items():
+        (tmp_path / "rows" / f"{part}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in part_rows))
+    env = {"PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "PYTHON": str(bin_dir / "python"), "DEVICE": device,
+           "FAKE_ROWS": str(tmp_path / "rows"), "ASCEND_HOME": str(tmp_path / "no_cann"), **env}
+    return subprocess.run(["bash", SCRIPT, *args], cwd=REPO, env={**os.environ, "OUT": str(tmp_path / "out"), **env},
+                          capture_output=True, text=True, timeout=300)
+
+
+def verdict(proc: subprocess.CompletedProcess) -> dict:
+    lines = proc.stdout.splitlines()
+    assert len(lines) == 1, proc.stdout + proc.stderr  # one JSON line, nothing else on stdout
+    return json.loads(lines[0])
+
+
+@pytest.mark.unit
+def test_gpu_check_runs_each_part_and_skips_moe_on_npu(tmp_path):
+    """DEVICE=npu, all parts: base, judge and lora run (each its own torchrun with its arguments
+    and the extra ones last), moe_r3 is skipped with the reason; one failing part fails the check."""
+    out = tmp_path / "out"
+    proc = fake_run(tmp_path, "npu", {p: good_rows(p) for p in PARTS}, "--trainer.seed", "7", FAKE_RC_lora="1")
+    res = verdict(proc)
+    assert proc.returncode == 1 and res["pass"] is False, res
+    assert (res["passed"], res["failed"], res["skipped"]) == (["base", "judge"], ["lora"], ["moe_r3"])
+    assert list(res["parts"]) == list(PARTS) and (res["device"], res["nproc"], res["tp"]) == ("npu", 2, 2)
+    assert res["reasons"] == [f"lora: the trainer exited 1 (see {out}/lora/train.log)"]
+    assert "vllm-ascend 0.23.0" in res["parts"]["moe_r3"]["skipped"] and res["parts"]["moe_r3"]["pass"] is None
+    assert not (out / "moe_r3").exists() and "moe_r3 skipped" in proc.stderr
+    assert "lora: the trainer exited 1" in proc.stderr and "trainer of lora" in proc.stderr  # the log's end
+    for part in ("base", "judge", "lora"):
+        argv = json.loads((out / part / "argv.json").read_text())
+        assert argv[:4] == ["--standalone", "--nproc_per_node", "2", "train_grpo.py"] and argv[-2:] == ["--trainer.seed", "7"]
+        assert ("--lora.rank" in argv) == (part == "lora") and ("--reward.models" in argv) == (part == "judge")
+        assert res["parts"][part]["run_dir"] == str(out / part / "run") and (out / part / "train.log").exists()
+
+
+@pytest.mark.unit
+def test_gpu_check_parts_switch(tmp_path):
+    """PARTS picks the parts (on cuda moe_r3 runs); a rerun replaces a part's old output."""
+    out = tmp_path / "out"
+    (out / "moe_r3" / "run").mkdir(parents=True)
+    (out / "moe_r3" / "run" / "metrics.jsonl").write_text("stale\n")
+    proc = fake_run(tmp_path, "cuda", {p: good_rows(p) for p in PARTS}, PARTS="moe_r3, base", NPROC="1")
+    res = verdict(proc)
+    assert proc.returncode == 0 and res["pass"] is True and res["reasons"] == [], res
+    assert list(res["parts"]) == ["base", "moe_r3"] and res["skipped"] == [] and res["nproc"] == 1
+    assert res["parts"]["moe_r3"]["router_agreement"] == 0.93
+    argv = json.loads((out / "moe_r3" / "argv.json").read_text())
+    assert argv[argv.index("--algorithm.routing_replay") + 1] == "r3" and not (out / "judge").exists()
+    # every part skipped: nothing was checked, which is no pass
+    proc = fake_run(tmp_path / "again", "npu", {}, PARTS="moe_r3")
+    res = verdict(proc)
+    assert proc.returncode == 1 and res["pass"] is False and res["reasons"][0].startswith("no part ran (moe_r3 skipped:")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -104,7 +283,7 @@ def row(step: int, **over) -> dict:
 
 def write_run(tmp_path, rows) -> str:
     run = tmp_path / "run"
-    run.mkdir(exist_ok=True)
+    run.mkdir(parents=True, exist_ok=True)
     (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     return str(run)
 
@@ -168,6 +347,92 @@ def test_report_keeps_the_last_row_of_a_repeated_step(tmp_path):
     rows = [row(1), row(2), row(3, **{"rollout/mismatch_max": 0.5}), row(3)]  # step 3 logged again
     assert [r["rollout/mismatch_max"] for r in gpu_check_report.read_rows(write_run(tmp_path, rows))] == \
         pytest.approx([2e-4, 4e-4, 6e-4])
+
+
+def part_reasons(part: str, rows: list[dict], **limits) -> list[str]:
+    limits = {"steps": 3, "max_logp_diff": 1e-3, **limits}
+    out = gpu_check_report.part_report(part, rows, **limits)
+    assert out["pass"] is (not out["reasons"])
+    return out["reasons"]
+
+
+@pytest.mark.unit
+def test_report_judge_part(tmp_path):
+    J = gpu_check_report.JUDGE
+    good = good_rows("judge")
+    out = gpu_check_report.part_report("judge", good, steps=3, max_logp_diff=1e-3)
+    assert out["pass"] is True and out["judge_reward_per_step"] == [0.4] * 3 and out["judge_s"] == 0.3
+    assert part_reasons("base", [row(s) for s in (1, 2, 3)]) == []  # base needs no judge metrics ...
+    missing = part_reasons("judge", [row(s) for s in (1, 2, 3)])  # ... the judge part does
+    assert missing == [f"metric reward/{J} is missing from metrics.jsonl (steps [1, 2, 3])",
+                       f"metric reward/{J}_parse_fail_frac is missing from metrics.jsonl (steps [1, 2, 3])",
+                       "metric timing/judge_s is missing from metrics.jsonl (steps [1, 2, 3])"]
+    bad = [good[0], {**good[1], f"reward/{J}": 1.7}, {**good[2], f"reward/{J}_parse_fail_frac": 0.25}]
+    text = " | ".join(part_reasons("judge", bad))
+    assert f"reward/{J} outside [0, 1]" in text and f"reward/{J}_parse_fail_frac=0.25" in text
+    assert "not finite" in part_reasons("judge", [good[0], good[1], {**good[2], f"reward/{J}": "nan"}])[0]
+
+
+@pytest.mark.unit
+def test_report_lora_part():
+    assert part_reasons("lora", good_rows("lora")) == []
+    reasons = part_reasons("lora", [row(1), row(2, **{"actor/grad_norm": 0.0}), row(3)])
+    assert reasons == ["actor/grad_norm is 0 on some step ([0.5, 0.0, 0.5]): the adapter gets no gradient"]
+    assert "needs at least 2 steps" in part_reasons("lora", [row(1)], steps=1)[0]
+    # a stale adapter in vLLM shows as the mismatch from step 2: the base checks apply to every part
+    reasons = part_reasons("lora", [row(1), row(2, **{"rollout/mismatch_max": 0.3}), row(3)])
+    assert len(reasons) == 1 and reasons[0].startswith("rollout/mismatch_max=0.3 > 0.001")
+
+
+@pytest.mark.unit
+def test_report_moe_r3_part():
+    good = good_rows("moe_r3")
+    out = gpu_check_report.part_report("moe_r3", good, steps=3, max_logp_diff=1e-3, min_router_agreement=0.5)
+    assert out["pass"] is True and out["router_agreement"] == 0.93 and out["min_router_agreement"] == 0.5
+    bad = [good[0], {**good[1], "actor/router_agreement": 0.17}, {**good[2], "actor/router_replay_missing": 12.0}]
+    reasons = part_reasons("moe_r3", bad)
+    assert len(reasons) == 2 and reasons[0].startswith("actor/router_agreement=0.17 < 0.5")
+    assert reasons[1].startswith("actor/router_replay_missing=12")
+    assert part_reasons("moe_r3", bad[:2] + [good[2]], min_router_agreement=0.1) == []
+    reasons = part_reasons("moe_r3", [row(s) for s in (1, 2, 3)])  # R3 never ran (e.g. an r2 or dense run)
+    assert [r.split(" is missing")[0] for r in reasons] == ["metric actor/router_agreement",
+                                                           "metric actor/router_replay_missing"]
+
+
+@pytest.mark.unit
+def test_report_of_all_parts(tmp_path):
+    """--out with --ran/--skipped: each part's run read from OUT/PART/run, the verdict overall."""
+    out = tmp_path / "out"
+    for part in PARTS:
+        write_run(out / part, good_rows(part))
+    ran = [f"--ran={p}=0" for p in ("lora", "base", "judge", "moe_r3")]
+    proc = subprocess.run([sys.executable, REPORT, "--out", str(out), *ran, "--device", "cuda", "--nproc", "1"],
+                          capture_output=True, text=True, timeout=60)
+    res = verdict(proc)
+    assert proc.returncode == 0 and res["pass"] is True and res["passed"] == list(PARTS) == list(res["parts"]), res
+    assert res["parts"]["judge"]["log"] == str(out / "judge" / "train.log") and res["out"] == str(out)
+    assert res["nproc"] == 1 and "tp" not in res
+    # a judge that scored nothing, moe_r3 skipped: the judge fails the whole check, the skip does not
+    write_run(out / "judge", [{**r, f"reward/{gpu_check_report.JUDGE}_parse_fail_frac": 1.0} for r in good_rows("judge")])
+    proc = subprocess.run([sys.executable, REPORT, "--out", str(out), "--ran", "base=0", "--ran", "judge=0",
+                           "--skipped", "moe_r3=not on npu"], capture_output=True, text=True, timeout=60)
+    res = verdict(proc)
+    assert proc.returncode == 1 and (res["passed"], res["failed"], res["skipped"]) == (["base"], ["judge"], ["moe_r3"])
+    assert res["reasons"] == [f"judge: {r}" for r in res["parts"]["judge"]["reasons"]] and len(res["reasons"]) == 1
+    assert res["parts"]["moe_r3"] == {"pass": None, "skipped": "not on npu"}
+    # a part name the report does not know, or no run named at all: a usage error
+    for bad in (["--ran", "moe=0"], ["--ran", "base=x"], []):
+        proc = subprocess.run([sys.executable, REPORT, "--out", str(out), *bad], capture_output=True, text=True,
+                              timeout=60)
+        assert proc.returncode == 2 and proc.stdout == "", bad
+
+
+@pytest.mark.unit
+def test_report_one_run_with_a_part(tmp_path):
+    """--run-dir with --part applies that part's checks to one run (a rerun's verdict by hand)."""
+    run = write_run(tmp_path, [row(1), row(2), row(3)])
+    rc, out, _ = cli(run, "--part", "moe_r3")
+    assert rc == 1 and "actor/router_agreement is missing" in out["reasons"][0]
 
 
 # ---------------------------------------------------------------------------------------------
