@@ -116,7 +116,8 @@ def build_rollout(model: ModelConfig, rollout: RolloutConfig, info: DistInfo, se
     return ColocateRollout(
         model.path, info, tp_size=r.tensor_parallel_size, seed=seed, max_model_len=r.max_model_len,
         dtype=r.dtype or model.dtype, kv_cache_gb=r.kv_cache_gb, gpu_memory_utilization=r.gpu_memory_utilization,
-        sleep_level=r.sleep_level, weight_load=r.weight_load, enforce_eager=r.enforce_eager,
+        sleep_level=r.sleep_level, emulate_sleep=r.emulate_sleep, weight_load=r.weight_load,
+        enforce_eager=r.enforce_eager,
         max_num_seqs=r.max_num_seqs, max_num_batched_tokens=r.max_num_batched_tokens,
         enable_prefix_caching=r.enable_prefix_caching, block_size=r.block_size,
         return_routed_experts=routed_experts, lora_rank=lora_rank,

@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from rlcore import hf_export, rollout_lora, torchvision_shim
+from rlcore import cpu_sleep, hf_export, rollout_lora, torchvision_shim, vllm_globals
 from rlcore.config import model_num_experts
 from rlcore.cpu_kv import clear_stale_cpu_shm, release_cpu_kv as _release_cpu_kv, resume_cpu_kv as _resume_cpu_kv
 from rlcore.cpu_repack import cpu_repack_on_reload
@@ -154,6 +154,7 @@ class ColocateRollout:
         lora_rank: int = 0,
         runner: str = "generate",
         sleep_mode: bool = True,
+        emulate_sleep: bool = False,
     ):
         """``enforce_eager`` None: eager on CPU, CUDA/ACL graphs on accelerators (they survive
         sleep/wake: see rollout_checks.pick_enforce_eager). ``max_num_seqs``,
@@ -164,7 +165,10 @@ class ColocateRollout:
         {"image": 2, "video": 0}, the most items of each kind a prompt may have (None: vLLM's
         default, 999); ``mm_processor_cache_gb`` None turns vLLM's cache of processed images off
         for a multimodal model (new images every step: it would only fill host memory, see
-        rollout_checks.multimodal_kwargs). A text model gets neither unless they are given."""
+        rollout_checks.multimodal_kwargs). A text model gets neither unless they are given.
+
+        ``emulate_sleep`` (CPU only; tests and debugging): ``sleep_level`` 1 and 2 act on the CPU
+        engine's weights as vLLM's sleep mode does on a device (rlcore.cpu_sleep)."""
         if tp_size < 1 or info.world_size % tp_size:
             raise ValueError(f"tp_size={tp_size} must divide world_size={info.world_size}")
         self.info = info
@@ -173,7 +177,11 @@ class ColocateRollout:
         self.dp_size = info.world_size // tp_size
         self.seed = seed
         self.enforce_eager = _pick_enforce_eager(info.device_type, enforce_eager)
-        self.sleep_level = _pick_sleep_level(info.device_type, sleep_level)
+        if emulate_sleep and info.device_type != "cpu":
+            raise ValueError(f"emulate_sleep is for CPU engines; on {info.device_type} vLLM's sleep mode is real")
+        self.emulate_sleep = emulate_sleep
+        self.sleep_level = _pick_sleep_level(info.device_type, sleep_level, emulate=emulate_sleep)
+        self._sleeping = None  # emulated sleep: the weights cpu_sleep.sleep_weights freed
         self.weight_load = _pick_weight_load(info.device_type, weight_load, moe=model_num_experts(model_path) > 0)
         # Freed memory kinds ("weights", "kv_cache"): generate() needs none, update_weights()
         # needs the weights resident.
@@ -184,6 +192,7 @@ class ColocateRollout:
         self._full_names: frozenset[str] | None = None  # names of the last full update
         self._kv_storages: list[tuple[torch.UntypedStorage, int]] = []  # CPU release bookkeeping
         self._unseeded_calls = 0  # generate(seed=None) calls so far (see unseeded_call_seed)
+        self._workspace = None  # vLLM's workspace manager this engine's build bound (vllm_globals)
         multimodal_guess = is_multimodal_config(_model_config_json(model_path))
 
         if info.device_type == "cpu" and tp_size > 1:  # a killed run's shm files would fail this engine
@@ -240,22 +249,28 @@ class ColocateRollout:
         check_engine_kwargs((f.name for f in dataclasses.fields(EngineArgs)), kwargs)
         # A model class vLLM has not inspected before is inspected in a fresh interpreter, which
         # needs rlcore's torchvision shim too (rollout_checks.registry_subprocess_command).
-        with registry_subprocess_with_shim(registry, torchvision_shim.stubbed, _PACKAGE_ROOT):
-            return LLM(**kwargs)
+        # A rotary cache of its own; the workspace manager it binds is kept as its own (vllm_globals).
+        with registry_subprocess_with_shim(registry, torchvision_shim.stubbed, _PACKAGE_ROOT), \
+                vllm_globals.engine_build({}) as owned:
+            llm = LLM(**kwargs)
+        self._workspace = owned["workspace"]
+        return llm
 
     def describe(self) -> str:
         """The engine settings in effect, in one line (for the start-up log)."""
         return describe_engine(self.llm.llm_engine.vllm_config, device_type=self.info.device_type,
                                tp_size=self.tp_size, dp_size=self.dp_size, weight_load=self.weight_load,
-                               sleep_level=self.sleep_level)
+                               sleep_level=self.sleep_level, emulate_sleep=self.emulate_sleep)
 
     @contextmanager
     def _engine_rng_scope(self) -> Iterator[None]:
-        """Run vLLM on its own RNG stream: training randomness is neither consumed nor reseeded."""
+        """Run vLLM on its own RNG stream (training randomness is neither consumed nor reseeded) and
+        its own workspace manager (rlcore.vllm_globals)."""
         trainer_rng = get_torch_rng(self.info.device_type)
         set_torch_rng(self.info.device_type, self._engine_rng)
         try:
-            yield
+            with vllm_globals.bind_workspace(self._workspace):
+                yield
         finally:
             self._engine_rng = get_torch_rng(self.info.device_type)
             set_torch_rng(self.info.device_type, trainer_rng)
@@ -308,7 +323,7 @@ class ColocateRollout:
         # (or, for a stray image token in a text prompt, not at all).
         check_prompt_images(prompts, images, self.image_token_id)
 
-        greedy = temperature < 1e-5  # vLLM's own greedy threshold (_SAMPLING_EPS)
+        greedy = temperature < greedy_threshold()  # vLLM's own (_SAMPLING_EPS): it refuses n > 1 below it
         if seed is None:
             seed = unseeded_call_seed(self.seed, self._unseeded_calls)
             self._unseeded_calls += 1
@@ -329,11 +344,15 @@ class ColocateRollout:
         """Teacher-forced log-probs: for each sequence, the log-prob of every token after the
         first given the tokens before it (vLLM's ``prompt_logprobs``: raw log-softmax whatever the
         logprobs mode, gpu_model_runner.py:5381-5387 in vllm 0.32; temperature 1 on the trainer's
-        side). Text tokens only. Used by rlcore.sync_check."""
+        side). Text tokens only. Used by rlcore.sync_check.
+
+        Seeded although greedy: vllm 0.32's V2 runner seeds an unseeded request from numpy's global
+        RNG, the trainer's (v1/worker/gpu/sample/states.py:54-57; rollout_checks.unseeded_call_seed)."""
         from vllm import SamplingParams
 
         self._require_awake("score", {"weights", "kv_cache"})
-        params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0, detokenize=False)
+        params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0, detokenize=False,
+                                seed=_request_seed("score", self.dp_rank, 0))
         with self._engine_rng_scope(), self._compile_stance():
             outputs = self.llm.generate([_prompt_input(s, None) for s in sequences], params, use_tqdm=False,
                                         **self._adapter())
@@ -380,7 +399,8 @@ class ColocateRollout:
         model = self._worker().model_runner.get_model()  # unwrapped from CUDA graphs
         refill = full and not self.weights_valid  # level-2 wake-up: every parameter is garbage
         # Only the refill is checked, so only then are the loaded names recorded (not every sync).
-        with capture_load_weights(model) if refill else nullcontext([]) as loaded:
+        with capture_load_weights(model) if refill else nullcontext([]) as loaded, \
+                vllm_globals.bind_workspace(self._workspace):
             if self.weight_load == "direct":
                 self._load_direct(model, stream)
             else:
@@ -455,7 +475,8 @@ class ColocateRollout:
         """Free the KV cache (on accelerators at sleep level 1/2 also the weights) for training.
 
         CPU: vLLM's sleep mode is rejected there and ``llm.sleep()`` is a no-op after which
-        generate() spins forever, so the KV buffer storage is resized to 0 instead.
+        generate() spins forever, so the KV buffer storage is resized to 0 instead (and, with
+        ``emulate_sleep``, the weights at level 1/2 as a device's sleep mode does: rlcore.cpu_sleep).
         Accelerators at sleep level 0: only the KV cache is freed, the weights stay resident.
         """
         if self._asleep:
@@ -466,16 +487,22 @@ class ColocateRollout:
         if self.info.device_type == "cpu":
             self._kv_storages = _release_cpu_kv(self._model_runner())
             self._asleep = {"kv_cache"}
+            if self.emulate_sleep and self.sleep_level > 0:  # the device's level 1/2 (rlcore.cpu_sleep)
+                self._sleeping = cpu_sleep.sleep_weights(self._model_runner().get_model(), self.sleep_level)
+                self._asleep.add("weights")
+                self.weights_valid = self.sleep_level == 1
         elif self.sleep_level > 0:
-            self.llm.sleep(level=self.sleep_level)  # level 1: weights to host; 2: discarded
+            with vllm_globals.bind_workspace(self._workspace):
+                self.llm.sleep(level=self.sleep_level)  # level 1: weights to host; 2: discarded
             self._asleep = {"weights", "kv_cache"}
             if self.sleep_level == 2:
                 self.weights_valid = False  # garbage after wake-up until a full update
         else:
             # Level 0 keeps the weights resident and frees only the KV cache: vLLM requires a
             # paused scheduler (sleep(level=0)) first; wake_up(["kv_cache"]) restores both.
-            self.llm.sleep(level=0)
-            self.llm.release_kv_cache_memory()
+            with vllm_globals.bind_workspace(self._workspace):
+                self.llm.sleep(level=0)
+                self.llm.release_kv_cache_memory()
             self._asleep = {"kv_cache"}
 
     def resume_memory(self, tags: list[str] | None = None) -> None:
@@ -489,10 +516,15 @@ class ColocateRollout:
         if not wake:
             return
         if self.info.device_type == "cpu":
-            _resume_cpu_kv(self._kv_storages)
-            self._kv_storages = []
+            if "kv_cache" in wake:
+                _resume_cpu_kv(self._kv_storages)
+                self._kv_storages = []
+            if "weights" in wake:
+                cpu_sleep.wake_weights(self._sleeping)
+                self._sleeping = None
         else:
-            self.llm.wake_up(tags=sorted(wake))
+            with vllm_globals.bind_workspace(self._workspace):
+                self.llm.wake_up(tags=sorted(wake))
         self._asleep -= wake
         if "kv_cache" in wake:
             # KV contents are gone: a prefix-cache hit would read stale/zeroed blocks.
@@ -553,6 +585,16 @@ class ColocateRollout:
 
 
 # ----------------------------------------------------------------------------- helpers
+
+
+def greedy_threshold() -> float:
+    """The temperature below which vLLM samples greedily and refuses ``n > 1``: its own constant
+    (vllm 0.32.0 and 0.23.0 sampling_params.py ``_SAMPLING_EPS``), 1e-5 where it cannot be read."""
+    try:
+        from vllm.sampling_params import _SAMPLING_EPS
+    except ImportError:
+        return 1e-5
+    return float(_SAMPLING_EPS)
 
 
 def _model_config_json(path: str) -> dict:

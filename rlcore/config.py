@@ -122,6 +122,11 @@ class RolloutConfig:
     null = 2 on accelerators; CPU has no sleep mode and frees the KV cache buffer only."""
     free_kv_cache: bool = True
     """Release vLLM's memory while training."""
+    emulate_sleep: bool = False
+    """CPU only, for tests and debugging: the CPU engine sleeps as a GPU's does (vLLM has no sleep mode
+    on CPU). sleep_level 1 moves vLLM's weights out and back, 2 discards them (NaN until the next full
+    push; null = 2 as on accelerators), judges sleep by freeing their storages; the KV cache is freed
+    at every level. See rlcore/cpu_sleep.py."""
     sync_bucket_mb: float = 64.0
     """Weight sync: MiB gathered per collective; peak extra memory about 2 buckets."""
     weight_load: Literal["auto", "reload", "direct"] = "auto"
@@ -512,6 +517,9 @@ def resolve(cfg: Config, device_type: str) -> Config:
 
     accel = device_type != "cpu"
     m, r, o = cfg.model, cfg.rollout, cfg.offload
+    if r.emulate_sleep and accel:
+        raise ConfigError(f"rollout.emulate_sleep=true is for CPU runs (tests, debugging); on {device_type} vLLM's "
+                          f"sleep mode is real: set rollout.emulate_sleep: false")
     params = accel if o.params is None else o.params
     experts = model_num_experts(m.path)
     try:
@@ -555,7 +563,8 @@ def resolve(cfg: Config, device_type: str) -> Config:
                                       share_prompt=attn in ("sdpa", "eager") if share is None else share,
                                       oversample=accel if cfg.algorithm.oversample is None else cfg.algorithm.oversample),
         rollout=dataclasses.replace(
-            r, sleep_level=_lora_sleep_level(cfg, pick_sleep_level(device_type, r.sleep_level)), weight_load=weight_load,
+            r, sleep_level=_lora_sleep_level(cfg, pick_sleep_level(device_type, r.sleep_level, r.emulate_sleep)),
+            weight_load=weight_load,
             dtype=r.dtype or dtype, check_sync=_check_sync(cfg), block_size=block_size,
             enforce_eager=pick_enforce_eager(device_type, r.enforce_eager)),
         offload=dataclasses.replace(o, params=params, optimizer=accel if o.optimizer is None else o.optimizer,

@@ -24,16 +24,17 @@ NZ_ENV = "VLLM_ASCEND_ENABLE_NZ"
 # ----------------------------------------------------------------------------- engine settings
 
 
-def pick_sleep_level(device_type: str, sleep_level: int | None) -> int:
+def pick_sleep_level(device_type: str, sleep_level: int | None, emulate: bool = False) -> int:
     """vLLM sleep level used by release_memory on accelerators (0: free the KV cache only,
-    1: also move the weights to host memory, 2: also discard the weights); 0 on CPU.
+    1: also move the weights to host memory, 2: also discard the weights); 0 on CPU unless
+    ``emulate`` (rollout.emulate_sleep: the CPU engine sleeps as a device's does, rlcore.cpu_sleep).
 
     None picks 2: the phase switch pushes every weight before each generation anyway, so the
     host copy that level 1 keeps (and copies back at wake-up) would be wasted work and memory.
     """
     if sleep_level is not None and sleep_level not in (0, 1, 2):
         raise ValueError(f"sleep_level must be 0 (KV cache only), 1 or 2 (or None = auto), got {sleep_level}")
-    if device_type == "cpu":
+    if device_type == "cpu" and not emulate:
         return 0  # sleep mode is rejected on CPU and llm.sleep() there makes generate() hang
     return 2 if sleep_level is None else sleep_level
 
@@ -427,8 +428,25 @@ def check_sleep_level_supported(llm_cls, device_type: str, sleep_level: int) -> 
                          "this vLLM lacks it: use sleep_level 1 or 2")
 
 
+# What a fused-MoE layer is in each pinned vLLM: vllm 0.32.0 builds ``MoERunner`` layers
+# (model_executor/layers/fused_moe/runner/moe_runner.py:228, a MoERunnerInterface,
+# runner/moe_runner_interface.py:19) through ``FusedMoEFactory`` (fused_moe/layer.py:88) and has no
+# class FusedMoE; vllm 0.23.0 and vllm-ascend 0.23.0 (AscendFusedMoE) subclass ``FusedMoE``.
+FUSED_MOE_CLASSES = ("FusedMoE", "MoERunnerInterface")
+
+
 def has_fused_moe(model) -> bool:
-    return any(c.__name__ == "FusedMoE" for m in model.modules() for c in type(m).__mro__)
+    """Whether ``model`` (vLLM's) holds a fused mixture-of-experts layer."""
+    return any(c.__name__ in FUSED_MOE_CLASSES for m in model.modules() for c in type(m).__mro__)
+
+
+def kv_zeroing_needed(llm) -> bool:
+    """Whether the engine zeroes new KV blocks through precomputed addresses: its scheduler's
+    ``needs_kv_cache_zeroing`` (vllm 0.32.0 v1/core/sched/scheduler.py:376, from
+    KVCacheConfig.needs_kv_cache_zeroing; the worker builds the zeroer, v1/worker/gpu_worker.py:902).
+    False where the engine has no such flag (older vLLM)."""
+    core = getattr(getattr(llm.llm_engine, "engine_core", None), "engine_core", None)  # InprocClient -> EngineCore
+    return bool(getattr(getattr(core, "scheduler", None), "needs_kv_cache_zeroing", False))
 
 
 def check_weight_load(choice: str, device_type: str, worker, model) -> None:
@@ -536,11 +554,12 @@ def detach_client_finalizer(client) -> None:
 
 
 def describe_engine(vllm_config, *, device_type: str, tp_size: int, dp_size: int, weight_load: str,
-                    sleep_level: int) -> str:
+                    sleep_level: int, emulate_sleep: bool = False) -> str:
     """One line: the settings the built engine actually uses (read back from its config)."""
     mc, cc, sc = vllm_config.model_config, vllm_config.cache_config, vllm_config.scheduler_config
     dtype = str(getattr(mc, "dtype", "?")).replace("torch.", "")
-    release = "KV buffer freed (CPU: no sleep mode)" if device_type == "cpu" else f"sleep level {sleep_level}"
+    release = ("KV buffer freed (CPU: no sleep mode)" if device_type == "cpu" and not emulate_sleep
+               else f"sleep level {sleep_level}{' (emulated on CPU)' if emulate_sleep else ''}")
     graphs = "eager" if mc.enforce_eager else "graphs"
     mm = getattr(mc, "multimodal_config", None)  # None for a text model (vllm 0.32.0 config/model.py:1980-1982)
     mm_part = "" if mm is None else (f" images/prompt<={mm.get_limit_per_prompt('image')} "

@@ -60,4 +60,5 @@ def check_config(cfg: Config, device_type: str) -> None:
         raise ConfigError(f"algorithm.routing_replay='r3' needs vLLM to return each token's routed experts, and "
                           f"vLLM {vllm.__version__} refuses that engine on this {device_type} machine: {problem}. "
                           f"Use algorithm.routing_replay: r2 (the trainer records the routing itself), or run R3 "
-                          f"where vLLM serves it (CUDA with its V2 model runner, Ascend)")
+                          f"on CUDA GPUs, where vLLM's V2 model runner serves it (Ascend NPUs refuse mixture-of-experts "
+                          f"models with the pinned vllm-ascend: rollout_checks.check_npu_moe)")

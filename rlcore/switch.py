@@ -30,7 +30,8 @@ push is two-fold: step 3 always pushes every tensor (``update_weights(full=True)
 rollout itself refuses ``generate()`` until such a push has completed (``weights_valid``).
 
 CPU: sleeping a CPU engine hangs it, so the rollout never calls sleep there; release_rollout frees
-the KV cache buffer instead, and the offload steps are logged no-ops unless configured (moving
+the KV cache buffer instead (and under rollout.emulate_sleep the weights, as sleep levels 1 and 2
+do on a device: rlcore/cpu_sleep.py), and the offload steps are logged no-ops unless configured (moving
 CPU tensors to the host moves nothing). The same sequence runs on every device.
 
 Metrics (``pop_metrics``): time per kind of step through the shared timer (``timing/offload_s``,
@@ -102,8 +103,10 @@ class PhaseSwitcher:
         """The configured sequence in one line per transition (printed once at start-up)."""
         sync = "per-tensor" if self.sync_bucket_mb is None else f"{self.sync_bucket_mb:g} MiB buckets"
         level = getattr(self.rollout, "sleep_level", None)
-        release = ("KV cache buffer (CPU: no sleep mode)" if self.device_type == "cpu"
-                   else f"sleep level {level}") if self.free_kv_cache else "nothing (rollout.free_kv_cache=false)"
+        emulated = getattr(self.rollout, "emulate_sleep", False)
+        release = ("KV cache buffer (CPU: no sleep mode)" if self.device_type == "cpu" and not emulated
+                   else f"sleep level {level}{' (emulated on CPU)' if emulated else ''}") \
+            if self.free_kv_cache else "nothing (rollout.free_kv_cache=false)"
         return (f"phase switch on {self.device_type}: to_generation = offload_optimizer"
                 f"[{'on' if self.offload_optimizer else 'off'}] -> wake_weights -> sync_weights[{sync}, "
                 f"{self.rollout_dtype or 'trainer dtype'}] -> offload_params[{'on' if self.offload_params else 'off'}]"

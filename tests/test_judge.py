@@ -224,6 +224,10 @@ def test_memory_phases_and_policy_untouched(judged):
     woken by ensure_generation, samples exactly as before the judges existed."""
     for r in judged[0]:
         assert r["judge_kv_gb_built"] == {"gen": 0.0, "rm": 0.0, "qrm": 0.0}  # asleep once built
+        # F2: vLLM's process-global rotary cache would hand the tiny Qwen3 judge the policy's cos/sin buffer
+        assert r["storages_shared_with_policy"] == {"gen": 0, "rm": 0, "qrm": 0}
+        # F5: the flag the storage sleep refuses on is read from the real scheduler (plain attention: off)
+        assert r["has_zeroing_flag"] and r["kv_zeroing"] == {"gen": False, "rm": False, "qrm": False}
         assert r["inside"] == {"policy_released": ["kv_cache"],
                                "judge_kv_gb": {"gen": 0.03125, "rm": 0.03125, "qrm": 0.03125}}
         assert r["after_judge_kv_gb"] == {"gen": 0.0, "rm": 0.0, "qrm": 0.0}
@@ -250,9 +254,16 @@ def test_judge_in_a_tensor_parallel_group(tiny_model, toy_data, tmp_path):
                         "--data.val_files", json.dumps([toy_data[1]]), "--val.max_samples", "8",
                         "--reward.models", json.dumps([judge]),
                         "--rollout.tensor_parallel_size", "2", "--trainer.total_steps", "2",
+                        "--rollout.emulate_sleep", "true",  # level 2 as on a GPU (finding F1)
+                        "--trainer.val_before_train", "true",  # F1's first generate: validation's
+                        "--logging.switch_trace", "true",
                         "--trainer.prompts_per_step", "4", "--rollout.n", "4", "--trainer.output_dir", out,
                         "--checkpoint.save_hf_final", "false")
     assert "tp=2" in proc.stdout and "judges: high_digit" in proc.stdout
+    # F1 under the emulated level-2 sleep: the judges' build left the policy's weights discarded, and
+    # the first generate (validation before training) refilled them through the phase switch
+    assert "release=sleep level 2 (emulated on CPU)" in proc.stdout
+    assert "to_generation 4/7 sync_weights" in proc.stderr and "released ['kv_cache', 'weights']" in proc.stderr
     rows = read_rows(out)
     train = [r for r in rows if "reward/high_digit" in r]
     assert [r["step"] for r in train] == [1, 2] and any("val/reward_mean" in r for r in rows)

@@ -39,7 +39,7 @@ def vllm_name(hf: str) -> str:
     return ".".join(FUSED.get(p, p) for p in parts)
 
 
-class FusedMoE:  # stands for vllm.model_executor.layers.fused_moe.FusedMoE (matched by class name)
+class FusedMoE:  # stands for vllm 0.23 / vllm-ascend's FusedMoE (matched by class name; 0.32's real MoERunner: test_vl_moe)
     pass
 
 
@@ -112,11 +112,13 @@ class FakeLLMWithoutKVRelease:
 
     def generate(self, inputs, params, use_tqdm=False):
         outs = []
-        for p in params:
+        for x, p in zip(inputs, params if isinstance(params, list) else [params] * len(inputs)):
             seed = p.seed if p.seed is not None else int(np.random.randint(0, 2**62))
             self.engine_seeds.append(seed)
+            prompt_lp = [None] + [{t: NS(logprob=-0.5)} for t in x["prompt_token_ids"][1:]]  # prompt_logprobs=0
             outs.append(NS(outputs=[NS(token_ids=[seed % 97 + i], logprobs=[{seed % 97 + i: NS(logprob=-1.0)}],
-                                       finish_reason="length") for i in range(p.n)]))
+                                       finish_reason="length") for i in range(getattr(p, "n", 1))],
+                           prompt_logprobs=prompt_lp))
         return outs
 
     def collective_rpc(self, method, kwargs=None):
@@ -319,6 +321,53 @@ def test_unseeded_generate_sends_seeded_requests(fake_vllm):
     again.generate([[1, 2], [3]], n=2)
     assert again.llm.engine_seeds == tp0.llm.engine_seeds[:2]
     assert rc.unseeded_call_seed(0, 0) != rc.unseeded_call_seed(1, 0) != rc.unseeded_call_seed(0, 1)
+
+
+@pytest.mark.unit
+def test_score_sends_a_seeded_request(fake_vllm):
+    """F7: the sync check's score() is greedy, but an unseeded request would still draw numpy's
+    global RNG on the V2 runner (vllm 0.32.0 v1/worker/gpu/sample/states.py:54-57)."""
+    ro = make("cuda")
+    np.random.seed(3)
+    before = np.random.get_state()[1].copy()
+    assert ro.score([[1, 2, 3], [4, 5]]) == [[-0.5, -0.5], [-0.5]]
+    assert None not in ro.llm.engine_seeds and len(ro.llm.engine_seeds) == 2
+    assert np.array_equal(before, np.random.get_state()[1]), "score() drew the trainer's numpy stream"
+
+
+# ----------------------------------------------------------------------------- F3: workspace manager
+
+
+@pytest.mark.unit
+def test_each_engine_keeps_its_workspace_manager(fake_vllm, monkeypatch):
+    """F3: a GPU worker's init_device re-binds vLLM's process-global workspace manager (vllm 0.32.0
+    v1/worker/gpu_worker.py:547-558 -> workspace.py:307-333), which the fused-MoE kernel reads on every
+    call (modular_kernel.py:1141-1144). Building a second engine leaves the first one's bound, and
+    each engine's calls run on its own."""
+    ws = types.ModuleType("vllm.v1.worker.workspace")
+    ws._manager = None
+    worker_pkg, v1 = types.ModuleType("vllm.v1.worker"), types.ModuleType("vllm.v1")
+    worker_pkg.workspace, v1.worker = ws, worker_pkg
+    for name, m in (("vllm.v1", v1), ("vllm.v1.worker", worker_pkg), ("vllm.v1.worker.workspace", ws)):
+        monkeypatch.setitem(sys.modules, name, m)
+    managers = iter(["policy's", "judge's"])
+    built = FakeLLM.__init__
+
+    def init(self, **kwargs):  # what the GPU worker's init_device does during LLM(...)
+        built(self, **kwargs)
+        ws._manager = next(managers)
+
+    monkeypatch.setattr(FakeLLM, "__init__", init)
+    policy = make("cuda")
+    assert ws._manager == "policy's"
+    judge = make("cuda")
+    assert ws._manager == "policy's", "building the judge re-bound the policy's scratch"
+    seen, generate = [], FakeLLM.generate
+    monkeypatch.setattr(FakeLLM, "generate", lambda self, *a, **kw: seen.append(ws._manager) or generate(self, *a, **kw))
+    judge.generate([[1]], n=1)
+    policy.generate([[1]], n=1)
+    policy.release_memory()
+    assert seen == ["judge's", "policy's"] and ws._manager == "policy's"
 
 
 # ----------------------------------------------------------------------------- speed settings

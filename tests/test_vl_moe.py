@@ -258,6 +258,8 @@ def test_rollout_images_and_weight_push(vl_moe_run, tiny_vl_moe):
         assert rk["pushed"] == len(load_file(os.path.join(tiny_vl_moe, "model.safetensors")))
         assert rk["lp_shift"] > 100 * ROLLOUT_TOL, "the step barely moved the rollout's log-probs"
         assert rk["lp_diff_after"] < ROLLOUT_TOL
+        # F6: the direct-load guard sees the real engine's fused-MoE layers (vllm 0.32 MoERunner)
+        assert rk["has_fused_moe"] and rk["direct_refused"]
     # the step's export loads in transformers (the rollout reference above) with trained experts
     saved = load_file(os.path.join(vl_moe_run["out"], "hf_step", "model.safetensors"))
     ckpt = load_file(os.path.join(tiny_vl_moe, "model.safetensors"))

@@ -17,7 +17,7 @@ def build_judges(cfg, info, policy_rollout=None) -> dict:
     """name -> rlcore.judge.scorer.Judge for ``reward.models`` (collective: every rank builds each
     engine together, like the policy's); each engine asleep once built. ``policy_rollout``: the
     policy's engine, asleep while they are built (vLLM sizes a new engine from the free memory)."""
-    from rlcore.judge.engine import JudgeEngine
+    from rlcore.judge.engine import JudgeEngine, default_offload
     from rlcore.judge.scorer import Judge
 
     judges, entries = {}, cfg.reward.judges()
@@ -26,11 +26,14 @@ def build_judges(cfg, info, policy_rollout=None) -> dict:
     for j in entries:
         engine = JudgeEngine(j, info, seed=cfg.trainer.seed, dtype=j.dtype or cfg.rollout.dtype or cfg.model.dtype,
                              device_type=info.device_type,
-                             tp_size=j.tensor_parallel_size or cfg.rollout.tensor_parallel_size)
+                             tp_size=j.tensor_parallel_size or cfg.rollout.tensor_parallel_size,
+                             offload=default_offload(info.device_type, cfg.rollout.emulate_sleep))
         engine.sleep()
         judges[j.name] = Judge(j, engine, cfg.data.prompt_key, seed=cfg.trainer.seed)
-    if entries and policy_rollout is not None:
+    if entries and policy_rollout is not None and policy_rollout.weights_valid:
         policy_rollout.resume_memory()
+    # After a level-2 sleep the policy's weights are gone: it stays asleep, and the phase switch's
+    # ensure_generation (before the first generate, validation included) refills it from the trainer.
     return judges
 
 

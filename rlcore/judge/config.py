@@ -64,7 +64,8 @@ class JudgeConfig:
     """Accelerators: the judge engine's share of device memory while it is awake."""
     sleep_level: Optional[int] = None
     """Accelerators, while the judge is not scoring: 1 = weights to host memory, 2 = discarded and
-    reloaded from path; null = 1. CPU: its KV cache buffer is freed (vLLM has no sleep on CPU)."""
+    reloaded from path; null = 1. CPU: its KV cache buffer is freed (vLLM has no sleep on CPU), or,
+    under rollout.emulate_sleep, its storages as on accelerators."""
     dtype: Optional[str] = None
     """The judge's dtype; null = the policy's rollout dtype."""
     timeout_s: Optional[float] = None

@@ -15,15 +15,22 @@ Memory, ``sleep()`` after scoring and ``wake()`` before, by ``offload`` mode:
              folder at wake-up), buffers and KV cache.
     kv       (CPU) vLLM has no sleep mode on CPU and its fp32 linear weights live in oneDNN handles:
              the KV cache buffer is freed (ColocateRollout.release_memory), the weights stay.
+             Under rollout.emulate_sleep a CPU judge sleeps in storage mode, as on a device.
+Storage mode is refused for a judge whose KV blocks vLLM zeroes before use (hybrid Mamba / linear
+attention models, mixed-precision caches: ``KVCacheConfig.needs_kv_cache_zeroing``, vllm 0.32.0
+v1/kv_cache_interface.py:1586): its ``KVBlockZeroer`` precomputes the blocks' absolute addresses
+(v1/worker/utils.py:122-175), which a freed and re-allocated storage no longer has.
 """
 
 from __future__ import annotations
 
 from rlcore.judge.config import JudgeConfig
+from rlcore.rollout_checks import kv_zeroing_needed
 
 
-def default_offload(device_type: str) -> str:
-    return "kv" if device_type == "cpu" else "storage"
+def default_offload(device_type: str, emulate_sleep: bool = False) -> str:
+    """storage on accelerators and under rollout.emulate_sleep (the device's discipline on CPU), else kv."""
+    return "kv" if device_type == "cpu" and not emulate_sleep else "storage"
 
 
 def judge_llm_kwargs(cfg: JudgeConfig, device_type: str, *, seed: int, dtype: str, tp_size: int) -> dict:
@@ -53,6 +60,12 @@ class JudgeEngine:
             dtype=dtype, kv_cache_gb=cfg.kv_cache_gb, gpu_memory_utilization=cfg.gpu_memory_utilization,
             sleep_level=1 if device_type != "cpu" else None, enforce_eager=True,
             runner="generate" if cfg.generative else "pooling", sleep_mode=False)
+        if self.offload == "storage" and kv_zeroing_needed(self.rollout.llm):
+            self.rollout.shutdown()
+            raise ValueError(f"reward.models[{cfg.name!r}]: {cfg.path} needs its KV-cache blocks zeroed before use "
+                             "(hybrid Mamba / linear-attention layers or a mixed-precision cache), through addresses "
+                             "vLLM computes once at build; the judge's sleep re-allocates its KV cache, so those "
+                             "addresses would point at freed memory. Use a judge with plain attention layers")
 
     @property
     def asleep(self) -> bool:

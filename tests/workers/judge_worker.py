@@ -42,6 +42,13 @@ def config(policy: str, gen: str, rm: str, qrm: str):
                   reward=RewardConfig(components={"gen": 1.0, "rm": 0.5, "qrm": 0.25}, models=models))
 
 
+def storage_ptrs(model) -> set[int]:
+    from rlcore.cpu_sleep import model_storages
+
+    params, buffers = model_storages(model)
+    return {st.data_ptr() for st in [*params, *buffers]}
+
+
 def policy_samples(rollout) -> list:
     out = rollout.generate([[3, 4, 5, 6], [7, 8, 9]], n=3, temperature=1.0, max_tokens=6, seed=11)
     return [(s.response_ids, s.logprobs) for group in out for s in group]
@@ -82,13 +89,21 @@ def main() -> None:
     from rlcore import judge, rewards
     from rlcore.colocate_rollout import ColocateRollout
     from rlcore.metrics import Timer
+    from rlcore.rollout_checks import kv_zeroing_needed
     from rlcore.switch import PhaseSwitcher
 
     cfg = config(policy_dir, gen_dir, rm_dir, qrm_dir)
     rollout = ColocateRollout(policy_dir, info, seed=0, kv_cache_gb=0.0625, max_model_len=64)
     before = policy_samples(rollout)
     judges = judge.build_judges(cfg, info)
-    m = {"judge_kv_gb_built": {n: j.engine.kv_cache_gb() for n, j in judges.items()}}
+    m = {"judge_kv_gb_built": {n: j.engine.kv_cache_gb() for n, j in judges.items()},
+         "kv_zeroing": {n: kv_zeroing_needed(j.engine.rollout.llm) for n, j in judges.items()},
+         "has_zeroing_flag": hasattr(rollout.llm.llm_engine.engine_core.engine_core.scheduler,
+                                     "needs_kv_cache_zeroing")}
+    # F2: no judge computes with a tensor of the policy's engine (vLLM's process-global rotary cache)
+    policy_ptrs = storage_ptrs(rollout.probe_module())
+    m["storages_shared_with_policy"] = {n: len(policy_ptrs & storage_ptrs(j.engine.rollout.probe_module()))
+                                        for n, j in judges.items()}
     timer = Timer()
     switch = PhaseSwitcher(None, rollout, timer, "cpu", offload_params=False, offload_optimizer=False,
                            free_kv_cache=True)

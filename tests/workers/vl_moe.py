@@ -272,6 +272,15 @@ def main() -> None:
     m["lp_diff_before"] = before.max_diff(prompts, images, first)
     lap("rollout generate + compare")
     model = ro._model_runner().get_model()
+    # The MoE guard on the real engine (finding F6: vllm 0.32 has MoERunner layers, no FusedMoE class).
+    from rlcore.rollout_checks import check_weight_load, has_fused_moe
+
+    m["has_fused_moe"] = has_fused_moe(model)
+    try:
+        check_weight_load("direct", "cuda", ro._worker(), model)
+        m["direct_refused"] = False
+    except RuntimeError:
+        m["direct_refused"] = True
     t0 = time.perf_counter()
     with capture_load_weights(model) as calls:
         m["pushed"] = ro.update_weights(policy.named_hf_weights_bucketed())
