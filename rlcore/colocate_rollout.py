@@ -343,7 +343,7 @@ class ColocateRollout:
     def score(self, sequences: list[list[int]]) -> list[list[float]]:
         """Teacher-forced log-probs: for each sequence, the log-prob of every token after the
         first given the tokens before it (vLLM's ``prompt_logprobs``: raw log-softmax whatever the
-        logprobs mode, gpu_model_runner.py:5381-5387 in vllm 0.32; temperature 1 on the trainer's
+        logprobs mode, gpu_model_runner.py:5383-5391 in vllm 0.32; temperature 1 on the trainer's
         side). Text tokens only. Used by rlcore.sync_check.
 
         Seeded although greedy: vllm 0.32's V2 runner seeds an unseeded request from numpy's global

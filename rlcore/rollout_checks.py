@@ -360,7 +360,8 @@ def align_sampler_logprobs_mode(model_runner, mode: str) -> bool:
     the sampler (vllm 0.23.0 v1/sample/sampler.py:79,255) and its top-k/top-p sampler (vllm-ascend
     0.23.0 sample/sampler.py:164-179; on NPU ``forward`` is ``forward_native`` whatever the mode,
     vllm 0.23.0 v1/sample/ops/topk_topp_sampler.py:86-129), so setting both after the build is
-    enough. A runner without such a sampler (vLLM's V2 runner) is left alone."""
+    enough. A sampler already in the mode is left alone (vLLM's V2 runner: its sampler takes the engine's
+    mode, v1/worker/gpu/sample/sampler.py:57), as is a runner without a sampler."""
     sampler = getattr(model_runner, "sampler", None)
     current = getattr(sampler, "logprobs_mode", None)
     if current is None or current == mode:
@@ -481,7 +482,7 @@ def unseeded_call_seed(engine_seed: int, call_index: int) -> str:
     """Call seed for the ``call_index``-th ``generate(seed=None)`` of an engine.
 
     Every request is sent seeded: vllm 0.32.0's V2 model runner (the CUDA default when Triton
-    is present, vllm/config/vllm.py:702-738) draws the seed of an unseeded request from numpy's
+    is present, vllm/config/vllm.py:702-739) draws the seed of an unseeded request from numpy's
     GLOBAL RNG (vllm/v1/worker/gpu/sample/states.py:54-57), which holds the trainer's per-rank
     state, so the ranks of one TP group would sample different tokens. Derived from the engine
     seed and a call counter, the seed is equal on TP ranks (they make the same calls) and

@@ -39,7 +39,8 @@ def test_adapter_gradients_sync_and_untouched_base(tiny_model, tmp_path):
 
 
 LORA_ARGS = ("--lora.rank", "8", "--lora.alpha", "16", "--optim.lr", "1e-2", "--algorithm.kl_loss_coef", "0.01",
-             "--checkpoint.merge_lora", "true", "--checkpoint.save_every", "2")
+             "--checkpoint.merge_lora", "true", "--checkpoint.save_every", "2",
+             "--rollout.emulate_sleep", "true")  # LoRA's level 1 as on a GPU (rlcore/cpu_sleep.py)
 STEPS = 4
 
 

@@ -52,7 +52,8 @@ def moe_args(model, data, out, *extra):
     return ["--config", os.path.join(REPO, "configs", "demo_cpu.yaml"), "--model.path", model,
             "--data.train_files", f'["{data}"]', "--data.val_files", "[]", "--trainer.output_dir", out,
             "--trainer.total_steps", "4", "--trainer.prompts_per_step", "4", "--rollout.n", "4",
-            "--parallel.ep_size", "2", "--checkpoint.keep_last", "10", *extra]
+            "--parallel.ep_size", "2", "--checkpoint.keep_last", "10",
+            "--rollout.emulate_sleep", "true", *extra]  # level 2 as on a GPU (rlcore/cpu_sleep.py)
 
 
 def test_expert_parallel_end_to_end_resume_and_export(tiny_moe, toy_data, tmp_path):
@@ -106,7 +107,10 @@ def test_stale_experts_show_as_rollout_mismatch(tiny_moe, toy_data, tmp_path):
     out = str(tmp_path / "stale")
     run_torchrun(os.path.join(REPO, "tests", "workers", "faulty_train.py"), 2,
                  *moe_args(tiny_moe, toy_data[0], out, "--trainer.total_steps", "3", "--checkpoint.save_hf_final",
-                           "false"), env={"RLCORE_TEST_SKIP_SYNC_STEPS": "2"})
+                           "false",
+                           # weights that survive the sleep (level 0): under an emulated level 2 a
+                           # skipped sync is refused outright ("not valid after the weight sync")
+                           "--rollout.emulate_sleep", "false"), env={"RLCORE_TEST_SKIP_SYNC_STEPS": "2"})
     from workers.launch import read_rows
 
     rows = read_rows(out)

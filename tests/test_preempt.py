@@ -45,7 +45,7 @@ def test_signal_one_rank_stops_all_then_resume_and_sigterm_torchrun(tiny_model, 
     out = str(tmp_path / "run")
     # tp=2: vLLM's CPU tensor-parallel communicator keeps /dev/shm files with fixed names, which a
     # preempted rank must remove on its way out, or the resume's engine fails (errno 17).
-    tp = ("--rollout.tensor_parallel_size", "2")
+    tp = ("--rollout.tensor_parallel_size", "2", "--rollout.emulate_sleep", "true")  # + level 2 as on a GPU
     shm_before = set(glob.glob("/dev/shm/*cpushm*"))
     # 1) SIGUSR1 to rank 1 only; a 2 s watchdog threshold makes the slow start-up report itself.
     first = Launch(2, args(tiny_model, toy_data[0], out, 500, "--trainer.watchdog_s", "2", *tp),

@@ -370,6 +370,33 @@ def test_each_engine_keeps_its_workspace_manager(fake_vllm, monkeypatch):
     assert seen == ["judge's", "policy's"] and ws._manager == "policy's"
 
 
+@pytest.mark.unit
+def test_storage_sleep_refused_for_a_judge_that_zeroes_kv_blocks(fake_vllm, monkeypatch):
+    """F5: vLLM zeroes new KV blocks of hybrid (Mamba / linear attention) models through addresses
+    computed once (KVBlockZeroer, vllm 0.32.0 v1/worker/utils.py:122-175) when the scheduler's
+    ``needs_kv_cache_zeroing`` is set (v1/core/sched/scheduler.py:376): the judge's storage sleep
+    moves the KV cache, so it is refused; the kv mode (CPU) keeps the storage and is allowed."""
+    from rlcore.judge.config import JudgeConfig
+    from rlcore.judge.engine import JudgeEngine
+
+    built = FakeLLM.__init__
+
+    def init(self, **kwargs):
+        built(self, **kwargs)
+        self.llm_engine.engine_core = NS(engine_core=NS(scheduler=NS(needs_kv_cache_zeroing=True)))
+
+    monkeypatch.setattr(FakeLLM, "__init__", init)
+    shut = []
+    monkeypatch.setattr(cr.ColocateRollout, "shutdown", lambda self: shut.append(True))
+    info = DistInfo(rank=0, world_size=1, local_rank=0, local_world_size=1, device_type="cuda", backend="gloo")
+    jcfg = JudgeConfig(name="hybrid", path="/model", kind="generative", template="{{ response }}")
+    with pytest.raises(ValueError, match=r"reward.models\['hybrid'\].*zeroed before use.*plain attention"):
+        JudgeEngine(jcfg, info, seed=0, dtype="bfloat16", device_type="cuda")
+    assert shut == [True], "the refused engine is shut down"
+    assert JudgeEngine(jcfg, info, seed=0, dtype="float32", device_type="cuda", offload="kv").offload == "kv"
+    assert rc.kv_zeroing_needed(NS(llm_engine=NS())) is False  # an engine without the flag (older vLLM)
+
+
 # ----------------------------------------------------------------------------- speed settings
 
 

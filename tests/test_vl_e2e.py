@@ -31,7 +31,8 @@ def args(model, data, out, *extra):
             "--checkpoint.keep_last", "10", "--checkpoint.save_hf_final", "false",
             # 16 prompts of ~27 tokens per rank and step against a 64-token scheduler budget: vLLM
             # would chunk them, which kills seeded requests on CPU (rollout_checks.cpu_prefill_kwargs)
-            "--rollout.max_num_batched_tokens", "64", *extra]
+            "--rollout.max_num_batched_tokens", "64",
+            "--rollout.emulate_sleep", "true", *extra]  # level 2 as on a GPU (rlcore/cpu_sleep.py)
 
 
 @pytest.fixture(scope="module")
