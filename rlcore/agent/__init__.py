@@ -3,7 +3,8 @@
 - :mod:`rlcore.agent.loop`: conversations turn by turn, one batched generate per turn.
 - :mod:`rlcore.agent.chat`: token-exact tool deltas from the chat template; vLLM's tool parsers.
 - :mod:`rlcore.agent.tools`: built-in and user tools, their schemas, a bounded pool.
-- :mod:`rlcore.agent.sandbox`: the python tool's child process and its limits.
+- :mod:`rlcore.agent.sandbox`: the python tool's child process, its backends and limits
+  (:mod:`rlcore.agent.sandbox_backends`, :mod:`rlcore.agent.sandbox_remote`).
 - :mod:`rlcore.agent.config`: the config sections and their checks.
 """
 
@@ -53,15 +54,13 @@ def build_agent(cfg, tokenizer, rollout):
     import functools
 
     from rlcore.agent.chat import ToolCallParser
-    from rlcore.agent.config import configured_tools, load_env_class
+    from rlcore.agent.config import configured_tools, load_env_class, sandbox_limits
     from rlcore.agent.loop import Agent
-    from rlcore.agent.sandbox import Limits
     from rlcore.agent.tools import ToolRunner
 
     renderer = renderer_for(cfg, tokenizer)
     tools = configured_tools(cfg.tools)
-    limits = Limits(timeout_s=mt.tool_timeout_s, cpu_s=mt.tool_cpu_s, memory_mb=mt.tool_memory_mb,
-                    output_bytes=mt.tool_output_bytes)
+    limits = sandbox_limits(mt)
     env_factory = None
     if cfg.env.cls is not None:
         env_factory = functools.partial(load_env_class(cfg.env.cls), **cfg.env.kwargs)

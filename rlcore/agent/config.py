@@ -13,6 +13,45 @@ from rlcore.exit_codes import ConfigError
 
 
 @dataclass
+class ToolsSandboxConfig:
+    """Where the python tool (and user tools with sandboxed: true) run: docs/tools.md has the table
+    of threats against backends."""
+
+    backend: str = "auto"
+    """auto (the strongest that works here: bwrap, namespaces, uid, process), bwrap (bubblewrap),
+    namespaces (unprivileged user namespaces, no bwrap needed), uid (a root trainer where namespaces
+    are forbidden: a uid per call, weaker), process (a plain child, weakest), remote (your own
+    SandboxFusion-style service at url)."""
+    strict: bool = False
+    """Refuse to start unless the backend in effect is bwrap, namespaces or remote."""
+    url: Optional[str] = None
+    """backend remote: the service's base URL (POST {url}/run_code), e.g. http://sandbox:8080."""
+    python: Optional[str] = None
+    """The interpreter the child runs (null: the trainer's own base installation). The uid backend
+    needs one every user can read, e.g. /usr/bin/python3, when the trainer's sits under /root."""
+    uid_base: int = 1_000_000_000
+    """Root trainers: calls run as uid_base + slot (one uid per concurrent call); pick a range no
+    real user or service holds."""
+    max_procs: int = 0
+    """Further processes one call may start (RLIMIT_NPROC; 0: none). Not enforced for uid 0."""
+
+    def __post_init__(self):
+        from rlcore.agent.sandbox import BACKENDS
+
+        key = "rollout.multi_turn.tools_sandbox"
+        check(self.backend in BACKENDS, f"{key}.backend", self.backend, f"choose one of {', '.join(BACKENDS)}")
+        check(self.backend != "remote" or bool(self.url), f"{key}.url", self.url,
+              "backend: remote needs the service's URL, e.g. url: http://sandbox-host:8080")
+        check(self.url is None or str(self.url).startswith(("http://", "https://")), f"{key}.url", self.url,
+              "give an http:// or https:// URL")
+        check(0 < self.uid_base < 2**32 - 2**16, f"{key}.uid_base", self.uid_base,
+              f"a uid between 1 and {2**32 - 2**16} (uids uid_base .. uid_base + tool_workers are used)")
+        check(self.max_procs >= 0, f"{key}.max_procs", self.max_procs, "it must be >= 0")
+        check(self.python is None or bool(self.python), f"{key}.python", self.python,
+              "give an interpreter path, or null for the trainer's own")
+
+
+@dataclass
 class MultiTurnConfig:
     """Conversations over several turns with tool calls (off: one response per prompt)."""
 
@@ -46,6 +85,8 @@ class MultiTurnConfig:
     """Output of one call kept at most (the python tool is killed past it)."""
     tool_workers: int = 8
     """Tool calls of a turn that run at the same time on a rank."""
+    tools_sandbox: ToolsSandboxConfig = field(default_factory=ToolsSandboxConfig)
+    """Isolation of the python tool and of sandboxed user tools."""
 
     def __post_init__(self):
         _check_positive("rollout.multi_turn", self, "max_turns", "max_total_tokens", "max_tool_response_tokens",
@@ -90,6 +131,27 @@ def load_env_class(ref: str):
     return cls
 
 
+def sandbox_limits(mt):
+    """The sandbox's Limits from rollout.multi_turn (its tool_* limits and tools_sandbox)."""
+    from rlcore.agent.sandbox import Limits
+
+    sb = mt.tools_sandbox
+    sb = ToolsSandboxConfig(**sb) if isinstance(sb, dict) else sb
+    return Limits(timeout_s=mt.tool_timeout_s, cpu_s=mt.tool_cpu_s, memory_mb=mt.tool_memory_mb,
+                  output_bytes=mt.tool_output_bytes, max_procs=sb.max_procs, backend=sb.backend, strict=sb.strict,
+                  python=sb.python, url=sb.url, uid_base=sb.uid_base)
+
+
+def _check_sandbox(mt) -> None:
+    """The configured backend runs on this host (probed once), and strict accepts it."""
+    from rlcore.agent.sandbox import SandboxUnavailable, check as check_sandbox
+
+    try:
+        check_sandbox(sandbox_limits(mt))
+    except SandboxUnavailable as e:
+        raise ConfigError(f"rollout.multi_turn.tools_sandbox: {e}") from e
+
+
 def check_agent(cfg) -> None:
     """Before any model loads: the parser exists, every tool imports and matches its schema, the
     environment class imports, the context holds prompt + conversation, the env reward is wired."""
@@ -110,9 +172,11 @@ def check_agent(cfg) -> None:
         raise ConfigError(f"rollout.tool_parser={cfg.rollout.tool_parser!r} is not one of vLLM's tool parsers: "
                           f"choose from {', '.join(parsers)} (hermes for Qwen2.5/Qwen3 <tool_call> JSON)")
     try:
-        configured_tools(cfg.tools)
+        tools = configured_tools(cfg.tools)
     except ValueError as e:
         raise ConfigError(f"tools: {e}") from e
+    if any(t.sandboxed for t in tools.values()):
+        _check_sandbox(mt)
     if cfg.env.cls is not None:
         try:
             load_env_class(cfg.env.cls)

@@ -7,8 +7,10 @@ or is given explicitly as ``{fn: my_tools.py:lookup, schema: {...}}`` and then c
 function's signature before anything loads.
 
 Every call ends in a :class:`CallResult`; nothing a tool does (raise, hang, print gigabytes) reaches
-the trainer as an exception. ``python`` runs in :mod:`rlcore.agent.sandbox`; the others run in a
-bounded thread pool with a wall-clock timeout (a hung user function leaks its thread, not the step).
+the trainer as an exception. ``python`` runs in :mod:`rlcore.agent.sandbox`, and so does a user
+tool listed as ``{fn: my_tools.py:lookup, sandboxed: true}`` (its file runs in the sandboxed child;
+JSON arguments in, its JSON-encoded result out); the others run in a bounded thread pool with a
+wall-clock timeout (a hung user function leaks its thread, not the step).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ class Tool:
     fn: Callable[..., object]
     schema: dict  # {"type": "function", "function": {"name", "description", "parameters"}}
     sandboxed: bool = False  # runs in its own process (the python tool): no thread timeout needed
+    source: str | None = None  # a sandboxed user tool's file: the child runs it and calls the function
 
 
 @dataclass
@@ -136,6 +139,7 @@ def load_tools(specs: list, load_fn: Callable[[str], Callable]) -> dict[str, Too
     tools: dict[str, Tool] = {}
     for spec in specs:
         ref, schema = (spec.get("fn"), spec.get("schema")) if isinstance(spec, dict) else (spec, None)
+        opt_in = bool(spec.get("sandboxed", False)) if isinstance(spec, dict) else False
         if not isinstance(ref, str) or not ref:
             raise ValueError(f"tools entry {spec!r}: give a built-in name ({', '.join(BUILTINS)}), "
                              "path.py:function, or {fn: path.py:function, schema: {...}}")
@@ -153,8 +157,22 @@ def load_tools(specs: list, load_fn: Callable[[str], Callable]) -> dict[str, Too
         if name in tools:
             raise ValueError(f"tools entry {ref!r}: a tool named {name!r} is listed twice; list each once")
         schema = schema if "function" in schema else {"type": "function", "function": schema}
-        tools[name] = Tool(name, fn, schema, sandboxed=fn is python)
+        source = _sandboxed_source(ref, fn) if opt_in and fn is not python else None
+        tools[name] = Tool(name, fn, schema, sandboxed=fn is python or opt_in, source=source)
     return tools
+
+
+def _sandboxed_source(ref: str, fn: Callable) -> str:
+    """The file a sandboxed user tool's child runs: the function must be a module-level function
+    of a plain .py file (the child executes that file's source, then calls it by name)."""
+    try:
+        path = inspect.getsourcefile(fn)
+    except TypeError:
+        path = None
+    if not path or not path.endswith(".py") or getattr(fn, "__qualname__", "") != fn.__name__:
+        raise ValueError(f"tools entry {ref!r}: sandboxed: true needs a module-level function of a .py file; "
+                         "move it into one, or drop sandboxed")
+    return path
 
 
 # ------------------------------------------------------------------------------------ calling
@@ -177,21 +195,29 @@ def run_call(tool: Tool | None, name: str, arguments: str | dict, limits: sandbo
         inspect.signature(tool.fn).bind(**args)
     except (ValueError, TypeError) as e:
         return CallResult(f"Error: bad arguments for {name}: {e}", "bad_arguments")
-    if tool.sandboxed:
-        result = sandbox.run_python(str(args.get("code", "")), limits)
-        if result.ok:
-            return CallResult(result.output)
-        detail = _short_error(result.output) if result.error.startswith("exit") else result.error
-        return CallResult(f"Error ({result.error}): {detail}", "timeout" if result.error == "timeout"
-                          else "output_limit" if result.error == "output_limit" else "raised")
-    try:
-        value = tool.fn(**args)
-    except Exception as e:  # the tool's own failure: the model reads it, the step goes on
-        return CallResult(f"Error: {type(e).__name__}: {e}", "raised")
+    if tool.sandboxed and tool.source is None:
+        return _sandbox_result(sandbox.run_python(str(args.get("code", "")), limits))
+    if tool.sandboxed:  # only JSON crosses: the arguments in, the function's result (json.dumps) out
+        value, result = sandbox.run_function(tool.source, tool.fn.__name__, args, limits)
+        if not result.ok:
+            return _sandbox_result(result)
+    else:
+        try:
+            value = tool.fn(**args)
+        except Exception as e:  # the tool's own failure: the model reads it, the step goes on
+            return CallResult(f"Error: {type(e).__name__}: {e}", "raised")
     text = value if isinstance(value, str) else json.dumps(value, default=str)
     if len(text.encode()) > limits.output_bytes:
         return CallResult(text.encode()[: limits.output_bytes].decode(errors="ignore"), "output_limit")
     return CallResult(text)
+
+
+def _sandbox_result(result: sandbox.Result) -> CallResult:
+    if result.ok:
+        return CallResult(result.output)
+    detail = _short_error(result.output) if result.error.startswith("exit") else result.error
+    return CallResult(f"Error ({result.error}): {detail}", "timeout" if result.error == "timeout"
+                      else "output_limit" if result.error == "output_limit" else "raised")
 
 
 class ToolRunner:
