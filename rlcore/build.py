@@ -126,7 +126,7 @@ def build_rollout(model: ModelConfig, rollout: RolloutConfig, info: DistInfo, se
 
 def config_llm_kwargs(cfg, device_type: str) -> dict:
     """``llm_kwargs`` of a run's config (``rlcore.config.Config``) for ``device_type``."""
-    from rlcore.colocate_rollout import llm_kwargs
+    from rlcore.rollout_settings import llm_kwargs
 
     r, m = cfg.rollout, cfg.model
     return llm_kwargs(m.path, device_type, tp_size=r.tensor_parallel_size, seed=cfg.trainer.seed,

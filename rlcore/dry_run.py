@@ -12,7 +12,7 @@ their rules:
                       should have the cluster's environment)
     veomni_ops        VeOmni's ``OpsImplementationConfig`` as the engine builds it, constructed with
                       VeOmni's own device probe (``is_torch_npu_available``) set to DEVICE
-    vllm_engine_args  every keyword the rollout hands ``vllm.LLM`` (``colocate_rollout.llm_kwargs``),
+    vllm_engine_args  every keyword the rollout hands ``vllm.LLM`` (``rollout_settings.llm_kwargs``),
                       for the policy's engine and each judge's: checked against the installed vLLM's
                       ``EngineArgs`` fields, then ``EngineArgs.create_engine_config()`` (all of vLLM's
                       config validation, nothing loaded; only config.json and the safetensors headers

@@ -36,7 +36,7 @@ def default_offload(device_type: str, emulate_sleep: bool = False) -> str:
 def judge_llm_kwargs(cfg: JudgeConfig, device_type: str, *, seed: int, dtype: str, tp_size: int) -> dict:
     """The ``vllm.LLM`` keywords of a judge's engine (what ColocateRollout builds it with; the dry
     run, scripts/check_config.py, hands them to vLLM's EngineArgs)."""
-    from rlcore.colocate_rollout import llm_kwargs
+    from rlcore.rollout_settings import llm_kwargs
 
     return llm_kwargs(cfg.path, device_type, tp_size=tp_size, seed=seed,
                       max_model_len=cfg.max_model_len, dtype=dtype, kv_cache_gb=cfg.kv_cache_gb,

@@ -1,0 +1,53 @@
+"""Every keyword the policy's (and a judge's) engine hands ``vllm.LLM``, decided without building
+anything: ``ColocateRollout`` builds with them and scripts/check_config.py's dry run hands them to
+vLLM's ``EngineArgs.create_engine_config``. The pure per-platform choices behind them are in
+``rlcore.rollout_checks``."""
+
+from __future__ import annotations
+
+import os
+
+from rlcore import rollout_lora
+from rlcore.rollout_checks import cpu_prefill_kwargs, disable_npu_nz, multimodal_kwargs, pick_block_size, speed_kwargs
+
+# Sampled-token logprob = log_softmax(logits / T) after top-k/top-p: what the trainer recomputes.
+# vLLM's default ("raw_logprobs") ignores the temperature.
+LOGPROBS_MODE = "processed_logprobs"
+
+
+def llm_kwargs(model_path: str, device_type: str, *, tp_size: int, seed: int, max_model_len: int, dtype: str,
+               kv_cache_gb: float, gpu_memory_utilization: float, enforce_eager: bool, multimodal: bool,
+               speed: dict, limit_mm_per_prompt: dict | None = None, mm_processor_cache_gb: float | None = None,
+               routed_experts: bool = False, lora_rank: int = 0, runner: str = "generate",
+               sleep_mode: bool = True) -> dict:
+    """Every keyword ``ColocateRollout`` hands ``vllm.LLM(...)`` (and so vLLM's ``EngineArgs``),
+    without building anything: the engine and scripts/check_config.py's dry run use this one.
+    ``seed``: the engine seed plus the DP rank (same inside a TP group: ranks must sample the same
+    token; different per replica, else every replica samples identical completions). On CPU it
+    drops ``VLLM_CPU_KVCACHE_SPACE`` from the environment and on npu it sets vllm-ascend's NZ
+    switch (both read while the engine is built). ``routed_experts``: vLLM returns each sample's
+    experts per token (R3 routing replay; rlcore.rollout_routing). ``lora_rank``: LoRA for
+    the policy's adapter (rlcore.rollout_lora). ``runner``, ``sleep_mode``: a judge's engine
+    (pooling for reward models; no vLLM sleep mode for a second engine: rlcore.judge.offload).
+    ``speed["block_size"]`` None is 32 on CPU (rollout_checks.pick_block_size)."""
+    if device_type == "cpu":
+        # Explicit size: vLLM's auto sizing takes ~60% of host RAM per rank (OOM with 2 ranks).
+        # The legacy env var would silently override it (restored by ProcessState).
+        os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)
+        memory = {"kv_cache_memory_bytes": int(kv_cache_gb * 2**30)}
+    else:  # release_memory() -> llm.sleep(level) or release_kv_cache_memory(): the sleep-mode allocator
+        memory = {"gpu_memory_utilization": gpu_memory_utilization, "enable_sleep_mode": sleep_mode}
+    return dict(
+        model=model_path, tensor_parallel_size=tp_size, distributed_executor_backend="external_launcher",
+        seed=seed, logprobs_mode=LOGPROBS_MODE, use_tqdm_on_load=False,
+        max_model_len=max_model_len, dtype=dtype, enforce_eager=enforce_eager, **memory,
+        **speed_kwargs(**{**speed, "block_size": pick_block_size(device_type, speed.get("block_size"),
+                                                                 speed.get("enable_prefix_caching"))}),
+        **disable_npu_nz(device_type),  # before the build: vllm-ascend reads its NZ setting then
+        **cpu_prefill_kwargs(device_type),
+        **multimodal_kwargs(multimodal, limit_mm_per_prompt=limit_mm_per_prompt,
+                            mm_processor_cache_gb=mm_processor_cache_gb),
+        **({"enable_return_routed_experts": True} if routed_experts else {}),
+        **rollout_lora.engine_kwargs(lora_rank),
+        **({"runner": runner} if runner != "generate" else {}),
+    )
