@@ -33,7 +33,9 @@ def test_r2_replays_the_recorded_experts_exactly(tiny_moe_8, tmp_path, world):
     # the step moved the routers: some native choices differ, so replay had something to do
     assert 0 < r["routing"]["actor/router_agreement"] < 1
     assert r["replay_effect"] > 1e-4
-    assert r["diff_forced"] <= 1e-5  # transformers forced to the recorded experts
+    # transformers forced to the recorded experts: the same experts, other kernels; fp32 summation
+    # order only (1.05e-5 measured once on the AMD machine, 1e-5 was too tight), far below the effect
+    assert r["diff_forced"] <= 3e-5 < 1e-3 * r["replay_effect"]
     per_layer = [r["routing"][f"debug/router_agreement_layer{i}"] for i in range(r["layers"])]
     assert all(0 <= a <= 1 for a in per_layer)
 
