@@ -261,3 +261,23 @@ def test_bad_sandbox_config_exits_2_before_any_model(extra, expected, tmp_path, 
     assert checks_exit_code(argv, 2) == 2
     err = capsys.readouterr().err
     assert expected in err, err
+
+
+@pytest.mark.unit
+def test_per_call_uids_differ_between_processes():
+    """The 8 or 16 ranks of a node each run tool calls: one process's cleanup (kill every process of
+    its call's uid) must never reach another process's call (a run of the suite with two pytest
+    processes probing and calling at once lost calls to SIGKILL when both used uid_base + slot)."""
+    from rlcore.agent import sandbox_backends as sb
+
+    base = 1_000_000_000
+    here = [sb.take_uid(base) for _ in range(3)]
+    for uid in here:
+        sb.give_uid(uid, base)
+    assert here == [here[0], here[0] + 1, here[0] + 2] and sb.take_uid(base) == here[0]
+    sb.give_uid(here[0], base)
+    code = "from rlcore.agent import sandbox_backends as sb; print(sb.take_uid(1_000_000_000))"
+    other = int(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                               cwd=REPO).stdout)
+    assert abs(other - here[0]) >= sb.SLOTS_PER_PROCESS, "two processes share a block of uids"
+    assert base <= min(here[0], other) and max(here[0], other) < base + sb.UID_SPAN

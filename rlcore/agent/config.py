@@ -30,8 +30,9 @@ class ToolsSandboxConfig:
     """The interpreter the child runs (null: the trainer's own base installation). The uid backend
     needs one every user can read, e.g. /usr/bin/python3, when the trainer's sits under /root."""
     uid_base: int = 1_000_000_000
-    """Root trainers: calls run as uid_base + slot (one uid per concurrent call); pick a range no
-    real user or service holds."""
+    """Root trainers: calls run as uids above uid_base, one per concurrent call, in a block of 256
+    per process (keyed by its pid, so the ranks of a node never share one); the range is 2^30 uids
+    wide: pick one no real user or service holds."""
     max_procs: int = 0
     """Further processes one call may start (RLIMIT_NPROC; 0: none). Not enforced for uid 0."""
 
@@ -44,8 +45,8 @@ class ToolsSandboxConfig:
               "backend: remote needs the service's URL, e.g. url: http://sandbox-host:8080")
         check(self.url is None or str(self.url).startswith(("http://", "https://")), f"{key}.url", self.url,
               "give an http:// or https:// URL")
-        check(0 < self.uid_base < 2**32 - 2**16, f"{key}.uid_base", self.uid_base,
-              f"a uid between 1 and {2**32 - 2**16} (uids uid_base .. uid_base + tool_workers are used)")
+        check(0 < self.uid_base < 2**32 - 2**16 - 2**30, f"{key}.uid_base", self.uid_base,
+              f"a uid between 1 and {2**32 - 2**16 - 2**30} (uids uid_base .. uid_base + 2^30 are used)")
         check(self.max_procs >= 0, f"{key}.max_procs", self.max_procs, "it must be >= 0")
         check(self.python is None or bool(self.python), f"{key}.python", self.python,
               "give an interpreter path, or null for the trainer's own")
@@ -91,6 +92,8 @@ class MultiTurnConfig:
     def __post_init__(self):
         _check_positive("rollout.multi_turn", self, "max_turns", "max_total_tokens", "max_tool_response_tokens",
                         "tool_timeout_s", "tool_cpu_s", "tool_memory_mb", "tool_output_bytes", "tool_workers")
+        check(self.tool_workers <= 256, "rollout.multi_turn.tool_workers", self.tool_workers,
+              "at most 256 calls run at once per rank (each sandboxed call takes a uid of the rank's block)")
 
 
 @dataclass

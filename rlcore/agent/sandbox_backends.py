@@ -80,20 +80,32 @@ def read_only_view(python: str | None, extra: tuple[str, ...] = ()) -> list[tupl
 
 _SLOTS_LOCK = threading.Lock()
 _SLOTS_BUSY: set[int] = set()
+SLOTS_PER_PROCESS = 256  # concurrent calls of one process at most (rollout.multi_turn.tool_workers)
+PID_SPAN = 2**22  # Linux's largest pid_max: each process of a host gets its own block of uids
+UID_SPAN = PID_SPAN * SLOTS_PER_PROCESS  # uids above uid_base one host may use
+
+
+def _process_base(base: int) -> int:
+    """This process's block: the 8 or 16 ranks of a node (and test processes) each call tools, and
+    one call's kill-everything-of-this-uid must never reach another process's call."""
+    return base + (os.getpid() % PID_SPAN) * SLOTS_PER_PROCESS
 
 
 def take_uid(base: int) -> int:
-    """A uid no other running call holds (calls of a turn run side by side in the pool), so that one
-    call's kill-everything-of-this-uid never reaches another's processes."""
+    """A uid no other running call holds (calls of a turn run side by side in the pool; other
+    processes use other blocks), so that one call's kill-everything-of-this-uid never reaches
+    another's processes."""
     with _SLOTS_LOCK:
         slot = next(i for i in range(len(_SLOTS_BUSY) + 1) if i not in _SLOTS_BUSY)
+        if slot >= SLOTS_PER_PROCESS:
+            raise RuntimeError(f"more than {SLOTS_PER_PROCESS} concurrent sandboxed calls in one process")
         _SLOTS_BUSY.add(slot)
-    return base + slot
+    return _process_base(base) + slot
 
 
 def give_uid(uid: int, base: int) -> None:
     with _SLOTS_LOCK:
-        _SLOTS_BUSY.discard(uid - base)
+        _SLOTS_BUSY.discard(uid - _process_base(base))
 
 
 def kill_uid(uid: int, python: str | None) -> None:
@@ -150,8 +162,10 @@ def write(path, text):
         f.write(text)
 def relay(pid):  # wait for the child, then end the same way it did
     _, st = os.waitpid(pid, 0)
-    if os.WIFSIGNALED(st):
-        signal.signal(os.WTERMSIG(st), signal.SIG_DFL); os.kill(os.getpid(), os.WTERMSIG(st))
+    if os.WIFSIGNALED(st):  # SIGKILL/SIGSTOP take no handler (EINVAL): sent as they are
+        if os.WTERMSIG(st) not in (signal.SIGKILL, signal.SIGSTOP):
+            signal.signal(os.WTERMSIG(st), signal.SIG_DFL)
+        os.kill(os.getpid(), os.WTERMSIG(st))
     os._exit(os.waitstatus_to_exitcode(st))
 libc.prctl(1, 9)  # PR_SET_PDEATHSIG: SIGKILL when the trainer goes
 NEW = 0x10000000 | 0x00020000 | 0x20000000 | 0x40000000 | 0x08000000 | 0x04000000  # user mnt pid net ipc uts
