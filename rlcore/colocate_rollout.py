@@ -408,7 +408,8 @@ class ColocateRollout:
         method = reload_weights_method(self._worker())
         if method is None:
             raise RuntimeError(f"{type(self._worker()).__name__} and its model runner have no reload_weights")
-        self.llm.collective_rpc(method, kwargs=kwargs)
+        with vllm_globals.bind_workspace(self._workspace):  # also from update_weights_from_path (judges)
+            self.llm.collective_rpc(method, kwargs=kwargs)
 
     def _load_direct(self, model, stream: Iterator[tuple[str, torch.Tensor]]) -> None:
         from vllm.config import set_current_vllm_config
