@@ -206,7 +206,7 @@ SANDBOX_CASES = {
     "infinite_output": ("while True:\n    print('x' * 1000)", "output_limit"),
     "memory_bomb": ("x = bytearray(8 * 1024**3)", "MemoryError"),
     "fork_bomb": ("import os\nwhile True:\n    os.fork()", "os.fork"),
-    "socket_connect": ("import socket\nsocket.create_connection(('1.1.1.1', 80), timeout=2)", "socket"),
+    "socket_connect": ("import socket\nsocket.create_connection(('127.0.0.1', 9), timeout=2)", "socket"),
     "env_secret": ("import os\nprint(os.environ['RLCORE_TEST_SECRET'])", "KeyError"),
     "write_outside": ("open('/tmp/rlcore_sandbox_escape.txt', 'w').write('x')", "not allowed"),
     "exception": ("raise ValueError('boom')", "ValueError: boom"),

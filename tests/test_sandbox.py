@@ -87,16 +87,7 @@ def test_hostile_code_stays_inside(case, backend, tmp_path, tmp_path_factory):
     assert "hunter2-trainer-secret" not in result["content"] and "hf_TESTTOKEN" not in result["content"]
 
 
-SANDBOX_CASES = {  # the honest failures of tests/test_agent.py, under every backend
-    "timeout": ("import time\ntime.sleep(60)", "timeout"),
-    "infinite_output": ("while True:\n    print('x' * 1000)", "output_limit"),
-    "memory_bomb": ("x = bytearray(8 * 1024**3)", "MemoryError"),
-    "fork_bomb": ("import os\nwhile True:\n    os.fork()", "os.fork"),
-    "socket_connect": ("import socket\nsocket.create_connection(('1.1.1.1', 80), timeout=2)", "socket"),
-    "env_secret": ("import os\nprint(os.environ['RLCORE_TEST_SECRET'])", "KeyError"),
-    "write_outside": ("open('/tmp/rlcore_sandbox_escape.txt', 'w').write('x')", "not allowed"),
-    "exception": ("raise ValueError('boom')", "ValueError: boom"),
-}
+from test_agent import SANDBOX_CASES  # noqa: E402  the honest failures of tests/test_agent.py, under every backend
 
 
 def _python_tool():
