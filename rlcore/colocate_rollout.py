@@ -132,8 +132,6 @@ class ColocateRollout:
         self.dp_size = info.world_size // tp_size
         self.seed = seed
         self.enforce_eager = _pick_enforce_eager(info.device_type, enforce_eager)
-        if emulate_sleep and info.device_type != "cpu":
-            raise ValueError(f"emulate_sleep is for CPU engines; on {info.device_type} vLLM's sleep mode is real")
         self.emulate_sleep = emulate_sleep
         self.sleep_level = _pick_sleep_level(info.device_type, sleep_level, emulate=emulate_sleep)
         self._sleeping = None  # emulated sleep: the weights cpu_sleep.sleep_weights freed

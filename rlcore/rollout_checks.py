@@ -34,6 +34,8 @@ def pick_sleep_level(device_type: str, sleep_level: int | None, emulate: bool = 
     """
     if sleep_level is not None and sleep_level not in (0, 1, 2):
         raise ValueError(f"sleep_level must be 0 (KV cache only), 1 or 2 (or None = auto), got {sleep_level}")
+    if emulate and device_type != "cpu":
+        raise ValueError(f"emulate_sleep is for CPU engines; on {device_type} vLLM's sleep mode is real")
     if device_type == "cpu" and not emulate:
         return 0  # sleep mode is rejected on CPU and llm.sleep() there makes generate() hang
     return 2 if sleep_level is None else sleep_level

@@ -159,6 +159,8 @@ def test_sleep_level_and_weight_load_choices():
     assert _pick_sleep_level("cuda", None) == 2 and _pick_sleep_level("npu", 1) == 1
     # rollout.emulate_sleep: the CPU engine takes the accelerators' levels (rlcore.cpu_sleep)
     assert _pick_sleep_level("cpu", None, emulate=True) == 2 and _pick_sleep_level("cpu", 1, emulate=True) == 1
+    with pytest.raises(ValueError, match="emulate_sleep is for CPU engines"):
+        _pick_sleep_level("cuda", None, emulate=True)
     with pytest.raises(ValueError, match="sleep_level"):
         _pick_sleep_level("cuda", 3)
     assert _pick_weight_load("cpu", "auto") == "reload" and _pick_weight_load("npu", "auto") == "direct"
