@@ -1,14 +1,11 @@
-"""What the loop needs from the two engines (``Policy``, ``Rollout``), and the builders that make
-them from their own config sections. Shared by ``train_grpo.py`` and ``scripts/evaluate.py``;
-tests' fakes satisfy the same protocols.
+"""The builders that make the engines (``rlcore.protocols``' ``Policy`` and ``Rollout``, the
+judges, the phase switch) from their own config sections. Shared by ``train_grpo.py`` and
+``scripts/evaluate.py``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
-from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
-from typing import Protocol, runtime_checkable
 
 import torch
 
@@ -17,54 +14,8 @@ from rlcore.config import Config, ModelConfig, OffloadConfig, OptimConfig, Rollo
 from rlcore.dist import DistInfo
 from rlcore.judge import build_judges
 from rlcore.metrics import Timer
-
-
-@runtime_checkable
-class Policy(Protocol):
-    """The trainer engine (``rlcore.engine_veomni.VeOmniPolicy``). Every method that runs a
-    forward, gathers weights or touches a checkpoint is collective."""
-
-    lr_schedule_changes: list[str]
-
-    def forward_logprobs(self, input_ids: torch.Tensor, position_ids: torch.Tensor, labels: torch.Tensor,
-                         temperature: float = 1.0, with_entropy: bool = False, grad: bool = True
-                         ) -> tuple[torch.Tensor, torch.Tensor | None]: ...
-    def backward(self, loss: torch.Tensor) -> None: ...
-    def step(self) -> dict: ...
-    def named_hf_weights_bucketed(self, dtype=None, bucket_mb: float = 64.0, fused_experts: bool = False
-                                  ) -> Iterator[tuple[str, torch.Tensor]]: ...
-    def sync_plan_summary(self, dtype=None, bucket_mb: float = 64.0) -> dict: ...
-    def offload(self, params: bool = True, optimizer: bool = True) -> None: ...
-    def onload(self, params: bool = True, optimizer: bool = True) -> None: ...
-    def on_device(self) -> AbstractContextManager: ...
-    def save_checkpoint(self, path: str, extra_state: dict | None = None) -> None: ...
-    def load_checkpoint(self, path: str) -> dict: ...
-    def save_hf(self, path: str, dtype: str = "float32") -> None: ...
-    def describe(self) -> str: ...
-    def routing(self, mode: str | None, rows: tuple | None = None) -> AbstractContextManager: ...
-    def routing_metrics(self) -> dict[str, float]: ...
-
-
-@runtime_checkable
-class Rollout(Protocol):
-    """The generation engine (``rlcore.colocate_rollout.ColocateRollout``): one vLLM engine per
-    tensor-parallel group; ``dp_*`` name the replica, ``tp_*`` the rank inside it."""
-
-    dp_rank: int
-    dp_size: int
-    tp_rank: int
-    tp_size: int
-    weights_valid: bool
-    released: frozenset
-
-    def generate(self, prompts: list[list[int]], *, n: int, temperature: float = 1.0, top_p: float = 1.0,
-                 top_k: int = -1, max_tokens: int = 64, seed: int | None = None,
-                 stop_token_ids: list[int] | None = None) -> list: ...
-    def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]], *, full: bool = True) -> int: ...
-    def release_memory(self) -> None: ...
-    def resume_memory(self, tags: list[str] | None = None) -> None: ...
-    def shutdown(self) -> None: ...
-    def describe(self) -> str: ...
+from rlcore.protocols import Policy, Rollout
+from rlcore.rollout_settings import config_lora_rank
 
 
 @dataclass
@@ -124,33 +75,6 @@ def build_rollout(model: ModelConfig, rollout: RolloutConfig, info: DistInfo, se
         **({"limit_mm_per_prompt": r.limit_mm_per_prompt} if r.limit_mm_per_prompt is not None else {}))
 
 
-def config_llm_kwargs(cfg, device_type: str) -> dict:
-    """``llm_kwargs`` of a run's config (``rlcore.config.Config``) for ``device_type``."""
-    from rlcore.rollout_settings import llm_kwargs
-
-    r, m = cfg.rollout, cfg.model
-    return llm_kwargs(m.path, device_type, tp_size=r.tensor_parallel_size, seed=cfg.trainer.seed,
-                      max_model_len=r.max_model_len, dtype=r.dtype or m.dtype, kv_cache_gb=r.kv_cache_gb,
-                      gpu_memory_utilization=r.gpu_memory_utilization, enforce_eager=r.enforce_eager,
-                      multimodal=bool(cfg.data.image_key), limit_mm_per_prompt=r.limit_mm_per_prompt,
-                      speed=dict(max_num_seqs=r.max_num_seqs, max_num_batched_tokens=r.max_num_batched_tokens,
-                                 enable_prefix_caching=r.enable_prefix_caching, block_size=r.block_size),
-                      routed_experts=cfg.algorithm.routing_replay == "r3", lora_rank=lora_rank(cfg))
-
-
-def lora_rank(cfg) -> int:
-    """The rank vLLM must serve: the configured one, or the starting adapter's."""
-    if not cfg.lora.enabled:
-        return 0
-    if cfg.lora.path is None:
-        return cfg.lora.rank
-    import json
-    import os
-
-    with open(os.path.join(cfg.lora.path, "adapter_config.json")) as f:
-        return int(json.load(f)["r"])
-
-
 def build_switch(policy: Policy, rollout: Rollout, model: ModelConfig, r: RolloutConfig, offload: OffloadConfig,
                  info: DistInfo, timer: Timer, probe_prompts: list[list[int]] | None = None):
     """The phase switch; with ``probe_prompts`` (token ids, e.g. the training prompts) and
@@ -176,14 +100,13 @@ def build_engines(cfg: Config, info: DistInfo, timer: Timer, probe_prompts: list
     ``probe_prompts``: token ids for the sync check (``build_switch``)."""
     torch.manual_seed(cfg.trainer.seed)
     if info.device_type != "cpu":  # before anything large lands on the device
-        from rlcore.judge import check_memory
-        from rlcore.memory_plan import device_total_gb, format_plan, plan_from_config
+        from rlcore.memory_plan import check_judging_fits, device_total_gb, format_plan, plan_from_config
 
         plan = plan_from_config(cfg, info.world_size, device_total_gb(info.device_type), info.device_type,
                                 nproc_per_node=info.local_world_size)
         if info.is_main:
             print(format_plan(plan), flush=True)
-        check_memory(plan)  # every rank: exit 2 when the judges cannot fit
+        check_judging_fits(plan)  # every rank: exit 2 when the judges cannot fit
     with quiet.filtered_output():
         ep = cfg.parallel.ep_size
         optim_steps = cfg.trainer.total_steps * cfg.algorithm.optim_steps_per_step
@@ -200,7 +123,7 @@ def build_engines(cfg: Config, info: DistInfo, timer: Timer, probe_prompts: list
             # vLLM sizes its KV cache from the memory generation really has.
             policy.offload(params=cfg.offload.params, optimizer=cfg.offload.optimizer)
         rollout = build_rollout(cfg.model, cfg.rollout, info, cfg.trainer.seed,
-                                routed_experts=cfg.algorithm.routing_replay == "r3", lora_rank=lora_rank(cfg))
+                                routed_experts=cfg.algorithm.routing_replay == "r3", lora_rank=config_lora_rank(cfg))
         judges = build_judges(cfg, info, rollout)  # after the policy's engine: they share its vLLM groups
     switch = build_switch(policy, rollout, cfg.model, cfg.rollout, cfg.offload, info, timer, probe_prompts)
     if cfg.logging.switch_trace:

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import dataclasses
 import gc
-import json
 import logging
 import os
 import shutil
@@ -33,11 +32,13 @@ from typing import Any
 
 import torch
 
-from rlcore import cpu_sleep, hf_export, rollout_lora, torchvision_shim, vllm_globals
+from rlcore import cpu_sleep, rollout_lora, torchvision_shim, vllm_globals
+from rlcore import hf_folder
 from rlcore.config import model_num_experts
 from rlcore.cpu_kv import clear_stale_cpu_shm, release_cpu_kv as _release_cpu_kv, resume_cpu_kv as _resume_cpu_kv
 from rlcore.cpu_repack import cpu_repack_on_reload
 from rlcore.dist import DistInfo
+from rlcore.hf_folder import config_or_empty
 from rlcore.process_state import ProcessState, get_torch_rng, set_torch_rng
 from rlcore.rollout_settings import LOGPROBS_MODE, llm_kwargs
 from rlcore.rollout_checks import (
@@ -146,7 +147,7 @@ class ColocateRollout:
         self._kv_storages: list[tuple[torch.UntypedStorage, int]] = []  # CPU release bookkeeping
         self._unseeded_calls = 0  # generate(seed=None) calls so far (see unseeded_call_seed)
         self._workspace = None  # vLLM's workspace manager this engine's build bound (vllm_globals)
-        multimodal_guess = is_multimodal_config(_model_config_json(model_path))
+        multimodal_guess = is_multimodal_config(config_or_empty(model_path))
 
         if info.device_type == "cpu" and tp_size > 1:  # a killed run's shm files would fail this engine
             clear_stale_cpu_shm(info)
@@ -373,7 +374,7 @@ class ColocateRollout:
         base weights stay. Returns (tensors, bytes) written (rlcore.rollout_lora)."""
         self._require_awake("update_adapter", {"weights"})
         path = rollout_lora.adapter_dir()
-        written = hf_export.write_adapter(tensors, config, path)
+        written = hf_folder.write_adapter(tensors, config, path)
         with self._engine_rng_scope(), self._compile_stance():
             self.lora_request = rollout_lora.load(self.llm, path)
         reset_prefix_cache(self.llm)  # cached blocks hold the old adapter's keys and values
@@ -549,16 +550,6 @@ def greedy_threshold() -> float:
     except ImportError:
         return 1e-5
     return float(_SAMPLING_EPS)
-
-
-def _model_config_json(path: str) -> dict:
-    """The model folder's config.json ({} when there is none to read, e.g. a hub id)."""
-    try:
-        with open(os.path.join(path, "config.json")) as f:
-            config = json.load(f)
-    except (OSError, ValueError):
-        return {}
-    return config if isinstance(config, dict) else {}
 
 
 def _prompt_input(ids: list[int], images: list | None):

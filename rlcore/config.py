@@ -13,7 +13,6 @@ the fix.
 from __future__ import annotations
 
 import dataclasses
-import os
 import textwrap
 from dataclasses import dataclass, field
 from typing import Any, Literal, Optional
@@ -24,7 +23,7 @@ from rlcore.config_algo import (  # noqa: F401  (re-exported: every section is i
 )
 from rlcore.config_lora import LoraConfig, check_lora
 from rlcore.judge.config import check_judges
-from rlcore.exit_codes import ConfigError, fail  # noqa: F401  (re-exported: the config's error type)
+from rlcore.errors import ConfigError, fail  # noqa: F401  (re-exported: the config's error type)
 
 
 @dataclass
@@ -435,15 +434,10 @@ class Config:
 
 def model_num_experts(path: str) -> int:
     """Routed experts in the config.json at ``path`` (0: dense, or no readable config there)."""
-    import json
-
     from rlcore.engine_moe import num_experts
+    from rlcore.hf_folder import config_or_empty
 
-    try:
-        with open(os.path.join(path, "config.json")) as f:
-            return num_experts(json.load(f))
-    except (OSError, ValueError):
-        return 0
+    return num_experts(config_or_empty(path))
 
 
 def _lora_sleep_level(cfg: Config, level: int) -> int:
@@ -472,15 +466,10 @@ def _check_sync(cfg: Config) -> str:
 
 
 def _has_vision(model_path: str) -> bool:
-    import json
-
+    from rlcore.hf_folder import config_or_empty
     from rlcore.rollout_checks import is_multimodal_config
 
-    try:
-        with open(os.path.join(model_path, "config.json")) as f:
-            return is_multimodal_config(json.load(f))
-    except (OSError, ValueError):
-        return False
+    return is_multimodal_config(config_or_empty(model_path))
 
 
 def check_routing_replay(mode: str | None, model_path: str, experts: int) -> None:
@@ -488,15 +477,10 @@ def check_routing_replay(mode: str | None, model_path: str, experts: int) -> Non
     wired into (its own list, veomni/utils/moe_router_replay.py)."""
     if mode is None:
         return
-    import json
-
     from rlcore.engine_replay import supported_model_types
+    from rlcore.hf_folder import config_or_empty
 
-    try:
-        with open(os.path.join(model_path, "config.json")) as f:
-            model_type = json.load(f).get("model_type")
-    except (OSError, ValueError):
-        model_type = None
+    model_type = config_or_empty(model_path).get("model_type")
     families = ", ".join(sorted(supported_model_types()))
     if not experts or model_type not in supported_model_types():
         raise ConfigError(f"algorithm.routing_replay={mode!r} is invalid for model.path={model_path!r} "

@@ -11,12 +11,7 @@ from typing import Literal, Optional
 
 from rlcore import advantage
 from rlcore.rollout_correction import IS_LEVELS, IS_MASK_NORMALIZERS, IS_MODES, RS_MODES
-from rlcore.exit_codes import ConfigError
-
-
-def check(ok: bool, key: str, value, fix: str) -> None:
-    if not ok:
-        raise ConfigError(f"{key}={value!r} is invalid: {fix}")
+from rlcore.errors import ConfigError, check
 
 
 def _check_positive(section: str, obj, *names: str) -> None:

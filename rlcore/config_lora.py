@@ -4,13 +4,12 @@ checks, and the checks against the model (``check_lora``) run before anything lo
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
 from typing import Optional, Union
 
-from rlcore.config_algo import check
-from rlcore.exit_codes import ConfigError
+from rlcore.errors import ConfigError, check
+from rlcore.hf_folder import read_config
 
 # The dense decoder's linear layers (Qwen2/2.5/3, Llama, Mistral: the families vLLM and VeOmni
 # both take LoRA on); "all-linear" means these, never the LM head or the embeddings.
@@ -79,8 +78,7 @@ def check_lora(lora: LoraConfig, model_path: str, experts: int, vision: bool) ->
                           f"needs its Triton kernel, and VeOmni's expert adapters are not converted to vLLM's "
                           f"per-expert names); use full fine-tuning (lora.rank: 0)")
     try:
-        with open(os.path.join(model_path, "config.json")) as f:
-            config = json.load(f)
+        config = read_config(model_path)
         dims = _layer_dims(config.get("text_config", config) if vision else config)  # VL: the language model's
     except (OSError, ValueError, KeyError):
         return  # the model folder's own checks name what is wrong with it

@@ -17,9 +17,13 @@ import json
 import os
 import random
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from rlcore import vision
-from rlcore.config import ConfigError, DataConfig
+from rlcore.errors import ConfigError
+
+if TYPE_CHECKING:  # annotations only: the config sections import this module's callers
+    from rlcore.config import DataConfig
 
 PARQUET_EXTS = (".parquet", ".pq")
 

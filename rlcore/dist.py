@@ -224,3 +224,15 @@ def empty_cache(device_type: str) -> None:
         torch.cuda.empty_cache()
     elif device_type == "npu":
         torch.npu.empty_cache()
+
+
+def all_rank_sums(values: dict[str, float]) -> dict[str, float]:
+    """Each named value summed over all ranks, in one all-reduce (collective: every rank passes
+    the same keys)."""
+    keys = sorted(values)
+    return dict(zip(keys, all_reduce_sum([values[k] for k in keys])))
+
+
+def all_rank_means(values: dict[str, float], world_size: int) -> dict[str, float]:
+    """Means over ranks of per-rank values (of equal-sized shares: their mean is the global one)."""
+    return {k: v / world_size for k, v in all_rank_sums(values).items()}

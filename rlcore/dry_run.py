@@ -190,7 +190,7 @@ def _check_vllm(cfg: Config, device: str) -> Check:
     from vllm.engine.arg_utils import EngineArgs
     from vllm.platforms import current_platform
 
-    from rlcore.build import config_llm_kwargs
+    from rlcore.rollout_settings import config_llm_kwargs
     from rlcore.dist import detect_device
     from rlcore.judge.engine import judge_llm_kwargs
     from rlcore.rollout_checks import check_engine_kwargs, check_sleep_level_supported

@@ -154,12 +154,12 @@ class LoraPolicy(VeOmniPolicy):
     def save_adapter(self, path: str, dtype: str = "float32") -> None:
         """PEFT adapter folder (collective; rank 0 writes): what PEFT, vLLM and ``lora.path`` load,
         with the base model's tokenizer files."""
-        from rlcore import hf_export
+        from rlcore import hf_folder
 
         tensors = list(self.adapter_weights(dtype))  # collective: every rank gathers
         if self.info.is_main:
-            hf_export.write_adapter(tensors, self.adapter_config(), path)
-            hf_export.copy_aux_files(self.model_path, path, dtype)
+            hf_folder.write_adapter(tensors, self.adapter_config(), path)
+            hf_folder.copy_aux_files(self.model_path, path, dtype)
             os.remove(os.path.join(path, "config.json"))  # the base's: an adapter folder is not a model
         torch.distributed.barrier()
 

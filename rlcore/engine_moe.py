@@ -313,14 +313,9 @@ def checkpoint_expert_layout(model_path: str) -> ExpertLayout:
     checkpoint VeOmni would load wrong: in the modeling's own layout with a square tensor, which
     VeOmni's Qwen3-VL-MoE converter takes for the released layout and transposes
     (qwen3_vl_moe/checkpoint_tensor_converter.py:91-92 test the released shape first)."""
-    import json
-    import os
+    from rlcore.hf_folder import config_or_empty
 
-    try:
-        with open(os.path.join(model_path, "config.json")) as f:
-            config = json.load(f)
-    except (OSError, ValueError):
-        return PER_EXPERT
+    config = config_or_empty(model_path)
     if not num_experts(config):
         return PER_EXPERT
     shapes = _checkpoint_shapes(model_path)

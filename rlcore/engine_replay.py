@@ -190,7 +190,7 @@ def metrics(replay: RoutingReplay) -> dict[str, float]:
     whose native top-k already was the recorded set, over all MoE layers), ``actor/router_replay_missing``
     (tokens that had no recording: 0 unless the packing lost track of a token), and per layer
     ``debug/router_agreement_layer{i}``."""
-    from rlcore.metrics import all_rank_sums
+    from rlcore.dist import all_rank_sums
 
     total = all_rank_sums(replay.counts())
     replay.reset_counts()

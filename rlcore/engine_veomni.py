@@ -2,7 +2,7 @@
 
 This module and its ``rlcore.engine_*`` siblings are the only ones in the project that touch
 VeOmni, FSDP2 or DTensor. Its other helpers get plain tensors and files only:
-``rlcore.bucket_gather`` gathers the local shards it is handed, ``rlcore.hf_export`` writes the
+``rlcore.bucket_gather`` gathers the local shards it is handed, ``rlcore.hf_folder`` writes the
 HF folder, ``rlcore.attention`` picks the attention kernel. Everything else sees plain tensors:
 packed ``(1, L)`` token batches in, per-token log-probs out, and full HF-named weight tensors
 streamed out for vLLM and for export. Vision-language models (Qwen3-VL) take their images with
@@ -37,7 +37,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from rlcore import engine_moe, engine_replay, engine_vl, hf_export
+from rlcore import engine_moe, engine_replay, engine_vl
+from rlcore import hf_folder
 from rlcore.engine_build import build_sharded_model, ensure_parallel_state, install_cpu_shims
 from rlcore.engine_kernels import describe_kernels, kernel_fields
 from rlcore.engine_parts import (LrLambda, dim0_shard_group, eager_attention_mask, full_tensor, hf_name, hidden_rows,
@@ -517,6 +518,6 @@ class VeOmniPolicy:
         ``max_shard_bytes``, config.json with the export dtype, and every other non-weight file
         of ``model_path`` (tokenizer, generation config, chat template) copied."""
         # named_hf_weights loads offloaded parameters for the export
-        hf_export.write_folder(self.named_hf_weights(dtype), path, self.model_path, dtype, self.info.is_main,
+        hf_folder.write_folder(self.named_hf_weights(dtype), path, self.model_path, dtype, self.info.is_main,
                                max_shard_bytes)
         dist.barrier()

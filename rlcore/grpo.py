@@ -14,8 +14,7 @@ import torch
 
 from rlcore import advantage, rollout_correction
 from rlcore.config import AlgorithmConfig
-from rlcore.dist import all_reduce_max, all_reduce_sum
-from rlcore.metrics import all_rank_means, all_rank_sums
+from rlcore.dist import all_rank_means, all_rank_sums, all_reduce_max, all_reduce_sum
 
 
 @dataclass

@@ -11,7 +11,6 @@ import time
 from collections import deque
 from contextlib import contextmanager
 
-from rlcore.dist import all_reduce_sum
 
 CONSOLE_KEYS = (
     ("reward/mean", "reward", "{:.3f}"),
@@ -22,18 +21,6 @@ CONSOLE_KEYS = (
     ("rollout/response_len_mean", "len", "{:.1f}"),
     ("timing/step_s", "step_s", "{:.2f}"),
 )
-
-
-def all_rank_sums(values: dict[str, float]) -> dict[str, float]:
-    """Each named value summed over all ranks, in one all-reduce (collective: every rank passes
-    the same keys)."""
-    keys = sorted(values)
-    return dict(zip(keys, all_reduce_sum([values[k] for k in keys])))
-
-
-def all_rank_means(values: dict[str, float], world_size: int) -> dict[str, float]:
-    """Means over ranks of per-rank values (of equal-sized shares: their mean is the global one)."""
-    return {k: v / world_size for k, v in all_rank_sums(values).items()}
 
 
 class MetricsLogger:

@@ -16,6 +16,8 @@ import json
 import os
 from dataclasses import dataclass, replace
 
+from rlcore.hf_folder import read_config
+
 # The processors' default image budget: Qwen2-VL 12,845,056 pixels / 28^2, Qwen3-VL 16,777,216 / 32^2
 # (max_pixels / (patch x merge)^2); preprocessor_config.json in the model folder may lower it.
 DEFAULT_MAX_IMAGE_TOKENS = 16384
@@ -199,8 +201,7 @@ class ModelShape:
         """config.json of ``model_path``; a multimodal config nests the LM in ``text_config`` (older
         Qwen2-VL / Qwen2.5-VL files keep it at the top level) and the ViT in ``vision_config``. The
         image budget comes from ``preprocessor_config.json`` when the folder has one."""
-        with open(os.path.join(model_path, "config.json")) as f:
-            c = json.load(f)
+        c = read_config(model_path)
         shape = cls.from_hf_config(c.get("text_config", c))
         if "text_config" in c:  # transformers ties the lm_head by the outer config's flag
             shape = replace(shape, tied=bool(c.get("tie_word_embeddings", False)))

@@ -42,7 +42,7 @@ import sys
 import threading
 import time
 
-from rlcore.exit_codes import ConfigError, Exit
+from rlcore.errors import ConfigError, Exit
 
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
 _RT = hasattr(signal, "SIGRTMIN") and hasattr(signal, "sigtimedwait")  # Linux

@@ -19,7 +19,7 @@ import time
 from contextlib import contextmanager
 
 from rlcore.dist import all_reduce_sum
-from rlcore.exit_codes import Exit
+from rlcore.errors import Exit
 
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)

@@ -4,7 +4,6 @@ files, the checkpoint to resume, the tokenizer and every data row. A mistake exi
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 
 from rlcore import agent, checkpoint, rewards, rollout_routing
@@ -12,6 +11,7 @@ from rlcore.config import Config, ConfigError, check, fail
 from rlcore.data import load_prompts
 from rlcore.judge.config import check_judge_data
 from rlcore.dist import detect_device
+from rlcore.hf_folder import read_config
 from rlcore.ownership import claim_output_dir
 
 
@@ -203,8 +203,7 @@ def _check_experts(cfg: Config, world_size: int) -> None:
 
 def _read_config(model_path: str) -> dict:
     try:
-        with open(os.path.join(model_path, "config.json")) as f:
-            config = json.load(f)
+        config = read_config(model_path)
     except (OSError, ValueError) as e:
         raise ConfigError(f"model.path={model_path!r} is invalid: its config.json does not parse as JSON "
                           f"({e}); re-export the model folder") from e

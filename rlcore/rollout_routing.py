@@ -51,7 +51,7 @@ def check_config(cfg: Config, device_type: str) -> None:
         raise ConfigError("algorithm.routing_replay='r3' with rollout.multi_turn.enable: a conversation's turns are "
                           "separate vLLM requests and r3 takes one request's routing; use algorithm.routing_replay: "
                           "r2 for multi-turn rollouts")
-    from rlcore.build import config_llm_kwargs
+    from rlcore.rollout_settings import config_llm_kwargs
 
     problem = vllm_verdict(config_llm_kwargs(cfg, device_type), device_type)
     if problem:

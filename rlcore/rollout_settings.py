@@ -51,3 +51,26 @@ def llm_kwargs(model_path: str, device_type: str, *, tp_size: int, seed: int, ma
         **rollout_lora.engine_kwargs(lora_rank),
         **({"runner": runner} if runner != "generate" else {}),
     )
+
+
+def config_llm_kwargs(cfg, device_type: str) -> dict:
+    """``llm_kwargs`` of a run's config (``rlcore.config.Config``) for ``device_type``."""
+    r, m = cfg.rollout, cfg.model
+    return llm_kwargs(m.path, device_type, tp_size=r.tensor_parallel_size, seed=cfg.trainer.seed,
+                      max_model_len=r.max_model_len, dtype=r.dtype or m.dtype, kv_cache_gb=r.kv_cache_gb,
+                      gpu_memory_utilization=r.gpu_memory_utilization, enforce_eager=r.enforce_eager,
+                      multimodal=bool(cfg.data.image_key), limit_mm_per_prompt=r.limit_mm_per_prompt,
+                      speed=dict(max_num_seqs=r.max_num_seqs, max_num_batched_tokens=r.max_num_batched_tokens,
+                                 enable_prefix_caching=r.enable_prefix_caching, block_size=r.block_size),
+                      routed_experts=cfg.algorithm.routing_replay == "r3", lora_rank=config_lora_rank(cfg))
+
+
+def config_lora_rank(cfg) -> int:
+    """The rank vLLM must serve: the configured one, or the starting adapter's."""
+    if not cfg.lora.enabled:
+        return 0
+    if cfg.lora.path is None:
+        return cfg.lora.rank
+    from rlcore.hf_folder import adapter_rank
+
+    return adapter_rank(cfg.lora.path)

@@ -71,7 +71,7 @@ def choose_groups(informative: list[int], target: int, seed: int) -> list[int]:
 
 @dataclass
 class StepSampler:
-    rollout: object  # rlcore.build.Rollout
+    rollout: object  # rlcore.protocols.Rollout
     prompts: PromptSampler
     tokenizer: object
     scorer: object  # rlcore.rewards.Scorer

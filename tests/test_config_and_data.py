@@ -255,10 +255,10 @@ def test_long_prompts_are_filtered_or_rejected(tiny_model, toy_data):
 
 @pytest.mark.unit
 def test_engines_satisfy_the_protocols_the_loop_uses():
-    """rlcore.build's Policy and Rollout list what the loop needs; the real engines provide it."""
+    """rlcore.protocols' Policy and Rollout list what the loop needs; the real engines provide it."""
     import inspect
 
-    from rlcore.build import Policy, Rollout
+    from rlcore.protocols import Policy, Rollout
     from rlcore.colocate_rollout import ColocateRollout
     from rlcore.engine_veomni import VeOmniPolicy
 

@@ -135,7 +135,7 @@ def test_judges_get_a_judging_phase_by_hand(recipe, tmp_path):
 
     from rlcore.cli import parse_config
     from rlcore.config import ConfigError
-    from rlcore.judge import check_memory
+    from rlcore.memory_plan import check_judging_fits as check_memory
 
     judge = tmp_path / "judge"
     judge.mkdir()

@@ -220,7 +220,7 @@ def test_user_tool_can_opt_into_the_sandbox(tmp_path, monkeypatch):
 def test_config_names_the_field_the_value_and_the_fix():
     from rlcore.agent.config import ToolsSandboxConfig
     from rlcore.agent.sandbox import Limits, SandboxUnavailable, check, describe
-    from rlcore.exit_codes import ConfigError
+    from rlcore.errors import ConfigError
 
     with pytest.raises(ConfigError, match=r"tools_sandbox\.backend='docker' is invalid: choose one of auto"):
         ToolsSandboxConfig(backend="docker")

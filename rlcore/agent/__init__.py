@@ -27,7 +27,7 @@ def renderer_for(cfg, tokenizer):
         with open(mt.chat_template) as f:
             template = f.read()
     from rlcore.agent.chat import TemplateError
-    from rlcore.exit_codes import ConfigError
+    from rlcore.errors import ConfigError
 
     try:
         return ChatRenderer(tokenizer, schemas, template, mt.first_turn_prefix or "")

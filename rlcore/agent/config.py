@@ -8,8 +8,8 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from rlcore.config_algo import _check_positive, check
-from rlcore.exit_codes import ConfigError
+from rlcore.config_algo import _check_positive
+from rlcore.errors import ConfigError, check
 
 
 @dataclass

@@ -36,6 +36,7 @@ import time
 from dataclasses import dataclass
 
 from rlcore.agent import sandbox_backends as sb
+from rlcore.agent.sandbox_backends import Result
 
 LOCAL = ("bwrap", "namespaces", "uid", "process")
 BACKENDS = ("auto", *LOCAL, "remote")
@@ -105,16 +106,6 @@ class Limits:
     python: str | None = None  # the interpreter the child runs (default: this one's base install)
     url: str | None = None  # the remote backend's service
     uid_base: int = 1_000_000_000  # per-call uids: uid_base + slot (root trainers)
-
-
-@dataclass
-class Result:
-    output: str  # stdout then stderr, cut to the byte limit
-    error: str | None  # None: ran and exited 0; else "timeout" | "output_limit" | "exit N" | "signal N" | ...
-
-    @property
-    def ok(self) -> bool:
-        return self.error is None
 
 
 class SandboxUnavailable(RuntimeError):

@@ -37,6 +37,16 @@ SYSTEM_RO = ("/usr", "/lib", "/lib64", "/lib32", "/bin", "/sbin", "/etc/ld.so.ca
 
 
 @dataclass
+class Result:
+    output: str  # stdout then stderr, cut to the byte limit
+    error: str | None  # None: ran and exited 0; else "timeout" | "output_limit" | "exit N" | "signal N" | ...
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+
+@dataclass
 class Launch:
     argv: list[str]
     pass_fds: tuple[int, ...] = ()

@@ -13,6 +13,8 @@ import json
 import urllib.error
 import urllib.request
 
+from rlcore.agent.sandbox_backends import Result
+
 _MARGIN_S = 10.0  # the service's own queueing and start-up, on top of the run timeout
 
 
@@ -22,8 +24,6 @@ def request_body(code: str, limits) -> dict:
 
 
 def run(code: str, limits):
-    from rlcore.agent.sandbox import Result
-
     req = urllib.request.Request(limits.url.rstrip("/") + "/run_code", data=json.dumps(request_body(code, limits)).encode(),
                                  headers={"Content-Type": "application/json"}, method="POST")
     try:

@@ -37,24 +37,6 @@ def build_judges(cfg, info, policy_rollout=None) -> dict:
     return judges
 
 
-def check_memory(plan) -> None:
-    """Accelerators, on every rank before anything loads (rlcore.memory_plan): the judging phase must
-    fit. The plan's other phases are only printed, as without judges; the judges' budgets are set
-    by the user and known exactly, so a judging phase over the limit is a config error."""
-    from rlcore.exit_codes import ConfigError
-
-    if "judge" not in plan.phases or plan.total("judge") <= plan.limit:
-        return
-    gb = 2**30
-    parts = plan.phases["judge"]
-    raise ConfigError(
-        f"reward.models: the judging phase needs {plan.total('judge') / gb:.1f} GB per rank (judges awake "
-        f"{parts['judges'] / gb:.1f} GB = their gpu_memory_utilization x {plan.inputs.device_gb:g} GB, plus "
-        f"{(plan.total('judge') - parts['judges']) / gb:.1f} GB the trainer and the sleeping policy engine keep) "
-        f"but the limit is {plan.limit / gb:.1f} GB: lower reward.models[].gpu_memory_utilization, offload the "
-        "trainer (offload.params / offload.optimizer: true), or use rollout.sleep_level 1 or 2")
-
-
 def describe(judges: dict) -> str:
     parts = [f"{j.name} ({j.cfg.kind}, {j.cfg.path}, asleep: "
              f"{'KV buffer freed' if j.engine.offload == 'kv' else f'level {j.engine.sleep_level}'})"

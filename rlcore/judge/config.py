@@ -8,13 +8,12 @@ field by field, so a typo names the valid keys instead of being ignored.
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from rlcore.config_algo import check
-from rlcore.exit_codes import ConfigError
+from rlcore.errors import ConfigError, check
+from rlcore.hf_folder import read_config
 
 KINDS = ("generative", "discriminative")
 DEFAULT_PARSER = r"(-?\d+(?:\.\d+)?)"  # the last number of the judge's answer
@@ -74,22 +73,6 @@ class JudgeConfig:
     @property
     def generative(self) -> bool:
         return self.kind == "generative"
-
-
-@dataclass(frozen=True)
-class JudgePlan:
-    """A judge's engine (rlcore/judge): its model's shape, its device share while awake, its sleep
-    level (1: weights wait in host memory, 2: reloaded from disk) and dtype bytes."""
-
-    shape: object  # rlcore.model_shape.ModelShape
-    gpu_memory_utilization: float
-    sleep_level: int = 1
-    c: int = 2
-
-    def host_bytes(self, tp: int) -> int:
-        """Host memory per rank while asleep: the weights at level 1 (vLLM's CPU backup), 0 at 2."""
-        return self.c * self.shape.params // tp if self.sleep_level == 1 else 0
-
 
 
 def parse_judges(entries: list[Any] | None) -> list[JudgeConfig]:
@@ -193,8 +176,7 @@ def check_judge_model(j: JudgeConfig, where: str) -> dict:
     """The judge folder is a model of the right kind (before anything loads); its config.json."""
     cfg_path = os.path.join(j.path, "config.json")
     try:
-        with open(cfg_path) as f:
-            config = json.load(f)
+        config = read_config(j.path)
     except (OSError, ValueError) as e:
         raise ConfigError(f"{where}.path={j.path!r} is not a model folder ({cfg_path}: {e}); point it at a local "
                           "HF model (config.json, *.safetensors, tokenizer files)") from None

@@ -1,4 +1,5 @@
-"""Writing an HF safetensors folder from a stream of ``(name, full tensor)`` pairs: plain file IO.
+"""An HF model folder as files: its ``config.json`` (read here and nowhere else) and the writing of a
+safetensors folder from a stream of ``(name, full tensor)`` pairs. Plain file IO.
 
 The policy engine (``rlcore.engine_veomni.VeOmniPolicy.save_hf``) gathers the tensors and hands
 them to ``ShardWriter`` on rank 0; nothing here knows about FSDP2, DTensor or VeOmni.
@@ -89,6 +90,29 @@ def write_adapter(tensors, config: dict, path: str) -> tuple[int, int]:
     return len(state), sum(t.numel() * t.element_size() for t in state.values())
 
 
+def read_config(path: str):
+    """The parsed ``config.json`` of the HF folder ``path``. Raises OSError (no such file) or
+    ValueError (not JSON); callers decide what a missing or broken file means for them."""
+    with open(os.path.join(path, "config.json")) as f:
+        return json.load(f)
+
+
+def config_or_empty(path: str) -> dict:
+    """``read_config`` as a dict, ``{}`` when there is none to read (a hub id, a broken file: the
+    folder's own checks name what is wrong with it)."""
+    try:
+        config = read_config(path)
+    except (OSError, ValueError):
+        return {}
+    return config if isinstance(config, dict) else {}
+
+
+def adapter_rank(path: str) -> int:
+    """The LoRA rank ``r`` of the PEFT adapter folder ``path`` (its adapter_config.json)."""
+    with open(os.path.join(path, "adapter_config.json")) as f:
+        return int(json.load(f)["r"])
+
+
 def copy_aux_files(src: str, dst: str, dtype: str) -> None:
     """Copy the non-weight files of the source folder; rewrite config.json with ``dtype``."""
     for fname in os.listdir(src):
@@ -96,8 +120,7 @@ def copy_aux_files(src: str, dst: str, dtype: str) -> None:
         if not os.path.isfile(full) or fname == "config.json" or fname.endswith(WEIGHT_SUFFIXES):
             continue
         shutil.copy2(full, os.path.join(dst, fname))
-    with open(os.path.join(src, "config.json")) as f:
-        config = json.load(f)
+    config = read_config(src)
     # transformers 5 writes "dtype"; older configs carry "torch_dtype". Keep whichever exists.
     config["dtype"] = dtype
     if "torch_dtype" in config:

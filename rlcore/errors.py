@@ -1,4 +1,5 @@
-"""The exit codes of train_grpo.py (per rank), in one table, and the one way to stop on a user error.
+"""The exit codes of train_grpo.py (per rank), in one table, and the one way to stop on a user error
+(``ConfigError``, ``check``, ``fail``).
 
 torchrun itself exits 1 whenever a rank fails or it was signalled, and lists the ranks' codes.
 The README's table is this one.
@@ -28,3 +29,9 @@ def fail(message: str, code: Exit = Exit.CONFIG) -> None:
     """Print a user-facing error (every rank may print it) and exit with ``code``."""
     print(f"error: {message}", file=sys.stderr, flush=True)
     raise SystemExit(int(code))
+
+
+def check(ok: bool, key: str, value, fix: str) -> None:
+    """A config check: ``key=value is invalid: fix`` (the key, the value and how to fix it)."""
+    if not ok:
+        raise ConfigError(f"{key}={value!r} is invalid: {fix}")
