@@ -29,10 +29,10 @@ class Engines:
 
 def build_policy(model: ModelConfig, optim: OptimConfig, info: DistInfo, total_optim_steps: int,
                  ep_size: int = 1, routing_replay: bool = False, lora=None, merge_lora: bool = False) -> Policy:
-    from rlcore.engine_veomni import VeOmniPolicy
+    from rlcore.engine.policy import VeOmniPolicy
 
     if lora is not None and lora.enabled:
-        from rlcore.engine_lora import LoraPolicy
+        from rlcore.engine.lora import LoraPolicy
 
         return LoraPolicy(model.path, info, lora=lora, merge_export=merge_lora,
                           **_policy_kwargs(model, optim, total_optim_steps, ep_size, routing_replay))
@@ -52,7 +52,7 @@ def _policy_kwargs(model: ModelConfig, optim: OptimConfig, total_optim_steps: in
 
 
 def build_reference(model: ModelConfig, offload: OffloadConfig, info: DistInfo, ep_size: int = 1) -> Policy:
-    from rlcore.engine_veomni import VeOmniPolicy
+    from rlcore.engine.policy import VeOmniPolicy
 
     return VeOmniPolicy(model.path, info, dtype=model.dtype, trainable=False,
                         attn_implementation=model.attn_implementation, offload_outside_forward=offload.ref,
@@ -114,7 +114,7 @@ def build_engines(cfg: Config, info: DistInfo, timer: Timer, probe_prompts: list
                               cfg.lora, cfg.checkpoint.merge_lora)
         ref = None
         if cfg.algorithm.kl_loss_coef > 0:  # LoRA: the policy with its adapter off, no second model
-            from rlcore.engine_lora import AdapterOffReference
+            from rlcore.engine.lora import AdapterOffReference
 
             ref = (AdapterOffReference(policy) if cfg.lora.enabled
                    else build_reference(cfg.model, cfg.offload, info, ep))

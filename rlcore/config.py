@@ -434,7 +434,7 @@ class Config:
 
 def model_num_experts(path: str) -> int:
     """Routed experts in the config.json at ``path`` (0: dense, or no readable config there)."""
-    from rlcore.engine_moe import num_experts
+    from rlcore.engine.moe import num_experts
     from rlcore.hf_folder import config_or_empty
 
     return num_experts(config_or_empty(path))
@@ -477,7 +477,7 @@ def check_routing_replay(mode: str | None, model_path: str, experts: int) -> Non
     wired into (its own list, veomni/utils/moe_router_replay.py)."""
     if mode is None:
         return
-    from rlcore.engine_replay import supported_model_types
+    from rlcore.engine.replay import supported_model_types
     from rlcore.hf_folder import config_or_empty
 
     model_type = config_or_empty(model_path).get("model_type")
@@ -493,8 +493,8 @@ def resolve(cfg: Config, device_type: str) -> Config:
     """A copy of ``cfg`` with every default that depends on another field or on the device filled
     in (the ``null`` / ``auto`` values documented on the fields), checked where the combination
     is what matters. Call once, after parsing; resolving a resolved config changes nothing."""
-    from rlcore.attention import pick_attn_implementation
-    from rlcore.engine_moe import pick_moe_implementation
+    from rlcore.engine.attention import pick_attn_implementation
+    from rlcore.engine.moe import pick_moe_implementation
     from rlcore.rollout_checks import (check_npu_moe, pick_block_size, pick_enforce_eager, pick_sleep_level,
                                        pick_weight_load)
 

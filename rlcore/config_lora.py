@@ -1,4 +1,4 @@
-"""The ``lora`` config section (rlcore/engine_lora.py): LoRA GRPO, adapter-only training and
+"""The ``lora`` config section (rlcore/engine/lora.py): LoRA GRPO, adapter-only training and
 adapter-only weight sync. Split from rlcore.config (which re-exports it); ``__post_init__`` only
 checks, and the checks against the model (``check_lora``) run before anything loads."""
 

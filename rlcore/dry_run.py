@@ -8,7 +8,7 @@ their rules:
     config            the trainer's parser and ``rlcore.config.resolve`` for DEVICE (dtype, attention,
                       experts kernel, weight load, sleep level; the MoE and weight-load rules)
     world             ``rlcore.preflight.validate_against_world`` for nproc x nnodes ranks
-    attention         ``rlcore.attention`` against the kernel packages installed here (a login node
+    attention         ``rlcore.engine.attention`` against the kernel packages installed here (a login node
                       should have the cluster's environment)
     veomni_ops        VeOmni's ``OpsImplementationConfig`` as the engine builds it, constructed with
                       VeOmni's own device probe (``is_torch_npu_available``) set to DEVICE
@@ -102,7 +102,7 @@ def check_world(cfg: Config, world: int) -> Check:
 
 
 def check_attention(cfg: Config, device: str) -> Check:
-    from rlcore.attention import pick_attn_implementation
+    from rlcore.engine.attention import pick_attn_implementation
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -116,7 +116,7 @@ def check_attention(cfg: Config, device: str) -> Check:
 
 def check_veomni_ops(cfg: Config, device: str) -> Check:
     from rlcore.config import model_num_experts
-    from rlcore.engine_kernels import ops_config
+    from rlcore.engine.kernels import ops_config
 
     m = cfg.model
     with veomni_sees(device):

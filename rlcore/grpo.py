@@ -1,7 +1,7 @@
 """The GRPO step between the engines: pack rollouts without padding, compute log-prob matrices,
 and run the clipped policy update with losses normalised over the global mini-batch.
 
-Works with any policy exposing ``forward_logprobs``/``backward``/``step`` (rlcore.engine_veomni).
+Works with any policy exposing ``forward_logprobs``/``backward``/``step`` (rlcore.engine.policy).
 """
 
 from __future__ import annotations

@@ -298,7 +298,7 @@ def kv_bytes_per_token(p: PlanInputs) -> int:
 def sync_bucket_bytes(p: PlanInputs) -> int:
     """About two buckets in flight (the gather buffer and the full tensors being loaded); a bucket
     is at least the largest sync unit (the embedding for most models). Mixture of experts: a
-    layer's routed experts are gathered whole, one fused parameter at a time (rlcore.engine_veomni
+    layer's routed experts are gathered whole, one fused parameter at a time (rlcore.engine.policy
     ``_whole``: FSDP2, then the EP group): the [E, 2I, H] gate_up_proj twice (the all-gather's
     output and the tensor re-laid out from it, DTensor.full_tensor over a dim-1 shard) while the
     [E, H, I] down_proj before it may still be loading, (2 x 2 + 1) E H I c: 1.9 GiB per rank for

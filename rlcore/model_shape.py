@@ -177,7 +177,7 @@ class ModelShape:
 
     @classmethod
     def from_hf_config(cls, c: dict) -> "ModelShape":
-        from rlcore.engine_moe import num_experts
+        from rlcore.engine.moe import num_experts
 
         mtype, layers = c.get("model_type", ""), c["num_hidden_layers"]
         experts = num_experts(c)
@@ -268,7 +268,7 @@ class ModelShape:
         return sum(self.counts())
 
     def largest_sync_unit(self) -> int:
-        """Largest group of parameters the weight sync keeps in one bucket (rlcore.bucket_gather:
+        """Largest group of parameters the weight sync keeps in one bucket (rlcore.engine.bucket_gather:
         one grandparent module: embed_tokens + final norm, lm_head, a layer's self_attn or mlp,
         one routed expert; of a vision tower, one merger or a block's MLP)."""
         mlp = max((self.moe_shared() if s else self.dense_mlp()) for s in (self.sparse or (False,)))

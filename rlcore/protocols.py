@@ -1,6 +1,6 @@
 """What the loop needs from the two engines: the trainer (``Policy``) and the generator
 (``Rollout``). The loop, the phase switch and the sampling code are written against these; the
-real engines (``rlcore.engine_veomni``, ``rlcore.colocate_rollout``) and the tests' fakes provide
+real engines (``rlcore.engine.policy``, ``rlcore.colocate_rollout``) and the tests' fakes provide
 them.
 """
 
@@ -15,7 +15,7 @@ import torch
 
 @runtime_checkable
 class Policy(Protocol):
-    """The trainer engine (``rlcore.engine_veomni.VeOmniPolicy``). Every method that runs a
+    """The trainer engine (``rlcore.engine.policy.VeOmniPolicy``). Every method that runs a
     forward, gathers weights or touches a checkpoint is collective."""
 
     lr_schedule_changes: list[str]

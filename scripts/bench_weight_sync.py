@@ -7,7 +7,7 @@ sharded with VeOmni FSDP2 (one AdamW step moves it away from the checkpoint) nex
 in-process vLLM engine per rank (tp=1). Measured in one run, each a median of ``--reps``
 repetitions after one warm-up, methods interleaved, time = the slowest rank (barrier to barrier):
 
-  sync   the project's sync: bucketed all-gather of the FSDP2 shards (rlcore.bucket_gather) streamed
+  sync   the project's sync: bucketed all-gather of the FSDP2 shards (rlcore.engine.bucket_gather) streamed
          into vLLM's reload_weights (what PhaseSwitcher runs every step)
   naive  save an HF checkpoint to disk (VeOmniPolicy.save_hf) and reload vLLM's weights from it
   floor  one all_gather_into_tensor of all parameters as one flat, pre-allocated buffer, plus one
@@ -174,7 +174,7 @@ def setup(args, info):
             make_tiny_model(model_dir, **model_dims(args.params))
     dist.barrier()
     from rlcore.colocate_rollout import ColocateRollout
-    from rlcore.engine_veomni import VeOmniPolicy
+    from rlcore.engine.policy import VeOmniPolicy
 
     policy = VeOmniPolicy(model_dir, info, lr=1e-3, total_steps=10, ep_size=info.world_size if args.moe else 1)
     g = torch.Generator().manual_seed(info.rank)
@@ -368,7 +368,7 @@ def lora_push(args, model_dir: str, info) -> dict:
 
     from rlcore.colocate_rollout import ColocateRollout
     from rlcore.config_lora import LoraConfig
-    from rlcore.engine_lora import LoraPolicy
+    from rlcore.engine.lora import LoraPolicy
 
     policy = LoraPolicy(model_dir, info, lora=LoraConfig(rank=args.lora, alpha=2 * args.lora), lr=1e-3,
                         total_steps=10)

@@ -36,7 +36,7 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
 fi
 install_torchvision_hook
 # Pure-Python wheels of the CUDA set (flash-attn-4, liger-kernel), each in its own folder outside the
-# venv's site-packages: tests put one on sys.path so that the real probes (rlcore.attention's
+# venv's site-packages: tests put one on sys.path so that the real probes (rlcore.engine.attention's
 # import, VeOmni's find_spec) decide as on a CUDA machine (tests/test_attention_choice.py,
 # tests/test_accel_ops.py, tests/test_check_config.py).
 install_accel_wheel() {  # NAME MODULE_FILE

@@ -4,7 +4,7 @@ VeOmni 0.1.12 checks ``OpsImplementationConfig`` against the device when it is c
 (veomni/arguments/arguments_types.py:1276-1278 -> ``_validate_implementations`` :1331-1372, with
 ``_NPU_ALLOWED`` :1028-1036), asking ``veomni.utils.import_utils.is_torch_npu_available`` which
 device it is on. Here that probe is forced to the recipe's device and nothing else is replaced:
-the construction is the one ``rlcore.engine_veomni`` does before building the model, so a name
+the construction is the one ``rlcore.engine.policy`` does before building the model, so a name
 VeOmni refuses on Ascend fails here as it would on the cluster (the bare ``npu`` experts name once
 stopped every NPU run, dense ones included, before step 1).
 """
@@ -46,7 +46,7 @@ def veomni_device(monkeypatch):
 
 def build_ops(cfg, device):
     from rlcore.config import model_num_experts
-    from rlcore.engine_kernels import ops_config
+    from rlcore.engine.kernels import ops_config
 
     m = cfg.model
     return ops_config(m.attn_implementation, m.moe_implementation, model_num_experts(m.path), device)
@@ -69,7 +69,7 @@ def test_moe_on_npu_passes_veomni_but_is_refused_at_config_time(tmp_path, veomni
     """The experts name VeOmni accepts on Ascend is fused_npu (checked by its validation), but the
     pinned vllm-ascend breaks MoE at the first weight sync (rollout_checks.check_npu_moe): the 30B
     recipe parsed for npu exits 2 before anything loads, naming the vllm-ascend that would work."""
-    from rlcore.engine_kernels import ops_config
+    from rlcore.engine.kernels import ops_config
 
     veomni_device(npu=True)
     assert ops_config("flash_attention_2", "npu", 128, "npu").moe_implementation == "fused_npu"
@@ -98,7 +98,7 @@ def test_veomni_refuses_the_old_bare_names_on_npu(veomni_device):
     ("npu", 0, "eager"), ("triton", 0, "eager"), ("torch_ep", 8, "eager"), ("eager", 8, "eager"),
 ])
 def test_project_names_map_to_veomnis(impl, experts, expected):
-    from rlcore.engine_moe import veomni_moe_implementation
+    from rlcore.engine.moe import veomni_moe_implementation
 
     assert veomni_moe_implementation(impl, experts) == expected
 
@@ -107,7 +107,7 @@ def test_fused_kernels_per_device_and_what_the_start_up_line_says(veomni_device)
     """cuda: liger-kernel's RMSNorm / SwiGLU / RoPE when VeOmni finds it, else eager; npu: VeOmni's
     torch_npu RMSNorm and RoPE (text and vision); cpu: eager. Each set passes VeOmni's validation
     for its device (the npu set only there: VeOmni refuses 'npu' kernels elsewhere)."""
-    from rlcore.engine_kernels import describe_kernels, kernel_fields, ops_config
+    from rlcore.engine.kernels import describe_kernels, kernel_fields, ops_config
 
     veomni_device(npu=False, liger=True)
     assert describe_kernels(kernel_fields("cuda")) == (
@@ -132,7 +132,7 @@ def test_veomnis_own_probe_finds_the_real_liger_kernel_wheel():
     wheel = os.path.join(REPO, ".venv", "accel", "liger-kernel")
     if not os.path.isfile(os.path.join(wheel, "liger_kernel", "__init__.py")):
         pytest.fail(f"{wheel} is missing: run scripts/setup_env.sh (it installs the liger-kernel wheel there)")
-    code = ("import json; from rlcore.engine_kernels import kernel_fields, ops_config; "
+    code = ("import json; from rlcore.engine.kernels import kernel_fields, ops_config; "
             "ops = ops_config('sdpa', 'eager', 0, 'cuda'); "
             "print(json.dumps([ops.rms_norm_implementation, ops.swiglu_mlp_implementation, "
             "ops.rotary_pos_emb_implementation]))")

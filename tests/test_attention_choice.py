@@ -1,4 +1,4 @@
-"""rlcore.attention.pick_attn_implementation: which kernel runs on packed micro-batches per device.
+"""rlcore.engine.attention.pick_attn_implementation: which kernel runs on packed micro-batches per device.
 
 Nothing in the decision is replaced: each case runs it in a fresh interpreter whose ``sys.path``
 holds what a machine would have installed. ``flash-attn-4`` is the real wheel of
@@ -28,7 +28,7 @@ ENTRY = "def flash_attn_varlen_func(*args, **kwargs):\n    raise RuntimeError('s
 PROBE = textwrap.dedent("""
     import json, sys, warnings
     sys.path[:0] = json.loads(sys.argv[1])
-    from rlcore.attention import pick_attn_implementation
+    from rlcore.engine.attention import pick_attn_implementation
     out = []
     for requested, device, dtype in json.loads(sys.argv[2]):
         with warnings.catch_warnings(record=True) as caught:

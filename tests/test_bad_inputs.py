@@ -357,7 +357,7 @@ def test_nothing_foreign_is_unpickled_by_the_trainer():
     import glob
     import re
 
-    files = [os.path.join(REPO, "train_grpo.py")] + glob.glob(os.path.join(REPO, "rlcore", "*.py")) \
+    files = [os.path.join(REPO, "train_grpo.py")] + glob.glob(os.path.join(REPO, "rlcore", "**", "*.py"), recursive=True) \
         + glob.glob(os.path.join(REPO, "scripts", "*.py"))
     calls = 0
     for path in files:

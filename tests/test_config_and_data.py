@@ -260,7 +260,7 @@ def test_engines_satisfy_the_protocols_the_loop_uses():
 
     from rlcore.protocols import Policy, Rollout
     from rlcore.colocate_rollout import ColocateRollout
-    from rlcore.engine_veomni import VeOmniPolicy
+    from rlcore.engine.policy import VeOmniPolicy
 
     for proto, cls in ((Policy, VeOmniPolicy), (Rollout, ColocateRollout)):
         methods = [n for n, v in vars(proto).items() if inspect.isfunction(v) and not n.startswith("_")]

@@ -1,4 +1,4 @@
-"""LoRA GRPO (rlcore/engine_lora.py, rlcore/rollout_lora.py, rlcore/config_lora.py): adapter-only
+"""LoRA GRPO (rlcore/engine/lora.py, rlcore/rollout_lora.py, rlcore/config_lora.py): adapter-only
 training and adapter-only weight sync through VeOmni's and vLLM's own LoRA.
 
 The worker (tests/workers/lora_worker.py) checks the adapter's gradients against a hand-written
@@ -99,7 +99,7 @@ def dcp_keys(ckpt: str) -> list[str]:
 
 @pytest.mark.unit
 def test_merged_weights_by_hand():
-    from rlcore.engine_lora import merged
+    from rlcore.engine.lora import merged
 
     w, a, b = torch.randn(4, 3), torch.randn(2, 3), torch.randn(4, 2)
     stream = [("base_model.model.model.norm.weight", torch.ones(3)),

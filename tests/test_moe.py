@@ -1,5 +1,5 @@
 """Mixture-of-experts through the real engine on CPU: a tiny Qwen3-MoE (4 experts, top-2) with
-VeOmni expert parallelism over 2 gloo ranks (the pure-torch EP experts of rlcore/engine_moe.py)
+VeOmni expert parallelism over 2 gloo ranks (the pure-torch EP experts of rlcore/engine/moe.py)
 gives the logits and gradients of one rank without EP, and exports the checkpoint's names."""
 
 import os

@@ -1,4 +1,4 @@
-"""The phase machine and the bucketed weight sync (rlcore/switch.py, rlcore/bucket_gather.py).
+"""The phase machine and the bucketed weight sync (rlcore/switch.py, rlcore/engine/bucket_gather.py).
 
 Two torchrun launches (tests/workers/switch_sync.py), each held by a module-scoped fixture so
 every property below fails with its own message:

@@ -1,6 +1,6 @@
 """Qwen3-VL-MoE (the Qwen3-VL-30B-A3B family, shrunk) on CPU with expert parallelism 2: the policy
 (VeOmni's patched Qwen3-VL-MoE, FSDP2 + EP over 2 gloo ranks, the pure-torch EP experts of
-rlcore/engine_moe.py) against transformers' ``Qwen3VLMoeForConditionalGeneration``, its weight
+rlcore/engine/moe.py) against transformers' ``Qwen3VLMoeForConditionalGeneration``, its weight
 export against the checkpoint, and ColocateRollout (vLLM, images) before and after a push of the
 trained weights. One torchrun launch (tests/workers/vl_moe.py) holds policy and rollout.
 
@@ -8,7 +8,7 @@ This process never imports VeOmni (transformers stays unpatched): it builds the 
 (processor, transformers' M-RoPE positions per sample), the reference log-probs and the reference
 gradient; the worker runs the engine on them.
 
-Expert layout (see ``rlcore.engine_moe.ExpertLayout``): the tiny checkpoint stores the experts
+Expert layout (see ``rlcore.engine.moe.ExpertLayout``): the tiny checkpoint stores the experts
 as the released Qwen3-VL-MoE checkpoints do, fused ``[E, H, 2I]`` / ``[E, I, H]``; with H = 64,
 I = 96 no expert tensor is square, so a layout mistake fails loudly in every loader.
 """
@@ -139,7 +139,7 @@ def test_tiny_checkpoint_has_the_released_expert_layout(tiny_vl_moe):
     from safetensors.torch import load_file
     from transformers import Qwen3VLMoeForConditionalGeneration
 
-    from rlcore.engine_moe import ExpertLayout, checkpoint_expert_layout
+    from rlcore.engine.moe import ExpertLayout, checkpoint_expert_layout
 
     ckpt = load_file(os.path.join(tiny_vl_moe, "model.safetensors"))
     name = "model.language_model.layers.0.mlp.experts."
@@ -156,7 +156,7 @@ def test_expert_layout_detection(tmp_path):
     square expert tensor in transformers' layout is refused (VeOmni would transpose it)."""
     from safetensors.torch import save_file
 
-    from rlcore.engine_moe import PER_EXPERT, ExpertLayout, checkpoint_expert_layout, split_experts
+    from rlcore.engine.moe import PER_EXPERT, ExpertLayout, checkpoint_expert_layout, split_experts
 
     def folder(name, h, i, tensors):
         d = tmp_path / name

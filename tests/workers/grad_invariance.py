@@ -56,7 +56,7 @@ def grad_vector(policy) -> torch.Tensor:
 def main():
     model_dir, out = sys.argv[1], sys.argv[2]
     info = init_distributed("cpu")
-    from rlcore.engine_veomni import VeOmniPolicy
+    from rlcore.engine.policy import VeOmniPolicy
 
     policy = VeOmniPolicy(model_dir, info, lr=1e-3, total_steps=1)
     batch, rewards = global_batch()

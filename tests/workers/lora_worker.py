@@ -33,7 +33,7 @@ def engine_grads(policy) -> tuple[dict, dict]:
     ids, pos, labels = torch.tensor([ROW[:-1]]), torch.arange(len(ROW) - 1)[None], torch.tensor([ROW[1:]])
     logp, _ = policy.forward_logprobs(ids, pos, labels, grad=True)
     policy.backward(loss_of(logp[0]))
-    from rlcore.engine_lora import peft_name
+    from rlcore.engine.lora import peft_name
 
     weights, grads = {}, {}
     for name, p in policy.model.named_parameters():
@@ -93,7 +93,7 @@ def main():
     model_dir, out = sys.argv[1], sys.argv[2]
     info = init_distributed("cpu")
     from rlcore.colocate_rollout import ColocateRollout
-    from rlcore.engine_lora import LoraPolicy
+    from rlcore.engine.lora import LoraPolicy
 
     policy = LoraPolicy(model_dir, info, lora=LoraConfig(rank=8, alpha=16), lr=1e-2, total_steps=10, grad_clip=None)
     trainable = sum(p.numel() for p in policy.model.parameters() if p.requires_grad)

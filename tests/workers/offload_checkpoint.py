@@ -28,8 +28,8 @@ import torch.distributed as dist
 from engine_train import ENGINE_KW, TEMPERATURE, all_data, full_params, train_step  # same folder
 from rlcore import checkpoint
 from rlcore.dist import init_distributed
-from rlcore.engine_offload import HostCopies
-from rlcore.engine_veomni import VeOmniPolicy
+from rlcore.engine.offload import HostCopies
+from rlcore.engine.policy import VeOmniPolicy
 from rlcore.metrics import Timer
 from rlcore.switch import PhaseSwitcher
 

@@ -110,7 +110,7 @@ def main():
     model_dir, out = sys.argv[1], sys.argv[2]
     export_only = len(sys.argv) > 3 and sys.argv[3] == "export"
     info = init_distributed("cpu")
-    from rlcore.engine_veomni import VeOmniPolicy
+    from rlcore.engine.policy import VeOmniPolicy
 
     torch.manual_seed(0)
     policy = VeOmniPolicy(model_dir, info, lr=1e-2, total_steps=10)

@@ -68,7 +68,7 @@ def main():
         cpu_repack.cpu_tied_linears = lambda model: []
     info = init_distributed("cpu")
     from rlcore.colocate_rollout import ColocateRollout
-    from rlcore.engine_veomni import VeOmniPolicy
+    from rlcore.engine.policy import VeOmniPolicy
 
     torch.manual_seed(0)
     policy = VeOmniPolicy(model_dir, info, lr=1e-2, total_steps=10, ep_size=2 if "ep2" in sys.argv[4:] else 1)

@@ -220,7 +220,7 @@ def main() -> None:
         clock = time.perf_counter()
 
     # --- the policy: VeOmni's Qwen3-VL-MoE, FSDP2 + EP 2, torch_ep experts ----------------------
-    from rlcore.engine_veomni import VeOmniPolicy
+    from rlcore.engine.policy import VeOmniPolicy
 
     policy = VeOmniPolicy(model_dir, info, lr=LR, grad_clip=None, ep_size=2, moe_implementation="torch_ep",
                           routing_replay=True)

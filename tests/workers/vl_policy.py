@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 import rlcore  # noqa: F401
 from rlcore.dist import init_distributed
-from rlcore.engine_veomni import VeOmniPolicy
+from rlcore.engine.policy import VeOmniPolicy
 
 LR = 1e-3
 
@@ -114,7 +114,7 @@ def qwen25_checks(model_dir: str, inputs: str, legacy_dir: str, info, results: d
     unshared gradients, the input refusals; then the released-layout folder, loaded with
     ``engine_vl.apply_checkpoint_key_mapping`` (set where engine_veomni builds the model: the
     wrapper below stands in for that call), exported and run on the packed row."""
-    from rlcore import engine_vl
+    from rlcore.engine import vl as engine_vl
 
     W, rank = info.world_size, info.rank
     data = torch.load(inputs, weights_only=False)

@@ -14,7 +14,7 @@ patched_modeling_qwen3_moe_gpu.py:356-368). The families wired are VeOmni's
 (its block, patched_modeling_qwen3_vl_moe_{gpu,npu}.py:482-493, calls the experts with the
 router's choice directly): the engine installs the same call at the same point on each of its
 blocks, once (``OWN_HOOKS``). The hook sits in the block, before the experts call, so every
-experts implementation (fused GPU/NPU kernels, rlcore.engine_moe's CPU EP path) gets the
+experts implementation (fused GPU/NPU kernels, rlcore.engine.moe's CPU EP path) gets the
 replayed indices.
 
 Token keys: the trainer packs samples into one (1, L) row per micro-batch (rlcore.grpo.pack) and

@@ -1,16 +1,17 @@
 """Building the policy's VeOmni model: the parallel state (FSDP2 mesh, EP mesh), the meta-
 initialised model with its kernels, and FSDP2 sharding with the HF weights loaded into the shards.
-An engine module (rlcore.engine_veomni is its only user)."""
+An engine module (rlcore.engine.policy is its only user)."""
 
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
 
-from rlcore import engine_moe, engine_vl
+from rlcore.engine import moe as engine_moe
+from rlcore.engine import vl as engine_vl
 from rlcore.config import model_num_experts
 from rlcore.dist import DistInfo
-from rlcore.engine_kernels import ops_config
+from rlcore.engine.kernels import ops_config
 
 
 def install_cpu_shims() -> None:
@@ -22,7 +23,7 @@ def install_cpu_shims() -> None:
 
 def ensure_parallel_state(info: DistInfo, ep_size: int = 1):
     """One FSDP2 mesh over all ranks, plus the expert-parallel mesh when ``ep_size`` > 1 (see
-    ``rlcore.engine_moe``). The state is a process-wide VeOmni singleton, so a second engine (the
+    ``rlcore.engine.moe``). The state is a process-wide VeOmni singleton, so a second engine (the
     frozen reference next to the actor) reuses it instead of building new groups."""
     from veomni.distributed import parallel_state as ps
 
@@ -50,7 +51,7 @@ def build_sharded_model(model_path: str, info: DistInfo, *, master_dtype: str, c
                          moe_implementation: str = "eager", wrap=None, adapter_path: str | None = None):
     """Meta-init the VeOmni model, then shard it with FSDP2 (experts over the EP mesh, when one
     exists) and load the HF weights into the shards. ``wrap``: applied to the meta model first
-    (LoRA, rlcore.engine_lora; VeOmni then loads the base under PEFT names, and the adapter from
+    (LoRA, rlcore.engine.lora; VeOmni then loads the base under PEFT names, and the adapter from
     ``adapter_path`` or freshly initialised)."""
     from veomni.arguments import MixedPrecisionConfig
     from veomni.distributed.torch_parallelize import build_parallelize_model, parallelize_model_fsdp2

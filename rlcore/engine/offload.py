@@ -1,5 +1,5 @@
 """Test-only real offload on CPU: plain tensors and storages, no FSDP2 or DTensor here
-(``rlcore.engine_veomni`` hands over the local tensors and owns everything distributed).
+(``rlcore.engine.policy`` hands over the local tensors and owns everything distributed).
 
 On CPU, VeOmni's offload helpers move nothing (``model.cpu()`` of CPU tensors), so a code path
 that reads offloaded state would pass every CPU test and break on an accelerator.

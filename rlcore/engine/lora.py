@@ -24,8 +24,8 @@ from typing import Iterator
 
 import torch
 
-from rlcore.engine_parts import hf_name
-from rlcore.engine_veomni import VeOmniPolicy, _to_dtype
+from rlcore.engine.parts import hf_name
+from rlcore.engine.policy import VeOmniPolicy, _to_dtype
 
 VISION_EXCLUDE = r".*\bvisual\b.*"  # regex over module names (VeOmni's mapping.py: full match)
 PREFIX = "base_model.model."  # VeOmniLoraModel -> LoraModel -> the HF model, as PEFT names them

@@ -1,7 +1,7 @@
 """Vision-language pieces of the policy engine (Qwen3-VL and Qwen2.5-VL through VeOmni's patched
 modeling): the vision tower (what ``freeze_vision_tower`` freezes), the extra forward inputs of a
 packed image+text row, and the checkpoint-name mapping a released Qwen2.5-VL folder needs. Used
-by ``rlcore.engine_veomni`` only.
+by ``rlcore.engine.policy`` only.
 
 Facts this relies on (veomni 0.1.12, veomni/models/transformers/qwen3_vl/generated/
 patched_modeling_qwen3_vl_gpu.py, "VL" below; transformers 5.19):
@@ -30,7 +30,7 @@ patched_modeling_qwen3_vl_gpu.py, "VL" below; transformers 5.19):
   veomni/distributed/parallel_state.py:250-255), so every rank gathers and reduces the same
   FSDP units whatever its row holds.
 * Kernels: the file's OpSlots are rms_norm, cross_entropy_loss, rotary_pos_emb and
-  rotary_pos_emb_vision (VL:108-111); ``rlcore.engine_kernels`` picks them per device (eager on CPU).
+  rotary_pos_emb_vision (VL:108-111); ``rlcore.engine.kernels`` picks them per device (eager on CPU).
 
 Qwen2.5-VL (veomni/models/transformers/qwen2_5vl/generated/patched_modeling_qwen2_5_vl_gpu.py,
 "V25" below) takes the same inputs the same way, so ``forward_kwargs`` serves both:
@@ -61,7 +61,7 @@ Qwen2.5-VL (veomni/models/transformers/qwen2_5vl/generated/patched_modeling_qwen
   VeOmni randomly initialises the rest with an info-level log (module_utils.py:393-395,
   1322-1325). ``apply_checkpoint_key_mapping`` sets that mapping (measured: a legacy folder then
   loads bit-exactly); it has to run between ``build_foundation_model`` and VeOmni's weight load
-  (``rlcore.engine_build.build_sharded_model``). ``rlcore.vl_task`` writes the module names,
+  (``rlcore.engine.build.build_sharded_model``). ``rlcore.vl_task`` writes the module names,
   which need no mapping; the policy exports module names too (vLLM maps both layouts, vllm 0.32.0
   model_executor/models/qwen2_5_vl.py:1313-1322).
 """
@@ -104,7 +104,7 @@ def vision_tower(model) -> torch.nn.Module | None:
     """The whole ``visual`` module (patch embedding, position embedding, ViT blocks, the merger and
     the deepstack mergers), or None for a text-only model. The mergers count as the vision tower,
     as in verl's ``get_vl_model_vision_tower`` (``model.model.visual``): freezing it trains the
-    language model only. Under VeOmni's LoRA wrapper (rlcore.engine_lora), that of its base model."""
+    language model only. Under VeOmni's LoRA wrapper (rlcore.engine.lora), that of its base model."""
     from veomni.lora import VeOmniLoraModel
 
     if isinstance(model, VeOmniLoraModel):

@@ -20,7 +20,7 @@ liger wrappers, :388-440 for chunk_loss / npu). The MoE load-balancing loss is n
 
 from __future__ import annotations
 
-from rlcore import engine_moe
+from rlcore.engine import moe as engine_moe
 
 EAGER = dict(
     cross_entropy_loss_implementation="eager",

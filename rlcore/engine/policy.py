@@ -2,11 +2,11 @@
 
 This module and its ``rlcore.engine_*`` siblings are the only ones in the project that touch
 VeOmni, FSDP2 or DTensor. Its other helpers get plain tensors and files only:
-``rlcore.bucket_gather`` gathers the local shards it is handed, ``rlcore.hf_folder`` writes the
-HF folder, ``rlcore.attention`` picks the attention kernel. Everything else sees plain tensors:
+``rlcore.engine.bucket_gather`` gathers the local shards it is handed, ``rlcore.hf_folder`` writes the
+HF folder, ``rlcore.engine.attention`` picks the attention kernel. Everything else sees plain tensors:
 packed ``(1, L)`` token batches in, per-token log-probs out, and full HF-named weight tensors
 streamed out for vLLM and for export. Vision-language models (Qwen3-VL) take their images with
-the packed row (``forward_logprobs(mm=...)``, ``rlcore.engine_vl``).
+the packed row (``forward_logprobs(mm=...)``, ``rlcore.engine.vl``).
 
 Layout: one FSDP2 mesh over all ranks (``dp_shard = world_size``), each decoder layer its own
 FSDP unit, weights loaded from an HF safetensors folder straight into the shards (meta init).
@@ -23,7 +23,7 @@ Offload: ``offloaded`` says where parameters and optimizer state are. Checkpoint
 weight export load what they need and offload it again afterwards, so the caller's phase does not
 matter; forward with grad, backward and step refuse offloaded state, a no-grad forward loads the
 parameters for itself (or once around a block: ``with ref.on_device():``). On CPU offloading moves
-nothing, except under ``RLCORE_TEST_REAL_OFFLOAD=1`` (``rlcore.engine_offload``, for tests).
+nothing, except under ``RLCORE_TEST_REAL_OFFLOAD=1`` (``rlcore.engine.offload``, for tests).
 """
 
 from __future__ import annotations
@@ -37,16 +37,18 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from rlcore import engine_moe, engine_replay, engine_vl
+from rlcore.engine import moe as engine_moe
+from rlcore.engine import replay as engine_replay
+from rlcore.engine import vl as engine_vl
 from rlcore import hf_folder
-from rlcore.engine_build import build_sharded_model, ensure_parallel_state, install_cpu_shims
-from rlcore.engine_kernels import describe_kernels, kernel_fields
-from rlcore.engine_parts import (LrLambda, dim0_shard_group, eager_attention_mask, full_tensor, hf_name, hidden_rows,
+from rlcore.engine.build import build_sharded_model, ensure_parallel_state, install_cpu_shims
+from rlcore.engine.kernels import describe_kernels, kernel_fields
+from rlcore.engine.parts import (LrLambda, dim0_shard_group, eager_attention_mask, full_tensor, hf_name, hidden_rows,
                                  resume_lr_schedule)
-from rlcore.attention import pick_attn_implementation
-from rlcore.bucket_gather import ShardSpec, SyncBuffers, SyncPlan
+from rlcore.engine.attention import pick_attn_implementation
+from rlcore.engine.bucket_gather import ShardSpec, SyncBuffers, SyncPlan
 from rlcore.dist import DistInfo, empty_cache
-from rlcore.engine_offload import HostCopies
+from rlcore.engine.offload import HostCopies
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -75,26 +77,26 @@ class VeOmniPolicy:
             its weights in ``dtype``.
         trainable: False builds a reference policy: no optimizer, no gradients, forward only.
         gradient_checkpointing: recompute each decoder layer in backward.
-        attn_implementation: "auto" or a name ``rlcore.attention.pick_attn_implementation`` accepts
+        attn_implementation: "auto" or a name ``rlcore.engine.attention.pick_attn_implementation`` accepts
             for this device and dtype (sdpa, eager, flash_attention_2, _3, _4).
         offload_outside_forward: frozen policies only: keep the parameters on the host except
             around forwards (each forward, or a ``with on_device():`` block of them).
         lr, weight_decay, betas, adam_eps: AdamW (one group, decay on every parameter).
-        lr_schedule, warmup_steps, min_lr_ratio, total_steps: see ``rlcore.engine_parts.LrLambda``.
+        lr_schedule, warmup_steps, min_lr_ratio, total_steps: see ``rlcore.engine.parts.LrLambda``.
         grad_clip: max global grad norm; ``None`` or <= 0 only measures the norm.
         ep_size: expert-parallel size for a mixture-of-experts model (divides the world size
             and the expert count); 1 = experts sharded by FSDP2 like any other weight.
-        moe_implementation: the experts kernel, ``rlcore.engine_moe.pick_moe_implementation``.
+        moe_implementation: the experts kernel, ``rlcore.engine.moe.pick_moe_implementation``.
         ops_overrides: VeOmni ``OpsImplementationConfig`` fields to set over the device's choice
-            (``rlcore.engine_kernels.fused_kernels``).
+            (``rlcore.engine.kernels.fused_kernels``).
         freeze_vision_tower: vision-language models: the whole vision tower (``model.visual.*``:
             patch/position embeddings, ViT blocks, merger and deepstack mergers) gets no gradient
-            and no optimizer state; the language model trains (``rlcore.engine_vl``).
-        routing_replay: install a MoE routing-replay manager (``rlcore.engine_replay``), driven
+            and no optimizer state; the language model trains (``rlcore.engine.vl``).
+        routing_replay: install a MoE routing-replay manager (``rlcore.engine.replay``), driven
             by ``routing(mode)`` and the token keys of ``forward_logprobs``.
     """
 
-    _wrap = adapter_path = None  # LoRA (rlcore.engine_lora.LoraPolicy) sets both
+    _wrap = adapter_path = None  # LoRA (rlcore.engine.lora.LoraPolicy) sets both
     trainable_only = False  # checkpoints hold every parameter (LoRA: only the adapters; the base reloads)
 
     def __init__(self, model_path: str, info: DistInfo, *, dtype: str | torch.dtype = "float32", trainable: bool = True,
@@ -219,7 +221,7 @@ class VeOmniPolicy:
             mm: None, or for a vision-language model the row's images: ``pixel_values`` (P, C)
                 float (the processor's patches, any float dtype) and ``image_grid_thw`` (I, 3)
                 int of every image, in order of appearance of their ``<|image_pad|>`` runs in
-                ``input_ids``; checked against the image-token count (``rlcore.engine_vl``).
+                ``input_ids``; checked against the image-token count (``rlcore.engine.vl``).
             temperature: logits are divided by it before the softmax.
             grad: False runs under ``no_grad`` (always so for a frozen policy).
             token_keys: ``(1, L)`` int64 name of each position (``grpo.pack``), for ``routing(mode)``.
@@ -271,7 +273,7 @@ class VeOmniPolicy:
         return logp, (entropy if with_entropy else None)
 
     def routing(self, mode: str | None, rows: tuple | None = None):
-        """Context: the MoE routers record or replay each token's experts (rlcore.engine_replay);
+        """Context: the MoE routers record or replay each token's experts (rlcore.engine.replay);
         ``rows`` (R3: grpo.rollout_routing) replace the step's routing before a replay."""
         if mode is None or self.replay is None:
             return contextlib.nullcontext()
@@ -350,7 +352,7 @@ class VeOmniPolicy:
 
         Parameters are packed into flat buckets of about ``bucket_mb`` MiB (gathered size) and
         each bucket is one gather over the FSDP2 shard group (``all_gather_into_tensor``; one
-        broadcast per rank on gloo); see ``rlcore.bucket_gather`` for the layout. The local shards
+        broadcast per rank on gloo); see ``rlcore.engine.bucket_gather`` for the layout. The local shards
         are cast to ``dtype`` while being packed, so the gather moves rollout-dtype bytes.
         Bucket ``i + 1`` is gathered in the background while the caller consumes bucket ``i``:
         peak extra memory is about two buckets (the consumed bucket's full tensors, the next
