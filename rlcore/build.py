@@ -15,7 +15,7 @@ from rlcore.dist import DistInfo
 from rlcore.judge import build_judges
 from rlcore.metrics import Timer
 from rlcore.protocols import Policy, Rollout
-from rlcore.rollout_settings import config_lora_rank
+from rlcore.rollout.settings import config_lora_rank
 
 
 @dataclass
@@ -61,7 +61,7 @@ def build_reference(model: ModelConfig, offload: OffloadConfig, info: DistInfo, 
 
 def build_rollout(model: ModelConfig, rollout: RolloutConfig, info: DistInfo, seed: int,
                   routed_experts: bool = False, lora_rank: int = 0) -> Rollout:
-    from rlcore.colocate_rollout import ColocateRollout
+    from rlcore.rollout.engine import ColocateRollout
 
     r = rollout
     return ColocateRollout(

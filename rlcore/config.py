@@ -125,7 +125,7 @@ class RolloutConfig:
     """CPU only, for tests and debugging: the CPU engine sleeps as a GPU's does (vLLM has no sleep mode
     on CPU). sleep_level 1 moves vLLM's weights out and back, 2 discards them (NaN until the next full
     push; null = 2 as on accelerators), judges sleep by freeing their storages; the KV cache is freed
-    at every level. See rlcore/cpu_sleep.py."""
+    at every level. See rlcore/rollout/cpu_sleep.py."""
     sync_bucket_mb: float = 64.0
     """Weight sync: MiB gathered per collective; peak extra memory about 2 buckets."""
     weight_load: Literal["auto", "reload", "direct"] = "auto"
@@ -467,7 +467,7 @@ def _check_sync(cfg: Config) -> str:
 
 def _has_vision(model_path: str) -> bool:
     from rlcore.hf_folder import config_or_empty
-    from rlcore.rollout_checks import is_multimodal_config
+    from rlcore.rollout.checks import is_multimodal_config
 
     return is_multimodal_config(config_or_empty(model_path))
 
@@ -495,7 +495,7 @@ def resolve(cfg: Config, device_type: str) -> Config:
     is what matters. Call once, after parsing; resolving a resolved config changes nothing."""
     from rlcore.engine.attention import pick_attn_implementation
     from rlcore.engine.moe import pick_moe_implementation
-    from rlcore.rollout_checks import (check_npu_moe, pick_block_size, pick_enforce_eager, pick_sleep_level,
+    from rlcore.rollout.checks import (check_npu_moe, pick_block_size, pick_enforce_eager, pick_sleep_level,
                                        pick_weight_load)
 
 

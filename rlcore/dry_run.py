@@ -190,18 +190,18 @@ def _check_vllm(cfg: Config, device: str) -> Check:
     from vllm.engine.arg_utils import EngineArgs
     from vllm.platforms import current_platform
 
-    from rlcore.rollout_settings import config_llm_kwargs
+    from rlcore.rollout.settings import config_llm_kwargs
     from rlcore.dist import detect_device
-    from rlcore.judge.engine import judge_llm_kwargs
-    from rlcore.rollout_checks import check_engine_kwargs, check_sleep_level_supported
-    from rlcore.rollout_routing import vllm_verdict
+    from rlcore.rollout.judge import judge_llm_kwargs
+    from rlcore.rollout.checks import check_engine_kwargs, check_sleep_level_supported
+    from rlcore.rollout.routing import vllm_verdict
 
     r, here = cfg.rollout, detect_device()[0]
     r3, native = cfg.algorithm.routing_replay == "r3", here == device
     fields = [f.name for f in dataclasses.fields(EngineArgs)]
     judges = cfg.reward.judges()
     engines = [("", config_llm_kwargs(cfg, device))]
-    for j in judges:  # each judge's engine (reward.models), as rlcore.judge.engine builds it
+    for j in judges:  # each judge's engine (reward.models), as rlcore.rollout.judge builds it
         engines.append((f", judge {j.name!r}", judge_llm_kwargs(
             j, device, seed=cfg.trainer.seed, dtype=j.dtype or r.dtype or cfg.model.dtype,
             tp_size=j.tensor_parallel_size or r.tensor_parallel_size)))

@@ -43,7 +43,7 @@ class RolloutBatch:
     env_rewards: list[float | None] | None = None
     conversations: list | None = None  # each sample's rlcore.agent.loop.Conversation (metrics, val samples)
     # R3 (algorithm.routing_replay: r3): per sample vLLM's routed experts, (P + R - 1, layers, K)
-    # uint8/uint16 rows for every token it ran a forward for (rlcore.rollout_routing). None: off.
+    # uint8/uint16 rows for every token it ran a forward for (rlcore.rollout.routing). None: off.
     routed_experts: list | None = None
     rows: list[dict] | None = None  # each sample's data row (model-based rewards read its fields)
 
@@ -187,7 +187,7 @@ def pack(prompt_ids: list[list[int]], response_ids: list[list[int]], device, *, 
             start = len(ids)
             # A response's last token is only a label (nothing predicts from it). Image rows write
             # the prompt's last token there instead: a sample that stopped at a vision slot token
-            # (rlcore.rollout_checks.slot_token_ids) would otherwise read as an image slot.
+            # (rlcore.rollout.checks.slot_token_ids) would otherwise read as an image slot.
             ids += r if vision is None or not r else r[:-1] + [p[-1]]
             pos += range(len(p), len(p) + len(r))
             seg += [i + 1] * len(r)

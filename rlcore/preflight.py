@@ -6,7 +6,8 @@ from __future__ import annotations
 import dataclasses
 import os
 
-from rlcore import agent, checkpoint, rewards, rollout_routing
+from rlcore import agent, checkpoint, rewards
+from rlcore.rollout import routing as rollout_routing
 from rlcore.config import Config, ConfigError, check, fail
 from rlcore.data import load_prompts
 from rlcore.judge.config import check_judge_data

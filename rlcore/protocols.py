@@ -1,6 +1,6 @@
 """What the loop needs from the two engines: the trainer (``Policy``) and the generator
 (``Rollout``). The loop, the phase switch and the sampling code are written against these; the
-real engines (``rlcore.engine.policy``, ``rlcore.colocate_rollout``) and the tests' fakes provide
+real engines (``rlcore.engine.policy``, ``rlcore.rollout.engine``) and the tests' fakes provide
 them.
 """
 
@@ -41,7 +41,7 @@ class Policy(Protocol):
 
 @runtime_checkable
 class Rollout(Protocol):
-    """The generation engine (``rlcore.colocate_rollout.ColocateRollout``): one vLLM engine per
+    """The generation engine (``rlcore.rollout.engine.ColocateRollout``): one vLLM engine per
     tensor-parallel group; ``dp_*`` name the replica, ``tp_*`` the rank inside it."""
 
     dp_rank: int

@@ -31,7 +31,7 @@ rollout itself refuses ``generate()`` until such a push has completed (``weights
 
 CPU: sleeping a CPU engine hangs it, so the rollout never calls sleep there; release_rollout frees
 the KV cache buffer instead (and under rollout.emulate_sleep the weights, as sleep levels 1 and 2
-do on a device: rlcore/cpu_sleep.py), and the offload steps are logged no-ops unless configured (moving
+do on a device: rlcore/rollout/cpu_sleep.py), and the offload steps are logged no-ops unless configured (moving
 CPU tensors to the host moves nothing). The same sequence runs on every device.
 
 Metrics (``pop_metrics``): time per kind of step through the shared timer (``timing/offload_s``,

@@ -1,7 +1,7 @@
 """After every weight sync, the trainer and vLLM must score a fixed probe alike (``rollout.check_sync``).
 
 A sync can be silently wrong: every tensor pushed, no error, and the engine still samples from
-another policy (a tied LM head kept its CPU packed copy of the first checkpoint: rlcore/cpu_repack.py;
+another policy (a tied LM head kept its CPU packed copy of the first checkpoint: rlcore/rollout/cpu_repack.py;
 q/k/v split over two load calls; a stale prefix cache). ``rollout/mismatch_*`` shows it on the
 step's own samples, but nothing stopped a run on it. This check does, on every rank:
 

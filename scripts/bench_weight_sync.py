@@ -173,7 +173,7 @@ def setup(args, info):
         else:
             make_tiny_model(model_dir, **model_dims(args.params))
     dist.barrier()
-    from rlcore.colocate_rollout import ColocateRollout
+    from rlcore.rollout.engine import ColocateRollout
     from rlcore.engine.policy import VeOmniPolicy
 
     policy = VeOmniPolicy(model_dir, info, lr=1e-3, total_steps=10, ep_size=info.world_size if args.moe else 1)
@@ -366,7 +366,7 @@ def lora_push(args, model_dir: str, info) -> dict:
     model; the adapter push timed ``--reps`` times, its bytes, and vLLM vs the trainer after it."""
     import torch
 
-    from rlcore.colocate_rollout import ColocateRollout
+    from rlcore.rollout.engine import ColocateRollout
     from rlcore.config_lora import LoraConfig
     from rlcore.engine.lora import LoraPolicy
 

@@ -160,7 +160,7 @@ part_args() {
 skip_reason() {
     case "$1:$DEVICE" in
         moe_r3:npu) echo "mixture-of-experts models are refused on Ascend NPUs with the pinned vllm-ascend 0.23.0" \
-                         "(its wake_up swaps the expert tensors for transposed views, rlcore/rollout_checks.py" \
+                         "(its wake_up swaps the expert tensors for transposed views, rlcore/rollout/checks.py" \
                          "check_npu_moe), so R3 routing replay has no model to run on there" ;;
     esac
 }

@@ -28,9 +28,9 @@ os.environ.update(QUIET_ENV)
 
 
 def _remove_stale_vllm_shm() -> None:
-    """A killed tp=2 run's /dev/shm files (rlcore.cpu_kv.remove_stale_cpu_shm): the trainer clears
+    """A killed tp=2 run's /dev/shm files (rlcore.rollout.cpu_kv.remove_stale_cpu_shm): the trainer clears
     them itself before a CPU TP engine; tests that build engines directly get them cleared here."""
-    from rlcore.cpu_kv import remove_stale_cpu_shm
+    from rlcore.rollout.cpu_kv import remove_stale_cpu_shm
 
     remove_stale_cpu_shm()
 

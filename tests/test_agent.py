@@ -341,7 +341,7 @@ def test_first_turn_prefix_is_prompt_and_the_parser_reads_the_turn_with_it(chatm
     from rlcore.agent.loop import Agent, Conversation
     from rlcore.agent.sandbox import Limits
     from rlcore.agent.tools import ToolRunner, load_tools
-    from rlcore.colocate_rollout import Sample
+    from rlcore.rollout.engine import Sample
 
     tok = AutoTokenizer.from_pretrained(chatml_model)
     tools = load_tools(["calculator"], None)

@@ -31,7 +31,7 @@ def args(model, data, out, *extra):
             "--rollout.n", "8", "--trainer.val_every", "4", "--trainer.val_before_train", "false",
             "--val.max_samples", "8", "--algorithm.dynamic_sampling", "true", "--algorithm.share_prompt", "true",
             "--rollout.tensor_parallel_size", "2", "--checkpoint.save_every", "2", "--checkpoint.keep_last", "5",
-            "--rollout.emulate_sleep", "true",  # level 2 as on a GPU (rlcore/cpu_sleep.py)
+            "--rollout.emulate_sleep", "true",  # level 2 as on a GPU (rlcore/rollout/cpu_sleep.py)
             *extra]
 
 

@@ -259,7 +259,7 @@ def test_engines_satisfy_the_protocols_the_loop_uses():
     import inspect
 
     from rlcore.protocols import Policy, Rollout
-    from rlcore.colocate_rollout import ColocateRollout
+    from rlcore.rollout.engine import ColocateRollout
     from rlcore.engine.policy import VeOmniPolicy
 
     for proto, cls in ((Policy, VeOmniPolicy), (Rollout, ColocateRollout)):

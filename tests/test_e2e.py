@@ -117,7 +117,7 @@ def test_strict_sync_check_stops_a_stale_engine_with_exit_4(tiny_model, toy_data
 def test_tied_embeddings_keep_the_engine_on_policy(tiny_tied_model, toy_data, tmp_path):
     """A tied model (SmolLM2, small Qwen3 / Qwen2.5) at a large learning rate, strict sync check:
     vLLM samples from the trained policy at every step (fp32). Before the tied-head re-pack
-    (rlcore/cpu_repack.py) mismatch_kl was 0.04-0.15 here from step 2 on and strict stopped the run."""
+    (rlcore/rollout/cpu_repack.py) mismatch_kl was 0.04-0.15 here from step 2 on and strict stopped the run."""
     out = str(tmp_path / "tied")
     train(2, tiny_tied_model, toy_data[0], out, 4, "--optim.lr", "1e-2", "--rollout.check_sync", "strict",
           "--checkpoint.save_hf_final", "false")

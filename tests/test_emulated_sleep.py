@@ -1,4 +1,4 @@
-"""rollout.emulate_sleep: vLLM's sleep levels 1 and 2 on a CPU engine (rlcore/cpu_sleep.py), the
+"""rollout.emulate_sleep: vLLM's sleep levels 1 and 2 on a CPU engine (rlcore/rollout/cpu_sleep.py), the
 config that turns it on, and its refusals. The real engine under it runs in the e2e tests named in
 docs/accelerators.md (judge, LoRA, multi-turn, MoE, VL, resume, preemption)."""
 
@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from rlcore import cpu_sleep
+from rlcore.rollout import cpu_sleep
 
 
 class Tiny(torch.nn.Module):

@@ -64,7 +64,7 @@ def test_stale_cpu_shm_files_are_removed_unless_a_process_maps_them():
     no live process maps."""
     import mmap
 
-    from rlcore.cpu_kv import remove_stale_cpu_shm
+    from rlcore.rollout.cpu_kv import remove_stale_cpu_shm
 
     stale, live = "/dev/shm/rlcore-test-cpushm_stale", "/dev/shm/rlcore-test-cpushm_live"
     for path in (stale, live):

@@ -143,7 +143,7 @@ def test_dynamic_sampling_rounds_draw_fresh_seeds():
     import contextlib
     import types
 
-    from rlcore.colocate_rollout import Sample
+    from rlcore.rollout.engine import Sample
     from rlcore.sampling import StepSampler
 
     seeds = []

@@ -209,7 +209,7 @@ def test_weighted_sum_and_dedup(judged):
 
 
 def test_accelerator_sleep_frees_and_restores_a_real_engine(judged):
-    """rlcore.judge.offload on a vLLM engine (bf16 on CPU: its linear layers use the parameters'
+    """rlcore.rollout.offload on a vLLM engine (bf16 on CPU: its linear layers use the parameters'
     storages): level 1 frees weights and KV cache and restores them exactly; level 2 discards the
     weights (generate refused), which are what vLLM computes with (zeros answer differently), and the
     reload from the judge's folder brings the same answers back."""

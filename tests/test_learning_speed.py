@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from rlcore import advantage, grpo, sampling
-from rlcore.colocate_rollout import Sample
+from rlcore.rollout.engine import Sample
 from rlcore.config import AlgorithmConfig, ExplorationConfig, RolloutConfig
 from rlcore.exploration import EntropyControl, clip_cov_options, next_entropy_coef
 

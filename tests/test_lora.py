@@ -1,4 +1,4 @@
-"""LoRA GRPO (rlcore/engine/lora.py, rlcore/rollout_lora.py, rlcore/config_lora.py): adapter-only
+"""LoRA GRPO (rlcore/engine/lora.py, rlcore/rollout/lora.py, rlcore/config_lora.py): adapter-only
 training and adapter-only weight sync through VeOmni's and vLLM's own LoRA.
 
 The worker (tests/workers/lora_worker.py) checks the adapter's gradients against a hand-written
@@ -40,7 +40,7 @@ def test_adapter_gradients_sync_and_untouched_base(tiny_model, tmp_path):
 
 LORA_ARGS = ("--lora.rank", "8", "--lora.alpha", "16", "--optim.lr", "1e-2", "--algorithm.kl_loss_coef", "0.01",
              "--checkpoint.merge_lora", "true", "--checkpoint.save_every", "2",
-             "--rollout.emulate_sleep", "true")  # LoRA's level 1 as on a GPU (rlcore/cpu_sleep.py)
+             "--rollout.emulate_sleep", "true")  # LoRA's level 1 as on a GPU (rlcore/rollout/cpu_sleep.py)
 STEPS = 4
 
 
@@ -115,7 +115,7 @@ def test_merged_weights_by_hand():
 
 @pytest.mark.unit
 def test_vllm_lora_engine_keywords():
-    from rlcore.rollout_lora import engine_kwargs
+    from rlcore.rollout.lora import engine_kwargs
 
     assert engine_kwargs(0) == {}
     assert engine_kwargs(8) == {"enable_lora": True, "max_lora_rank": 8, "max_loras": 1}

@@ -53,7 +53,7 @@ def moe_args(model, data, out, *extra):
             "--data.train_files", f'["{data}"]', "--data.val_files", "[]", "--trainer.output_dir", out,
             "--trainer.total_steps", "4", "--trainer.prompts_per_step", "4", "--rollout.n", "4",
             "--parallel.ep_size", "2", "--checkpoint.keep_last", "10",
-            "--rollout.emulate_sleep", "true", *extra]  # level 2 as on a GPU (rlcore/cpu_sleep.py)
+            "--rollout.emulate_sleep", "true", *extra]  # level 2 as on a GPU (rlcore/rollout/cpu_sleep.py)
 
 
 def test_expert_parallel_end_to_end_resume_and_export(tiny_moe, toy_data, tmp_path):
@@ -103,7 +103,7 @@ def test_expert_parallel_end_to_end_resume_and_export(tiny_moe, toy_data, tmp_pa
 def test_stale_experts_show_as_rollout_mismatch(tiny_moe, toy_data, tmp_path):
     """The same run with step 2's weight sync skipped (tests/workers/faulty_train.py): step 3
     samples from stale weights and its mismatch stands out; the synced steps stay at fp32 noise.
-    (Before the CPU MoE re-pack in rlcore/rollout_checks.py, every synced step looked like this.)"""
+    (Before the CPU MoE re-pack in rlcore/rollout/checks.py, every synced step looked like this.)"""
     out = str(tmp_path / "stale")
     run_torchrun(os.path.join(REPO, "tests", "workers", "faulty_train.py"), 2,
                  *moe_args(tiny_moe, toy_data[0], out, "--trainer.total_steps", "3", "--checkpoint.save_hf_final",

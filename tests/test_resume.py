@@ -48,7 +48,7 @@ def args(model, data, out, *extra):
             # above any entropy here: it grows every step) and Clip-Cov's draws (the torch RNG)
             "--exploration.entropy_target", "50", "--exploration.entropy_coef_step", "0.01",
             "--exploration.clip_cov_ratio", "0.05", "--exploration.clip_cov_lb", "-100",
-            "--rollout.emulate_sleep", "true", *extra]  # level 2 as on a GPU, judge included (rlcore/cpu_sleep.py)
+            "--rollout.emulate_sleep", "true", *extra]  # level 2 as on a GPU, judge included (rlcore/rollout/cpu_sleep.py)
 
 
 @pytest.fixture(scope="module")

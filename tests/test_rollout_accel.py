@@ -1,6 +1,6 @@
 """Accelerator-only paths of the colocated rollout (issue 12, findings 3-6 and speed settings).
 
-The ``unit`` tests drive ``ColocateRollout`` and ``rlcore.rollout_checks`` against small fakes of
+The ``unit`` tests drive ``ColocateRollout`` and ``rlcore.rollout.checks`` against small fakes of
 vLLM's LLM / worker / model (no vLLM import, no engine); each fake mirrors the pinned source it
 stands for, cited where it matters (docs/accelerators.md has the table). The last tests read a
 real tp=2 engine on 2 CPU ranks (tests/workers/accel_worker.py, one launch shared with
@@ -19,8 +19,8 @@ import numpy as np
 import torch
 import pytest
 
-import rlcore.colocate_rollout as cr
-from rlcore import rollout_checks as rc
+import rlcore.rollout.engine as cr
+from rlcore.rollout import checks as rc
 from rlcore.dist import DistInfo
 
 # ----------------------------------------------------------------------------- fakes
@@ -171,7 +171,7 @@ def fake_vllm(monkeypatch):
     for name, m in (("vllm", mod), ("vllm.inputs", inputs), ("vllm.config", config),
                     ("vllm.engine.arg_utils", arg_utils)):
         monkeypatch.setitem(sys.modules, name, m)
-    from rlcore import process_state
+    from rlcore.rollout import process_state
 
     monkeypatch.setattr(process_state, "accel_module", lambda device_type: None)  # no torch.cuda/npu RNG here
     monkeypatch.delenv(rc.NZ_ENV, raising=False)
@@ -377,7 +377,7 @@ def test_storage_sleep_refused_for_a_judge_that_zeroes_kv_blocks(fake_vllm, monk
     ``needs_kv_cache_zeroing`` is set (v1/core/sched/scheduler.py:376): the judge's storage sleep
     moves the KV cache, so it is refused; the kv mode (CPU) keeps the storage and is allowed."""
     from rlcore.judge.config import JudgeConfig
-    from rlcore.judge.engine import JudgeEngine
+    from rlcore.rollout.judge import JudgeEngine
 
     built = FakeLLM.__init__
 

@@ -153,11 +153,11 @@ def test_config_offload_defaults_and_errors(capsys):
 
 @pytest.mark.unit
 def test_sleep_level_and_weight_load_choices():
-    from rlcore.colocate_rollout import _pick_sleep_level, _pick_weight_load
+    from rlcore.rollout.engine import _pick_sleep_level, _pick_weight_load
 
     assert _pick_sleep_level("cpu", None) == 0 and _pick_sleep_level("cpu", 2) == 0  # never sleep on CPU
     assert _pick_sleep_level("cuda", None) == 2 and _pick_sleep_level("npu", 1) == 1
-    # rollout.emulate_sleep: the CPU engine takes the accelerators' levels (rlcore.cpu_sleep)
+    # rollout.emulate_sleep: the CPU engine takes the accelerators' levels (rlcore.rollout.cpu_sleep)
     assert _pick_sleep_level("cpu", None, emulate=True) == 2 and _pick_sleep_level("cpu", 1, emulate=True) == 1
     with pytest.raises(ValueError, match="emulate_sleep is for CPU engines"):
         _pick_sleep_level("cuda", None, emulate=True)
@@ -173,7 +173,7 @@ def test_sleep_level_and_weight_load_choices():
 def test_kv_buffer_zeroed_without_touching_it():
     """Resume of the CPU KV buffer: reads back all zeros, and the whole pages were dropped rather
     than written (RSS falls by about the buffer size instead of staying)."""
-    from rlcore.cpu_kv import _zero_lazily
+    from rlcore.rollout.cpu_kv import _zero_lazily
     from rlcore.dist import memory_stats
 
     n = 64 * 2**20 + 123  # not a whole number of pages: the partial tail page is zeroed by hand

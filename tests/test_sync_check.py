@@ -1,5 +1,5 @@
 """The sync check's logic (rlcore/sync_check.py) and the CPU tied-head re-pack rule
-(rlcore/cpu_repack.py), on hand-built values. The real engines run them in tests/test_weight_sync.py
+(rlcore/rollout/cpu_repack.py), on hand-built values. The real engines run them in tests/test_weight_sync.py
 and tests/test_e2e.py."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from rlcore import sync_check
-from rlcore.cpu_repack import cpu_repack_on_reload, cpu_tied_linears
+from rlcore.rollout.cpu_repack import cpu_repack_on_reload, cpu_tied_linears
 
 pytestmark = pytest.mark.unit
 

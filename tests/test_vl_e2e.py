@@ -32,7 +32,7 @@ def args(model, data, out, *extra):
             # 16 prompts of ~27 tokens per rank and step against a 64-token scheduler budget: vLLM
             # would chunk them, which kills seeded requests on CPU (rollout_checks.cpu_prefill_kwargs)
             "--rollout.max_num_batched_tokens", "64",
-            "--rollout.emulate_sleep", "true", *extra]  # level 2 as on a GPU (rlcore/cpu_sleep.py)
+            "--rollout.emulate_sleep", "true", *extra]  # level 2 as on a GPU (rlcore/rollout/cpu_sleep.py)
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,7 @@ fixture: 1 rank, 2 ranks as two data-parallel engines (tp=1), 2 ranks sharding o
 The 1-rank and tp=2 launches also build a second engine on a tiny Qwen2.5-VL after the Qwen3-VL
 one (the family-dependent checks: log-probs, expansion, vision-weight push).
 The tests assert on what the ranks measured, so every property fails with its own message. The
-``unit`` tests check the pure helpers in rlcore/rollout_checks.py and the engine keywords
+``unit`` tests check the pure helpers in rlcore/rollout/checks.py and the engine keywords
 against the fake vLLM of tests/test_rollout_accel.py.
 """
 
@@ -21,7 +21,7 @@ import pytest
 
 import test_rollout_accel as accel
 from conftest import REPO, run_torchrun
-from rlcore import rollout_checks as rc
+from rlcore.rollout import checks as rc
 from test_rollout_accel import fake_vllm  # noqa: F401  (the fixture, for the unit test at the end)
 
 WORKER = os.path.join(REPO, "tests", "workers", "vl_rollout_worker.py")
@@ -288,7 +288,7 @@ def test_engine_kwargs_for_text_and_vl_folders(fake_vllm, tmp_path, monkeypatch)
     no multimodal keyword at all (its engine is built as before)."""
     import dataclasses
 
-    import rlcore.colocate_rollout as cr
+    import rlcore.rollout.engine as cr
     from rlcore.dist import DistInfo
 
     mm_keys = ["limit_mm_per_prompt", "mm_processor_cache_gb"]  # vllm 0.32.0 engine/arg_utils.py:634, :643

@@ -1,7 +1,7 @@
 """After a training step and a weight sync, vLLM's log-probs of its sampled tokens equal the
 trainer's log-probs of the same tokens (fp32), with tp=1 and tp=2 on 2 ranks, for untied and tied
 (``tie_word_embeddings``) models: the tied LM head once kept the first checkpoint's CPU packed copy
-(rlcore/cpu_repack.py; SmolLM2 and the small Qwen3 / Qwen2.5 releases are tied). The sync check
+(rlcore/rollout/cpu_repack.py; SmolLM2 and the small Qwen3 / Qwen2.5 releases are tied). The sync check
 (rlcore/sync_check.py) runs on the same switch and must agree."""
 
 import json

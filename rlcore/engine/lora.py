@@ -9,7 +9,7 @@ the optimizer holds only them, and the checkpoint's optimizer state is the adapt
 the engine:
     adapter_weights()   the adapter's tensors under PEFT's names (``base_model.model.<module>.
                         lora_A.weight``), whole on every rank: the weight sync writes them where
-                        vLLM's LoRA loading reads them (rlcore.rollout_lora)
+                        vLLM's LoRA loading reads them (rlcore.rollout.lora)
     named_hf_weights()  the HF checkpoint's names with the adapter merged in (W + scale * B @ A):
                         exports, and the full-weight path
     adapter_off()       a context in which every LoRA layer computes its base layer only: the KL

@@ -1,7 +1,7 @@
 """MoE routing replay for the policy engine, keyed by token identity so the forwards may pack the
 samples differently. R2: record the routing of the step's first training forward, replay it in
 the later ones. R3: replay the experts vLLM routed each token to while sampling (``load``; the
-rows come from rlcore.rollout_routing and grpo.rollout_routing). An engine module: it talks to
+rows come from rlcore.rollout.routing and grpo.rollout_routing). An engine module: it talks to
 VeOmni's own hook.
 
 VeOmni's hook (veomni/utils/moe_router_replay.py): a manager installed with

@@ -2,9 +2,11 @@
 
     config.py   reward.models entries (JudgeConfig) and their checks
     prompts.py  templates over the sample and its data row; score parsers
-    engine.py   the judge's engine (a rollout engine: the only module here that touches vLLM)
-    offload.py  its sleep on accelerators (storages freed and restored in place; plain torch)
     scorer.py   a judge as a reward component (batched, de-duplicated, parsed, metrics)
+
+A judge's engine is a rollout engine: rlcore.rollout.judge (JudgeEngine) and its sleep on
+accelerators, rlcore.rollout.offload. Its memory-plan pieces are in rlcore.plan. Nothing here
+imports vLLM or VeOmni.
 
 The phase switch (rlcore.switch.PhaseSwitcher.judging) orders the memory: generate -> the
 policy's engine sleeps -> the judges wake -> score -> the judges sleep -> train.
@@ -17,7 +19,7 @@ def build_judges(cfg, info, policy_rollout=None) -> dict:
     """name -> rlcore.judge.scorer.Judge for ``reward.models`` (collective: every rank builds each
     engine together, like the policy's); each engine asleep once built. ``policy_rollout``: the
     policy's engine, asleep while they are built (vLLM sizes a new engine from the free memory)."""
-    from rlcore.judge.engine import JudgeEngine, default_offload
+    from rlcore.rollout.judge import JudgeEngine, default_offload
     from rlcore.judge.scorer import Judge
 
     judges, entries = {}, cfg.reward.judges()

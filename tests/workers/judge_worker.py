@@ -43,7 +43,7 @@ def config(policy: str, gen: str, rm: str, qrm: str):
 
 
 def storage_ptrs(model) -> set[int]:
-    from rlcore.cpu_sleep import model_storages
+    from rlcore.rollout.cpu_sleep import model_storages
 
     params, buffers = model_storages(model)
     return {st.data_ptr() for st in [*params, *buffers]}
@@ -55,11 +55,11 @@ def policy_samples(rollout) -> list:
 
 
 def storage_sleep(jcfg, info, prompts) -> dict:
-    """The accelerators' judge sleep (rlcore.judge.offload) on a real vLLM engine: in bfloat16 vLLM's
+    """The accelerators' judge sleep (rlcore.rollout.offload) on a real vLLM engine: in bfloat16 vLLM's
     CPU linear layers compute with the parameters' own storages (fp32 would repack them), so freeing
     and restoring those storages is what a GPU judge does."""
-    from rlcore.judge import offload
-    from rlcore.judge.engine import JudgeEngine
+    from rlcore.rollout import offload
+    from rlcore.rollout.judge import JudgeEngine
 
     e = JudgeEngine(jcfg, info, seed=0, dtype="bfloat16", device_type="cpu", offload="storage")
     model = e.rollout._model_runner().get_model()
@@ -87,9 +87,9 @@ def main() -> None:
     policy_dir, gen_dir, rm_dir, qrm_dir, out_path = sys.argv[1:6]
     info = init_distributed("cpu", 300)
     from rlcore import judge, rewards
-    from rlcore.colocate_rollout import ColocateRollout
+    from rlcore.rollout.engine import ColocateRollout
     from rlcore.metrics import Timer
-    from rlcore.rollout_checks import kv_zeroing_needed
+    from rlcore.rollout.checks import kv_zeroing_needed
     from rlcore.switch import PhaseSwitcher
 
     cfg = config(policy_dir, gen_dir, rm_dir, qrm_dir)

@@ -92,7 +92,7 @@ def merged_vs_adapter(policy, merged_dir: str) -> float:
 def main():
     model_dir, out = sys.argv[1], sys.argv[2]
     info = init_distributed("cpu")
-    from rlcore.colocate_rollout import ColocateRollout
+    from rlcore.rollout.engine import ColocateRollout
     from rlcore.engine.lora import LoraPolicy
 
     policy = LoraPolicy(model_dir, info, lora=LoraConfig(rank=8, alpha=16), lr=1e-2, total_steps=10, grad_clip=None)

@@ -1,6 +1,6 @@
 """Worker (torchrun, 1 or 2 ranks, EP = ranks): R3's trainer side through the real engine on a
 tiny Qwen3-MoE. vLLM serves routed experts only where its V2 model runner runs (not on CPU:
-rlcore.rollout_routing), so the rows come from an independent source in vLLM's exact format
+rlcore.rollout.routing), so the rows come from an independent source in vLLM's exact format
 (``CompletionOutput.routed_experts``: (P + R - 1, layers, K) uint8 per sample, the last sampled
 token without a row): transformers' own Qwen3-MoE routing of each sequence, with every third
 token's experts moved to other experts so that replay has something to change.

@@ -118,7 +118,7 @@ def main():
     r = {"world": info.world_size, "sizes_mb": sizes}
     export_checks(policy, sizes, r)
     if not export_only:
-        from rlcore.colocate_rollout import ColocateRollout
+        from rlcore.rollout.engine import ColocateRollout
 
         rollout = ColocateRollout(model_dir, info, tp_size=1, seed=0, max_model_len=64, kv_cache_gb=0.1)
         timer = Timer()

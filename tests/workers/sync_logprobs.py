@@ -4,7 +4,7 @@ its sampled tokens against the trainer's log-probs of the same tokens; the sync 
 
     torchrun --nproc_per_node=2 tests/workers/sync_logprobs.py MODEL_DIR TP OUT_JSON [flags]
 
-Flags: ``no-tied-repack`` takes rlcore's CPU tied-head re-pack out (rlcore/cpu_repack.py), i.e. the
+Flags: ``no-tied-repack`` takes rlcore's CPU tied-head re-pack out (rlcore/rollout/cpu_repack.py), i.e. the
 behaviour before the fix: the tests show the check catching it and naming the LM head. ``ep2``:
 experts sharded by expert parallelism over both ranks. ``vs-transformers``: vLLM's log-probs after
 the sync are also compared with transformers' forward of the trainer's exported weights.
@@ -63,11 +63,11 @@ def transformers_diff(policy, batch, temperature, out) -> float:
 def main():
     model_dir, tp, out = sys.argv[1], int(sys.argv[2]), sys.argv[3]
     if "no-tied-repack" in sys.argv[4:]:
-        from rlcore import cpu_repack
+        from rlcore.rollout import cpu_repack
 
         cpu_repack.cpu_tied_linears = lambda model: []
     info = init_distributed("cpu")
-    from rlcore.colocate_rollout import ColocateRollout
+    from rlcore.rollout.engine import ColocateRollout
     from rlcore.engine.policy import VeOmniPolicy
 
     torch.manual_seed(0)

@@ -52,7 +52,7 @@ def main(model: str, val_file: str, out: str) -> None:
     import torch.distributed as dist
     from transformers import AutoTokenizer
 
-    from rlcore.colocate_rollout import ColocateRollout
+    from rlcore.rollout.engine import ColocateRollout
     from rlcore.config import DataConfig, RewardConfig
     from rlcore.data import load_prompts
     from rlcore.dist import init_distributed

@@ -257,8 +257,8 @@ def main() -> None:
     lap("save_hf")
 
     # --- the rollout: vLLM with images, before and after a push of the trained weights ---------
-    from rlcore.colocate_rollout import ColocateRollout
-    from rlcore.rollout_checks import capture_load_weights, missing_params
+    from rlcore.rollout.engine import ColocateRollout
+    from rlcore.rollout.checks import capture_load_weights, missing_params
 
     ro = ColocateRollout(model_dir, info, tp_size=1, seed=0, kv_cache_gb=0.0625, max_model_len=256,
                          limit_mm_per_prompt=LIMITS)
@@ -273,7 +273,7 @@ def main() -> None:
     lap("rollout generate + compare")
     model = ro._model_runner().get_model()
     # The MoE guard on the real engine (finding F6: vllm 0.32 has MoERunner layers, no FusedMoE class).
-    from rlcore.rollout_checks import check_weight_load, has_fused_moe
+    from rlcore.rollout.checks import check_weight_load, has_fused_moe
 
     m["has_fused_moe"] = has_fused_moe(model)
     try:

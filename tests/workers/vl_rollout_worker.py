@@ -24,9 +24,9 @@ import rlcore  # noqa: F401  (first: the torchvision shim, before transformers/v
 import torch
 import torch.distributed as dist
 
-from rlcore.colocate_rollout import ColocateRollout
+from rlcore.rollout.engine import ColocateRollout
 from rlcore.dist import init_distributed
-from rlcore.rollout_checks import capture_load_weights, missing_params
+from rlcore.rollout.checks import capture_load_weights, missing_params
 from rlcore.vl_task import COLOURS, VOCAB
 
 T = 1.0

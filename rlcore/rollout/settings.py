@@ -1,14 +1,14 @@
 """Every keyword the policy's (and a judge's) engine hands ``vllm.LLM``, decided without building
 anything: ``ColocateRollout`` builds with them and scripts/check_config.py's dry run hands them to
 vLLM's ``EngineArgs.create_engine_config``. The pure per-platform choices behind them are in
-``rlcore.rollout_checks``."""
+``rlcore.rollout.checks``."""
 
 from __future__ import annotations
 
 import os
 
-from rlcore import rollout_lora
-from rlcore.rollout_checks import cpu_prefill_kwargs, disable_npu_nz, multimodal_kwargs, pick_block_size, speed_kwargs
+from rlcore.rollout import lora as rollout_lora
+from rlcore.rollout.checks import cpu_prefill_kwargs, disable_npu_nz, multimodal_kwargs, pick_block_size, speed_kwargs
 
 # Sampled-token logprob = log_softmax(logits / T) after top-k/top-p: what the trainer recomputes.
 # vLLM's default ("raw_logprobs") ignores the temperature.
@@ -26,9 +26,9 @@ def llm_kwargs(model_path: str, device_type: str, *, tp_size: int, seed: int, ma
     token; different per replica, else every replica samples identical completions). On CPU it
     drops ``VLLM_CPU_KVCACHE_SPACE`` from the environment and on npu it sets vllm-ascend's NZ
     switch (both read while the engine is built). ``routed_experts``: vLLM returns each sample's
-    experts per token (R3 routing replay; rlcore.rollout_routing). ``lora_rank``: LoRA for
-    the policy's adapter (rlcore.rollout_lora). ``runner``, ``sleep_mode``: a judge's engine
-    (pooling for reward models; no vLLM sleep mode for a second engine: rlcore.judge.offload).
+    experts per token (R3 routing replay; rlcore.rollout.routing). ``lora_rank``: LoRA for
+    the policy's adapter (rlcore.rollout.lora). ``runner``, ``sleep_mode``: a judge's engine
+    (pooling for reward models; no vLLM sleep mode for a second engine: rlcore.rollout.offload).
     ``speed["block_size"]`` None is 32 on CPU (rollout_checks.pick_block_size)."""
     if device_type == "cpu":
         # Explicit size: vLLM's auto sizing takes ~60% of host RAM per rank (OOM with 2 ranks).

@@ -1,4 +1,4 @@
-"""Pure decisions and checks behind ``rlcore.colocate_rollout`` (no vLLM import here).
+"""Pure decisions and checks behind ``rlcore.rollout.engine`` (no vLLM import here).
 
 Each helper takes plain values or the vLLM objects as arguments, so the logic is unit-tested
 with small fakes (tests/test_rollout_accel.py) while the code paths that only run on
@@ -27,7 +27,7 @@ NZ_ENV = "VLLM_ASCEND_ENABLE_NZ"
 def pick_sleep_level(device_type: str, sleep_level: int | None, emulate: bool = False) -> int:
     """vLLM sleep level used by release_memory on accelerators (0: free the KV cache only,
     1: also move the weights to host memory, 2: also discard the weights); 0 on CPU unless
-    ``emulate`` (rollout.emulate_sleep: the CPU engine sleeps as a device's does, rlcore.cpu_sleep).
+    ``emulate`` (rollout.emulate_sleep: the CPU engine sleeps as a device's does, rlcore.rollout.cpu_sleep).
 
     None picks 2: the phase switch pushes every weight before each generation anyway, so the
     host copy that level 1 keeps (and copies back at wake-up) would be wasted work and memory.

@@ -20,8 +20,8 @@ Here, on the engine's own model object:
   generate or score that reaches any weight not pushed again therefore returns NaN log-probs
   (and the rollout refuses to run before a full push anyway: ``weights_valid``).
 - buffers: copied out and back at both levels, as vLLM does.
-The KV cache is released as without emulation (rlcore.cpu_kv). Plain torch; used by
-``rlcore.colocate_rollout`` only.
+The KV cache is released as without emulation (rlcore.rollout.cpu_kv). Plain torch; used by
+``rlcore.rollout.engine`` only.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from rlcore.judge.offload import Released, distinct_storages, release, restore
+from rlcore.rollout.offload import Released, distinct_storages, release, restore
 
 
 @dataclass

@@ -28,7 +28,7 @@ def vllm_verdict(engine_kwargs: dict, device_type: str) -> str | None:
     vLLM accepts it, else vLLM's reason."""
     from vllm.engine.arg_utils import EngineArgs
 
-    from rlcore.process_state import ProcessState
+    from rlcore.rollout.process_state import ProcessState
 
     saved = ProcessState.capture(device_type)  # the platform's config hooks may edit the env
     try:
@@ -51,7 +51,7 @@ def check_config(cfg: Config, device_type: str) -> None:
         raise ConfigError("algorithm.routing_replay='r3' with rollout.multi_turn.enable: a conversation's turns are "
                           "separate vLLM requests and r3 takes one request's routing; use algorithm.routing_replay: "
                           "r2 for multi-turn rollouts")
-    from rlcore.rollout_settings import config_llm_kwargs
+    from rlcore.rollout.settings import config_llm_kwargs
 
     problem = vllm_verdict(config_llm_kwargs(cfg, device_type), device_type)
     if problem:

@@ -8,13 +8,13 @@ that sample different completions. vLLM's ``external_launcher`` backend reuses t
 torch.distributed world instead of spawning workers, so engine construction is collective.
 
 vLLM changes process-global state when it builds an engine; the wrapper undoes what the trainer
-depends on (see ``rlcore.process_state``) and keeps vLLM's sampling RNG apart from the trainer's.
+depends on (see ``rlcore.rollout.process_state``) and keeps vLLM's sampling RNG apart from the trainer's.
 Known left-over: vLLM's CPU worker replaces ``torch.set_num_threads`` with a no-op (callers that
 must change the thread count use ``torch._C.set_num_threads``), and calls ``gc.freeze()``.
 On NPU ``VLLM_ASCEND_ENABLE_NZ=0`` is set for the rest of the process (wake-up refuses NZ weights),
 and the built sampler is switched to ``processed_logprobs`` (vllm-ascend ignores the LLM kwarg).
 The pure decisions and checks (platform choices, seeds, load completeness) are in
-``rlcore/rollout_checks.py``, which takes vLLM objects as arguments and imports no vLLM;
+``rlcore/rollout/checks.py``, which takes vLLM objects as arguments and imports no vLLM;
 docs/accelerators.md lists what each accelerator-only path was checked against.
 """
 
@@ -32,16 +32,19 @@ from typing import Any
 
 import torch
 
-from rlcore import cpu_sleep, rollout_lora, torchvision_shim, vllm_globals
+from rlcore import torchvision_shim
+from rlcore.rollout import cpu_sleep
+from rlcore.rollout import lora as rollout_lora
+from rlcore.rollout import vllm_globals
 from rlcore import hf_folder
 from rlcore.config import model_num_experts
-from rlcore.cpu_kv import clear_stale_cpu_shm, release_cpu_kv as _release_cpu_kv, resume_cpu_kv as _resume_cpu_kv
-from rlcore.cpu_repack import cpu_repack_on_reload
+from rlcore.rollout.cpu_kv import clear_stale_cpu_shm, release_cpu_kv as _release_cpu_kv, resume_cpu_kv as _resume_cpu_kv
+from rlcore.rollout.cpu_repack import cpu_repack_on_reload
 from rlcore.dist import DistInfo
 from rlcore.hf_folder import config_or_empty
-from rlcore.process_state import ProcessState, get_torch_rng, set_torch_rng
-from rlcore.rollout_settings import LOGPROBS_MODE, llm_kwargs
-from rlcore.rollout_checks import (
+from rlcore.rollout.process_state import ProcessState, get_torch_rng, set_torch_rng
+from rlcore.rollout.settings import LOGPROBS_MODE, llm_kwargs
+from rlcore.rollout.checks import (
     align_sampler_logprobs_mode,
     capture_load_weights,
     check_encoder_cache_reset,
@@ -69,7 +72,7 @@ log = logging.getLogger("rlcore.rollout")
 
 # The folder holding the rlcore package: what vLLM's registry subprocess puts on sys.path to
 # import the torchvision shim (rollout_checks.registry_subprocess_command).
-_PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the checkout (rlcore/rollout/engine.py)
 
 
 @dataclass
@@ -124,7 +127,7 @@ class ColocateRollout:
         rollout_checks.multimodal_kwargs). A text model gets neither unless they are given.
 
         ``emulate_sleep`` (CPU only; tests and debugging): ``sleep_level`` 1 and 2 act on the CPU
-        engine's weights as vLLM's sleep mode does on a device (rlcore.cpu_sleep)."""
+        engine's weights as vLLM's sleep mode does on a device (rlcore.rollout.cpu_sleep)."""
         if tp_size < 1 or info.world_size % tp_size:
             raise ValueError(f"tp_size={tp_size} must divide world_size={info.world_size}")
         self.info = info
@@ -219,7 +222,7 @@ class ColocateRollout:
     @contextmanager
     def _engine_rng_scope(self) -> Iterator[None]:
         """Run vLLM on its own RNG stream (training randomness is neither consumed nor reseeded) and
-        its own workspace manager (rlcore.vllm_globals)."""
+        its own workspace manager (rlcore.rollout.vllm_globals)."""
         trainer_rng = get_torch_rng(self.info.device_type)
         set_torch_rng(self.info.device_type, self._engine_rng)
         try:
@@ -371,7 +374,7 @@ class ColocateRollout:
 
     def update_adapter(self, tensors: Iterable[tuple[str, torch.Tensor]], config: dict) -> tuple[int, int]:
         """LoRA: the policy's adapter (PEFT names and config) replaces the engine's, in place; the
-        base weights stay. Returns (tensors, bytes) written (rlcore.rollout_lora)."""
+        base weights stay. Returns (tensors, bytes) written (rlcore.rollout.lora)."""
         self._require_awake("update_adapter", {"weights"})
         path = rollout_lora.adapter_dir()
         written = hf_folder.write_adapter(tensors, config, path)
@@ -431,7 +434,7 @@ class ColocateRollout:
 
         CPU: vLLM's sleep mode is rejected there and ``llm.sleep()`` is a no-op after which
         generate() spins forever, so the KV buffer storage is resized to 0 instead (and, with
-        ``emulate_sleep``, the weights at level 1/2 as a device's sleep mode does: rlcore.cpu_sleep).
+        ``emulate_sleep``, the weights at level 1/2 as a device's sleep mode does: rlcore.rollout.cpu_sleep).
         Accelerators at sleep level 0: only the KV cache is freed, the weights stay resident.
         """
         if self._asleep:
@@ -442,7 +445,7 @@ class ColocateRollout:
         if self.info.device_type == "cpu":
             self._kv_storages = _release_cpu_kv(self._model_runner())
             self._asleep = {"kv_cache"}
-            if self.emulate_sleep and self.sleep_level > 0:  # the device's level 1/2 (rlcore.cpu_sleep)
+            if self.emulate_sleep and self.sleep_level > 0:  # the device's level 1/2 (rlcore.rollout.cpu_sleep)
                 self._sleeping = cpu_sleep.sleep_weights(self._model_runner().get_model(), self.sleep_level)
                 self._asleep.add("weights")
                 self.weights_valid = self.sleep_level == 1

@@ -1,4 +1,4 @@
-"""A judge's in-process vLLM engine: a rollout engine (rlcore.colocate_rollout) that never gets
+"""A judge's in-process vLLM engine: a rollout engine (rlcore.rollout.engine) that never gets
 weight updates, asleep except while it scores.
 
 Generative judges sample (greedy by default) through ``ColocateRollout.generate``; discriminative
@@ -10,7 +10,7 @@ returns the head's raw value (vLLM's default applies a sigmoid to one-label head
 
 Memory, ``sleep()`` after scoring and ``wake()`` before, by ``offload`` mode:
     storage  (accelerators) the engine is built without vLLM's sleep mode, which serves one engine
-             per process (rlcore.judge.offload), and eager; sleeping frees the storages of its
+             per process (rlcore.rollout.offload), and eager; sleeping frees the storages of its
              weights (level 1: copied to host memory first; level 2: reloaded from the judge's
              folder at wake-up), buffers and KV cache.
     kv       (CPU) vLLM has no sleep mode on CPU and its fp32 linear weights live in oneDNN handles:
@@ -25,7 +25,7 @@ v1/kv_cache_interface.py:1586): its ``KVBlockZeroer`` precomputes the blocks' ab
 from __future__ import annotations
 
 from rlcore.judge.config import JudgeConfig
-from rlcore.rollout_checks import kv_zeroing_needed
+from rlcore.rollout.checks import kv_zeroing_needed
 
 
 def default_offload(device_type: str, emulate_sleep: bool = False) -> str:
@@ -36,7 +36,7 @@ def default_offload(device_type: str, emulate_sleep: bool = False) -> str:
 def judge_llm_kwargs(cfg: JudgeConfig, device_type: str, *, seed: int, dtype: str, tp_size: int) -> dict:
     """The ``vllm.LLM`` keywords of a judge's engine (what ColocateRollout builds it with; the dry
     run, scripts/check_config.py, hands them to vLLM's EngineArgs)."""
-    from rlcore.rollout_settings import llm_kwargs
+    from rlcore.rollout.settings import llm_kwargs
 
     return llm_kwargs(cfg.path, device_type, tp_size=tp_size, seed=seed,
                       max_model_len=cfg.max_model_len, dtype=dtype, kv_cache_gb=cfg.kv_cache_gb,
@@ -49,7 +49,7 @@ class JudgeEngine:
     def __init__(self, cfg: JudgeConfig, info, *, seed: int, dtype: str, device_type: str, tp_size: int = 1,
                  offload: str | None = None):
         """``tp_size``: the policy engine's (the only one an in-process engine can have; judge.config)."""
-        from rlcore.colocate_rollout import ColocateRollout
+        from rlcore.rollout.engine import ColocateRollout
 
         self.cfg, self.device_type = cfg, device_type
         self.offload = offload or default_offload(device_type)
@@ -77,7 +77,7 @@ class JudgeEngine:
             return f"{self.cfg.name}: released {sorted(self.rollout.released)}"
         if self._released is not None:
             return f"{self.cfg.name}: asleep"
-        from rlcore.judge import offload
+        from rlcore.rollout import offload
 
         model, keep = self.rollout._model_runner().get_model(), self.sleep_level == 1
         params = offload.distinct_storages(model.parameters())
@@ -97,8 +97,8 @@ class JudgeEngine:
         if self.offload == "kv":
             self.rollout.resume_memory()
             return f"{self.cfg.name}: woken"
-        from rlcore.judge import offload
-        from rlcore.rollout_checks import reset_prefix_cache
+        from rlcore.rollout import offload
+        from rlcore.rollout.checks import reset_prefix_cache
 
         offload.restore(self._released)
         self._released = None
@@ -109,7 +109,7 @@ class JudgeEngine:
         return f"{self.cfg.name}: woken"
 
     def _kv_storages(self) -> list:
-        from rlcore.judge.offload import distinct_storages
+        from rlcore.rollout.offload import distinct_storages
 
         def flat(x):
             return [t for item in x for t in flat(item)] if isinstance(x, (list, tuple)) else [x]

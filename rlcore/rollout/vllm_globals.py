@@ -1,5 +1,5 @@
 """vLLM's process-global state that two engines in one process (the policy's and a judge's or a
-teacher's) would otherwise share, kept apart per engine. Used by ``rlcore.colocate_rollout`` only.
+teacher's) would otherwise share, kept apart per engine. Used by ``rlcore.rollout.engine`` only.
 
 - **Rotary embeddings.** ``get_rope`` caches each rotary module in the process-global
   ``_ROPE_DICT`` by its shape key (vllm 0.32.0 model_executor/layers/rotary_embedding/__init__.py:29
@@ -8,7 +8,7 @@ teacher's) would otherwise share, kept apart per engine. Used by ``rlcore.coloca
   (any Qwen3 beside a Qwen3) would get the policy's module, whose ``cos_sin_cache`` buffer
   (rotary_embedding/base.py:58-63) was allocated in the policy's sleep-mode weights pool
   (v1/worker/gpu_worker.py:587-593): the judge's profile run then reads unmapped memory while the
-  policy sleeps, and the judge's own storage sleep (rlcore.judge.engine) frees the policy's buffer.
+  policy sleeps, and the judge's own storage sleep (rlcore.rollout.judge) frees the policy's buffer.
   ``engine_build`` gives each engine build an empty cache and puts the previous one back.
 - **Workspace manager.** Every GPU worker's ``init_device`` re-binds the process-global
   ``workspace._manager`` (v1/worker/workspace.py:33 and :307-333, called from

@@ -1,0 +1,17 @@
+"""The rollout engines: everything that imports vLLM.
+
+    engine.py         ColocateRollout: the policy's in-process vLLM engine per rank; generation
+                      (text and image prompts), in-place weight loading, sleep and wake-up
+    judge.py          JudgeEngine: a reward model's engine beside it (rlcore.judge scores with it)
+    settings.py       every keyword handed to ``vllm.LLM``, decided without building anything
+    checks.py         the pure per-device choices (``pick_*``) and post-build checks against vLLM
+    lora.py           the adapter push into vLLM's LoRA; routing.py: routed experts (R3)
+    cpu_kv.py         the CPU KV buffer's release; cpu_repack.py: oneDNN/sgl weights after a reload
+    cpu_sleep.py      rollout.emulate_sleep: a GPU's sleep levels on a CPU engine
+    offload.py        a second engine's sleep on accelerators (storages freed in place)
+    process_state.py  the process-wide state vLLM changes, saved and restored around it
+    vllm_globals.py   vLLM's module-level singletons, kept per engine
+
+May import: vLLM, torch, transformers, rlcore.config and the ground floor. Never VeOmni: weights
+arrive as (name, tensor) pairs from the policy engine (rlcore.engine) through the phase switch.
+"""
