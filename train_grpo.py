@@ -20,7 +20,7 @@ from rlcore.config import Config, ConfigError, fail  # noqa: E402
 from rlcore.data import PromptSampler  # noqa: E402
 from rlcore.dist import DistInfo, init_distributed, run_then_exit, torchrun_env  # noqa: E402
 from rlcore.errors import Exit  # noqa: E402
-from rlcore.exploration import EntropyControl, clip_cov_options  # noqa: E402
+from rlcore.algo.exploration import EntropyControl, clip_cov_options  # noqa: E402
 from rlcore.lifecycle import (  # noqa: E402
     Run, commit_checkpoint, count_skips, resume, step_snapshot, stop_if_diverged, stop_preempted, teardown,
     write_due_checkpoint,

@@ -9,8 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal, Optional
 
-from rlcore import advantage
-from rlcore.rollout_correction import IS_LEVELS, IS_MASK_NORMALIZERS, IS_MODES, RS_MODES
+from rlcore.algo import advantage
+from rlcore.algo.rollout_correction import IS_LEVELS, IS_MASK_NORMALIZERS, IS_MODES, RS_MODES
 from rlcore.errors import ConfigError, check
 
 
@@ -22,7 +22,7 @@ def _check_positive(section: str, obj, *names: str) -> None:
 
 @dataclass
 class AlgorithmConfig:
-    """Advantages and the policy loss (rlcore/advantage.py)."""
+    """Advantages and the policy loss (rlcore/algo/advantage.py)."""
 
     adv_estimator: str = "grpo"
     """grpo, rloo, reinforce_pp or reinforce_pp_baseline."""
@@ -176,7 +176,7 @@ class RolloutCorrectionConfig:
               "rs needs a threshold > 0 (e.g. 0.005 for seq_mean_k3, 2.0 as a k1 ratio bound)")
 
     def options(self) -> dict | None:
-        """rlcore.rollout_correction.correct's settings; None when neither is_level nor rs is on."""
+        """rlcore.algo.rollout_correction.correct's settings; None when neither is_level nor rs is on."""
         if self.is_level is None and self.rs is None:
             return None
         return {"is_level": self.is_level, "is_mode": self.is_mode, "is_mask_normalizer": self.is_mask_normalizer,
@@ -187,7 +187,7 @@ class RolloutCorrectionConfig:
 
 @dataclass
 class ExplorationConfig:
-    """Keeping the policy's entropy from collapsing before the task is learned (rlcore/exploration.py)."""
+    """Keeping the policy's entropy from collapsing before the task is learned (rlcore/algo/exploration.py)."""
 
     entropy_target: Optional[float] = None
     """Adaptive entropy bonus (Skywork-OR1): after each step the coefficient (starting at

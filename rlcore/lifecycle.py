@@ -13,7 +13,7 @@ from rlcore.build import Engines
 from rlcore.config import Config
 from rlcore.dist import DistInfo, exit_process
 from rlcore.errors import Exit
-from rlcore.exploration import EntropyControl
+from rlcore.algo.exploration import EntropyControl
 from rlcore.metrics import MetricsLogger, Timer, format_duration
 from rlcore.sampling import StepSampler
 

@@ -17,7 +17,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from rlcore import grpo, vision
+from rlcore import vision
+from rlcore.algo import grpo
 from rlcore.config import AlgorithmConfig, RolloutConfig
 from rlcore.data import PromptSampler, derive_seed
 from rlcore.dist import all_reduce_max, all_reduce_sum

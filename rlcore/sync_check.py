@@ -28,7 +28,7 @@ from contextlib import contextmanager
 
 import torch
 
-from rlcore import grpo
+from rlcore.algo import grpo
 from rlcore.dist import all_reduce_max, all_reduce_sum
 
 log = logging.getLogger("rlcore.sync_check")

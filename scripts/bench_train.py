@@ -133,7 +133,7 @@ def global_batch(args):
     0/1 rewards, the same on every rank (fixed seed)."""
     import torch
 
-    from rlcore import grpo
+    from rlcore.algo import grpo
 
     g = torch.Generator().manual_seed(args.seed)
     rand = lambda lo, hi: int(torch.randint(lo, hi + 1, (1,), generator=g))  # noqa: E731
@@ -151,7 +151,8 @@ def global_batch(args):
 
 def local_inputs(args, info):
     """This rank's share of the batch and its ``UpdateInputs`` (on-policy, no reference)."""
-    from rlcore import advantage, grpo
+    from rlcore.algo import advantage
+    from rlcore.algo import grpo
 
     batch, rewards = global_batch(args)
     adv = advantage.compute_advantages("grpo", rewards, batch.response_mask(), args.n)  # (N, T)
@@ -175,7 +176,7 @@ def configs(args) -> dict:
 
 def packing(local, cfg) -> tuple[int, int]:
     """(micro-batches, packed tokens) of this rank's share under ``cfg`` (collective)."""
-    from rlcore import grpo
+    from rlcore.algo import grpo
 
     parts = grpo.split_micro(local, list(range(len(local))), cfg)
     tokens = 0
@@ -237,7 +238,7 @@ def run_once(policy, local, inp, cfg, trim: bool = False) -> tuple[float, float,
     timed run reuses the heap's free pages, as the trainer's steps do, and is timed so)."""
     import torch.distributed as dist
 
-    from rlcore import grpo
+    from rlcore.algo import grpo
 
     policy.optimizer.zero_grad(set_to_none=True)
     with PeakRss(trim) as mem:

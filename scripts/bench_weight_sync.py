@@ -299,7 +299,7 @@ def logprob_check(policy, rollout, model_dir: str, bucket_mb: float, info) -> di
     """vLLM reset to the checkpoint (stale), synced, then both sides score fresh samples."""
     import torch
 
-    from rlcore import grpo
+    from rlcore.algo import grpo
 
     g = torch.Generator().manual_seed(100 + info.rank)
     prompts = [torch.randint(3, 26, (16,), generator=g).tolist() for _ in range(8)]

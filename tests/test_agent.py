@@ -158,7 +158,8 @@ def test_vllm_parser_reads_calls_and_counts_malformed_ones(tool_model):
 def test_masked_tool_tokens_loss_and_gradient_match_hand_reference(agg):
     """Two conversations (model, tool, model tokens) and a single-turn one: the GRPO loss and its
     gradient equal a reference that only ever looks at the model tokens; tool tokens get zero."""
-    from rlcore import advantage, grpo
+    from rlcore.algo import advantage
+    from rlcore.algo import grpo
 
     env_mask = [[1, 1, 0, 0, 0, 1, 1], [1, 0, 0, 1], [1, 1, 1]]
     responses = [[5] * len(m) for m in env_mask]

@@ -9,7 +9,7 @@ import os
 import torch
 
 from conftest import REPO, run_torchrun
-from rlcore import advantage
+from rlcore.algo import advantage
 from workers.grad_invariance import VARIANTS
 
 WORKER = os.path.join(REPO, "tests", "workers", "grad_invariance.py")

@@ -11,7 +11,7 @@ import dataclasses
 import pytest
 import torch
 
-from rlcore import grpo
+from rlcore.algo import grpo
 from rlcore.config import AlgorithmConfig
 
 pytestmark = pytest.mark.unit  # pure logic: no torchrun, no vLLM, no model build

@@ -1,5 +1,5 @@
 """Learning per minute: dynamic sampling sized in one round (rlcore.sampling) and the exploration
-mechanisms (rlcore.exploration, advantage.clip_cov_weights), each against a hand or independent
+mechanisms (rlcore.algo.exploration, advantage.clip_cov_weights), each against a hand or independent
 computation. The engine here is a scripted recorder of generate calls (the sampler's logic); the
 real vLLM engine runs the same sampler in tests/test_e2e.py."""
 
@@ -13,10 +13,12 @@ import types
 import pytest
 import torch
 
-from rlcore import advantage, grpo, sampling
+from rlcore import sampling
+from rlcore.algo import advantage
+from rlcore.algo import grpo
 from rlcore.rollout.engine import Sample
 from rlcore.config import AlgorithmConfig, ExplorationConfig, RolloutConfig
-from rlcore.exploration import EntropyControl, clip_cov_options, next_entropy_coef
+from rlcore.algo.exploration import EntropyControl, clip_cov_options, next_entropy_coef
 
 pytestmark = pytest.mark.unit
 

@@ -1,4 +1,4 @@
-"""The rollout-correction family (rlcore/rollout_correction.py) against plain-PyTorch references
+"""The rollout-correction family (rlcore/algo/rollout_correction.py) against plain-PyTorch references
 written token by token on a hand-built batch, and in the update: each mode changes the gradient
 only where its definition says (a rejected sequence's gradient is that of the batch without it)."""
 
@@ -10,8 +10,9 @@ import math
 import pytest
 import torch
 
-from rlcore import advantage, grpo
-from rlcore import rollout_correction as rc
+from rlcore.algo import advantage
+from rlcore.algo import grpo
+from rlcore.algo import rollout_correction as rc
 from rlcore.config import ConfigError, RolloutCorrectionConfig
 
 pytestmark = pytest.mark.unit

@@ -45,7 +45,7 @@ def test_token_keys_name_the_same_tokens_however_packed():
     """Shared-prompt packing and a prompt copy per sample give each position the same key: one
     key per (sample, response position), one per (group, prompt position); selected sub-batches
     keep their samples' keys."""
-    from rlcore import grpo
+    from rlcore.algo import grpo
 
     prompts = [[5, 6, 7]] * 3 + [[8, 9]] * 2
     responses = [[1, 2], [3], [4, 5, 6], [7, 8], [9]]
@@ -97,7 +97,7 @@ def test_rollout_routing_rows_by_hand():
     key, the last tokens listed as free; a wrong row count is refused."""
     import numpy as np
 
-    from rlcore import grpo
+    from rlcore.algo import grpo
 
     prompts, responses = [[5, 6]] * 2 + [[7]], [[1, 2, 3], [4, 5], [8, 9]]
     rows = [np.arange(n * 2, dtype=np.uint8).reshape(n, 2, 1) + 10 * i

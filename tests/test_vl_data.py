@@ -175,7 +175,7 @@ def _vision_inputs(n_tokens: int, tag: float, next_position: int):
 def test_pack_with_images_lays_out_positions_pixels_and_runs():
     """Unshared: every sample carries its prompt's pixels and M-RoPE block, text row restarting at 0.
     Shared: a run's images once. Equal ids with different images are different runs."""
-    from rlcore.grpo import pack, prompt_runs
+    from rlcore.algo.grpo import pack, prompt_runs
 
     a, b = _vision_inputs(1, 1.0, 50), _vision_inputs(1, 2.0, 60)
     prompt = [7, 5, 6]  # expanded: one image token between start and end
@@ -204,7 +204,7 @@ def test_pack_with_images_lays_out_positions_pixels_and_runs():
 
 
 def test_batches_keep_each_samples_images_through_select_and_concat():
-    from rlcore.grpo import RolloutBatch, concat
+    from rlcore.algo.grpo import RolloutBatch, concat
 
     a, b = _vision_inputs(1, 1.0, 5), _vision_inputs(1, 2.0, 5)
     batch = RolloutBatch([[1]] * 4, [[2]] * 4, [[0.0]] * 4, ["x"] * 4, ["stop"] * 4, 2, vision=[a, a, b, b])

@@ -217,7 +217,7 @@ class VeOmniPolicy:
                 repeat); the others never meet the vocabulary. None = all ``L``.
             attention_mask: None for block-causal attention derived from ``position_ids`` (row 0),
                 or a ``(1, 1, L, L)`` bool mask, True where a query may attend to a key (sdpa/eager
-                only; see ``rlcore.grpo.pack``; eager gets it as an additive float mask).
+                only; see ``rlcore.algo.grpo.pack``; eager gets it as an additive float mask).
             mm: None, or for a vision-language model the row's images: ``pixel_values`` (P, C)
                 float (the processor's patches, any float dtype) and ``image_grid_thw`` (I, 3)
                 int of every image, in order of appearance of their ``<|image_pad|>`` runs in

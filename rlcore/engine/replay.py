@@ -17,7 +17,7 @@ blocks, once (``OWN_HOOKS``). The hook sits in the block, before the experts cal
 experts implementation (fused GPU/NPU kernels, rlcore.engine.moe's CPU EP path) gets the
 replayed indices.
 
-Token keys: the trainer packs samples into one (1, L) row per micro-batch (rlcore.grpo.pack) and
+Token keys: the trainer packs samples into one (1, L) row per micro-batch (rlcore.algo.grpo.pack) and
 passes a key per position: a response token is (its sample, its position), a prompt token (its
 group, its position), since every sample of a group sees the same prompt (shared or copied). The
 router sees the row's tokens in order (hidden_states.view(-1, H)), on this rank only (expert

@@ -10,7 +10,7 @@ import sys
 
 import torch
 
-from rlcore import grpo
+from rlcore.algo import grpo
 from rlcore.config import AlgorithmConfig
 from rlcore.dist import init_distributed
 from grad_invariance import global_batch  # this directory is on sys.path under torchrun

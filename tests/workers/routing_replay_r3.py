@@ -22,7 +22,7 @@ import sys
 import numpy as np
 import torch
 
-from rlcore import grpo
+from rlcore.algo import grpo
 from rlcore.config import AlgorithmConfig
 from rlcore.dist import all_reduce_max, all_reduce_sum, init_distributed
 from grad_invariance import global_batch  # this directory is on sys.path under torchrun

@@ -18,7 +18,8 @@ import sys
 
 import torch
 
-from rlcore import advantage, grpo
+from rlcore.algo import advantage
+from rlcore.algo import grpo
 from rlcore.config import AlgorithmConfig
 from rlcore.dist import init_distributed
 from rlcore.metrics import Timer

@@ -8,13 +8,16 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
-from rlcore import advantage, rollout_correction
-from rlcore.config import AlgorithmConfig
+from rlcore.algo import advantage, rollout_correction
 from rlcore.dist import all_rank_means, all_rank_sums, all_reduce_max, all_reduce_sum
+
+if TYPE_CHECKING:  # annotations only: pure math imports no config at run time
+    from rlcore.config import AlgorithmConfig
 
 
 @dataclass
@@ -303,7 +306,7 @@ def describe_train_phase(cfg: AlgorithmConfig) -> str:
 
 
 def _pack_options(cfg: AlgorithmConfig | int) -> dict[str, bool]:
-    if not isinstance(cfg, AlgorithmConfig):  # a plain micro-batch size: the defaults
+    if isinstance(cfg, int):  # a plain micro-batch size: the defaults
         return {}
     return {"share_prompt": bool(cfg.share_prompt), "response_only": cfg.response_only_logits,
             "routing_keys": cfg.routing_replay is not None}
@@ -358,7 +361,7 @@ def compute_logprobs_in_chunks(policy, batch: RolloutBatch, temperature: float, 
     t = batch.response_mask().shape[1]
     out = torch.zeros(len(batch), t, device=device)
     every = list(range(len(batch)))
-    parts = split_micro(batch, every, micro) if isinstance(micro, AlgorithmConfig) else micro_batches(len(batch), micro)
+    parts = split_micro(batch, every, micro) if not isinstance(micro, int) else micro_batches(len(batch), micro)
     for idx in parts:
         part, _ = logprob_matrix(policy, batch.select(idx), temperature, grad=False, with_entropy=False,
                                  device=device, **_pack_options(micro))
