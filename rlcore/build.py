@@ -23,7 +23,7 @@ class Engines:
     policy: Policy
     ref: Policy | None  # frozen reference for the KL loss (algorithm.kl_loss_coef > 0)
     rollout: Rollout
-    switch: object  # rlcore.switch.PhaseSwitcher
+    switch: object  # rlcore.step.switch.PhaseSwitcher
     judges: dict = field(default_factory=dict)  # reward.models: name -> rlcore.judge.scorer.Judge
 
 
@@ -78,9 +78,9 @@ def build_rollout(model: ModelConfig, rollout: RolloutConfig, info: DistInfo, se
 def build_switch(policy: Policy, rollout: Rollout, model: ModelConfig, r: RolloutConfig, offload: OffloadConfig,
                  info: DistInfo, timer: Timer, probe_prompts: list[list[int]] | None = None):
     """The phase switch; with ``probe_prompts`` (token ids, e.g. the training prompts) and
-    ``rollout.check_sync`` on, it checks every sync (rlcore.sync_check)."""
-    from rlcore.switch import PhaseSwitcher
-    from rlcore.sync_check import SyncCheck, probe_sequences
+    ``rollout.check_sync`` on, it checks every sync (rlcore.step.sync_check)."""
+    from rlcore.step.switch import PhaseSwitcher
+    from rlcore.step.sync_check import SyncCheck, probe_sequences
 
     checker = None
     if probe_prompts and r.check_sync != "off":

@@ -151,7 +151,7 @@ class RolloutConfig:
     check_sync: Optional[Literal["off", "warn", "strict"]] = None
     """After every weight sync the trainer and vLLM score a fixed probe (two training prompts);
     above check_sync_tol the run names the first parameter group that differs and warns (warn) or
-    stops with exit code 4 (strict). Logged as rollout/sync_probe_max. See rlcore/sync_check.py.
+    stops with exit code 4 (strict). Logged as rollout/sync_probe_max. See rlcore/step/sync_check.py.
     null = warn, or off with LoRA (a LoRA engine of vllm 0.32 cannot score prompt log-probs; the
     adapter shows in rollout/mismatch_* every step)."""
     check_sync_tol: Optional[float] = None
@@ -232,13 +232,13 @@ class OptimConfig:
 
 @dataclass
 class RewardConfig:
-    """Rule-based and custom rewards (rlcore/rewards.py)."""
+    """Rule-based and custom rewards (rlcore/task/rewards.py)."""
 
     components: Optional[dict[str, float]] = None
     """name -> weight of the built-in rewards and "custom" (= reward.fn), summed.
     null = {custom: 1.0} when reward.fn is set, else {math: 1.0}."""
     fn: Optional[str] = None
-    """Your reward: "package.module:function" or "path/file.py:function" (signature in rlcore/rewards.py)."""
+    """Your reward: "package.module:function" or "path/file.py:function" (signature in rlcore/task/rewards.py)."""
     timeout_s: Optional[float] = None
     """Per call of reward.fn; null = no limit."""
     error_value: float = 0.0
@@ -250,7 +250,7 @@ class RewardConfig:
 
     def __post_init__(self):
         from rlcore.judge.config import parse_judges
-        from rlcore.rewards import CUSTOM, REWARDS, load_custom_fn
+        from rlcore.task.rewards import CUSTOM, REWARDS, load_custom_fn
 
         judges = [j.name for j in parse_judges(self.models)]
         for name in judges:
@@ -281,7 +281,7 @@ class RewardConfig:
         return parse_judges(self.models)
 
     def effective_components(self) -> dict[str, float]:
-        from rlcore.rewards import CUSTOM
+        from rlcore.task.rewards import CUSTOM
 
         if self.components is not None:
             return dict(self.components)

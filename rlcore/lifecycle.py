@@ -15,7 +15,7 @@ from rlcore.dist import DistInfo, exit_process
 from rlcore.errors import Exit
 from rlcore.algo.exploration import EntropyControl
 from rlcore.metrics import MetricsLogger, Timer, format_duration
-from rlcore.sampling import StepSampler
+from rlcore.step.sampling import StepSampler
 
 
 @dataclass

@@ -14,7 +14,7 @@ the search for a setting that fits (``suggest_fixes``), ``plan_from_config`` and
 The model's shape (``ModelShape``, ``VisionShape``: config.json, the processor's image budget,
 parameter and activation counts) is in rlcore/model_shape.py and re-exported here.
 
-Phases, in the order a run meets them (the steps are rlcore/switch.py's); each total is a peak:
+Phases, in the order a run meets them (the steps are rlcore/step/switch.py's); each total is a peak:
     train     params, gradients, optimizer, activations, FSDP's gathered weights, the resident
               reference, and what vLLM keeps at its sleep level
     checkpoint  the save after the optimizer step, still in the train phase (vLLM asleep), and the
@@ -353,7 +353,7 @@ def resident(p: PlanInputs) -> dict[str, tuple[str, ...]]:
         "checkpoint": ("trainer_params", "optimizer") + ref + train_vllm + ("vllm_overhead",),
     }
     phases = {ph: held + asleep for ph, held in phases.items()} if p.judges else phases
-    if p.judges:  # generate -> the policy's engine sleeps -> the judges wake (rlcore/switch.py judging)
+    if p.judges:  # generate -> the policy's engine sleeps -> the judges wake (rlcore/step/switch.py judging)
         phases["judge"] = (("trainer_params",) * (not p.offload_params) + ("optimizer",) * (not p.offload_optimizer)
                            + ref + train_vllm + ("vllm_overhead", "judges"))
     return phases

@@ -6,10 +6,11 @@ from __future__ import annotations
 import dataclasses
 import os
 
-from rlcore import agent, checkpoint, rewards
+from rlcore import agent, checkpoint
+from rlcore.task import rewards
 from rlcore.rollout import routing as rollout_routing
 from rlcore.config import Config, ConfigError, check, fail
-from rlcore.data import load_prompts
+from rlcore.task.prompts import load_prompts
 from rlcore.judge.config import check_judge_data
 from rlcore.dist import detect_device
 from rlcore.hf_folder import read_config
@@ -100,7 +101,7 @@ def prepare_scoring(cfg: Config, tokenizer, rank: int, processor=None):
 
 def load_vision(cfg: Config):
     """The model folder's image processor (data.image_key is set): a vision-language model only."""
-    from rlcore.vision import VisionProcessor
+    from rlcore.task.images import VisionProcessor
 
     config = _read_config(cfg.model.path)
     check("vision_config" in config, "data.image_key", cfg.data.image_key,

@@ -189,7 +189,7 @@ def shapes_question(rng: random.Random, shapes: list[dict]) -> tuple[str, str]:
 def make_shapes_rows(out_dir: str, name: str, n: int, seed: int, *, size: int = 96, embed: bool = False) -> list[dict]:
     """``n`` rows of the shapes task; images as PNG files under ``out_dir/images`` (rows name them
     relative to ``out_dir``) or, with ``embed``, as {bytes, path} dicts (the Parquet layout)."""
-    from rlcore.vision import IMAGE_PLACEHOLDER, encode_image
+    from rlcore.task.images import IMAGE_PLACEHOLDER, encode_image
 
     rng = random.Random(seed)
     if not embed:

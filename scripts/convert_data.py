@@ -69,7 +69,7 @@ FORMATS = {
     "geo3k": ("problem", "answer", plain_answer),
 }
 IMAGE_FORMATS = {"geo3k": "images"}  # formats whose rows carry images, and under which key
-PLACEHOLDER = "<image>"  # rlcore.vision.IMAGE_PLACEHOLDER
+PLACEHOLDER = "<image>"  # rlcore.task.images.IMAGE_PLACEHOLDER
 
 
 def read_any(path: str) -> list[dict]:

@@ -9,8 +9,8 @@ and mean@n / pass@n of sampled answers with --n > 1. The last line printed is JS
     python scripts/evaluate.py --model outputs/demo_judge_cpu/hf_final --data demo_assets/data/toy_val.jsonl \
         --max-tokens 4 --judge configs/demo_judge_cpu.yaml --reward high_digit
 
-Prompts are rendered and scored exactly as the trainer does (rlcore.data, rlcore.rewards,
-rlcore.validation). Under ``torchrun --nproc_per_node=N`` each rank scores a slice. ``--judge FILE``
+Prompts are rendered and scored exactly as the trainer does (rlcore.task.prompts, rlcore.task.rewards,
+rlcore.step.validation). Under ``torchrun --nproc_per_node=N`` each rank scores a slice. ``--judge FILE``
 adds model-based rewards (rlcore/judge): the ``reward.models`` entries of a training YAML (or a YAML
 list of entries), each a component (weight 1 unless --reward names it), served by its own in-process
 vLLM engine beside the model's; --samples-out then shows each judge's raw output next to its score.
@@ -101,9 +101,9 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     data_cfg, reward_cfg = build_configs(args)
     from rlcore.config import Config, ConfigError, ModelConfig
-    from rlcore.data import load_prompts
+    from rlcore.task.prompts import load_prompts
     from rlcore.preflight import load_tokenizer, load_vision
-    from rlcore.rewards import Scorer
+    from rlcore.task.rewards import Scorer
 
     try:
         tokenizer = load_tokenizer(args.model)
@@ -127,9 +127,9 @@ def run_eval(args, prompts, tokenizer, scorer):
     from rlcore.dist import init_distributed
     from rlcore.judge import build_judges, shutdown
     from rlcore.metrics import Timer
-    from rlcore.switch import PhaseSwitcher
+    from rlcore.step.switch import PhaseSwitcher
     from rlcore.preflight import resolve_image_limit
-    from rlcore.validation import ValSettings, validate
+    from rlcore.step.validation import ValSettings, validate
 
     info = init_distributed("auto")
     # Image rows hold one placeholder per image here; vLLM expands it (load_prompts checked the

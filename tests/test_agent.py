@@ -280,7 +280,7 @@ def test_tools_calculator_user_function_errors_and_hangs():
 @pytest.mark.unit
 def test_tool_schema_must_match_the_signature(tmp_path):
     from rlcore.agent.tools import load_tools
-    from rlcore.rewards import load_custom_fn
+    from rlcore.task.rewards import load_custom_fn
 
     f = tmp_path / "my_tools.py"
     f.write_text("def lookup(key: str, limit: int = 3) -> str:\n    return key\n")
@@ -365,7 +365,7 @@ def test_first_turn_prefix_is_prompt_and_the_parser_reads_the_turn_with_it(chatm
 
 @pytest.mark.unit
 def test_env_reward_combines_with_rule_rewards():
-    from rlcore.rewards import score_samples
+    from rlcore.task.rewards import score_samples
 
     totals, correct, metrics = score_samples(["7", "7", "3"], ["7", "7", "7"], {"env": 1.0, "first_word_match": 0.5},
                                              env_rewards=[1.0, None, 0.2])

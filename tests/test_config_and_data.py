@@ -220,7 +220,7 @@ def test_prompt_sampler_is_seeded_and_resumable(tiny_model, toy_data):
     from transformers import AutoTokenizer
 
     from rlcore.config import DataConfig
-    from rlcore.data import PromptSampler, load_prompts
+    from rlcore.task.prompts import PromptSampler, load_prompts
 
     tok = AutoTokenizer.from_pretrained(tiny_model)
     cfg = DataConfig(train_files=[toy_data[0]], max_prompt_length=16)
@@ -242,7 +242,7 @@ def test_long_prompts_are_filtered_or_rejected(tiny_model, toy_data):
     from transformers import AutoTokenizer
 
     from rlcore.config import ConfigError, DataConfig
-    from rlcore.data import load_prompts
+    from rlcore.task.prompts import load_prompts
 
     tok = AutoTokenizer.from_pretrained(tiny_model)  # toy prompts are 6 tokens long (2 digits)
     cfg = DataConfig(train_files=[toy_data[0]], max_prompt_length=5)
@@ -352,7 +352,7 @@ def test_arith_word_style_output_is_unchanged(tmp_path, style_args):
     ("The answer is 48.", "-48", 0.0),
 ])
 def test_math_reward_scores_negative_answers(response, gold, expected):
-    from rlcore.rewards import math_answer
+    from rlcore.task.rewards import math_answer
 
     assert math_answer(response, gold) == expected
 

@@ -48,7 +48,7 @@ ROWS = [{"q": "d 1 2 pick 1st =", "meta": {"gt": "1"}}, {"q": "d 3 4 pick 2nd ="
 @pytest.mark.unit
 def test_jsonl_and_parquet_give_the_same_prompts(tok, tmp_path):
     from rlcore.config import DataConfig
-    from rlcore.data import load_prompts
+    from rlcore.task.prompts import load_prompts
 
     cfg = DataConfig(prompt_key="q", answer_key="meta.gt", max_prompt_length=32)
     files = [write_jsonl(tmp_path / "a.jsonl", ROWS), write_parquet(tmp_path / "b.parquet", ROWS)]
@@ -62,7 +62,7 @@ def test_jsonl_and_parquet_give_the_same_prompts(tok, tmp_path):
 @pytest.mark.unit
 def test_chat_messages_and_system_prompt_use_the_chat_template(tok, tmp_path):
     from rlcore.config import ConfigError, DataConfig
-    from rlcore.data import load_prompts
+    from rlcore.task.prompts import load_prompts
 
     rows = [{"prompt": [{"role": "user", "content": "d 1 2 pick 1st ="}], "answer": "1"},
             {"prompt": "d 3 4 pick 2nd =", "answer": "4"}]
@@ -79,7 +79,7 @@ def test_chat_messages_and_system_prompt_use_the_chat_template(tok, tmp_path):
 @pytest.mark.unit
 def test_bad_parquet_row_names_file_and_row_or_is_counted(tok, tmp_path):
     from rlcore.config import ConfigError, DataConfig
-    from rlcore.data import load_prompts
+    from rlcore.task.prompts import load_prompts
 
     rows = [{"prompt": "d 1 pick 1st =", "answer": "1"}, {"prompt": "d 2 pick 1st =", "answer": None},
             {"prompt": "d 3 pick 1st =", "answer": "3"}]
@@ -111,7 +111,7 @@ MATH_CASES = [  # (response, gold, expected)
 @pytest.mark.unit
 @pytest.mark.parametrize("response,gold,expected", MATH_CASES)
 def test_math_reward(response, gold, expected):
-    from rlcore.rewards import math_answer
+    from rlcore.task.rewards import math_answer
 
     assert math_answer(response, gold) == expected
 
@@ -131,14 +131,14 @@ LAST_NUMBER_CASES = [  # (response, gold, last_number, math): where they differ 
 @pytest.mark.unit
 @pytest.mark.parametrize("response,gold,last,symbolic", LAST_NUMBER_CASES)
 def test_last_number_reward_does_not_evaluate_expressions(response, gold, last, symbolic):
-    from rlcore.rewards import last_number, math_answer
+    from rlcore.task.rewards import last_number, math_answer
 
     assert last_number(response, gold) == last and math_answer(response, gold) == symbolic
 
 
 @pytest.mark.unit
 def test_weighted_sum_accuracy_and_component_means():
-    from rlcore.rewards import score_samples
+    from rlcore.task.rewards import score_samples
 
     responses = ["\\boxed{4}", "4", "\\boxed{5}", "<answer>4</answer>"]
     answers = ["4"] * 4
@@ -155,7 +155,7 @@ def test_weighted_sum_accuracy_and_component_means():
 # A custom reward module on disk, loaded by file path and by module name.
 CUSTOM_SRC = '''
 import time
-from rlcore.rewards import batched
+from rlcore.task.rewards import batched
 
 def strict(response, answer):
     if response == "boom":
@@ -186,7 +186,7 @@ def custom_module(tmp_path, monkeypatch):
 
 def _scorer(**kw):
     from rlcore.config import RewardConfig
-    from rlcore.rewards import Scorer
+    from rlcore.task.rewards import Scorer
 
     return Scorer(RewardConfig(**kw))
 
@@ -204,7 +204,7 @@ def test_custom_reward_by_module_and_file_and_batched(custom_module):
 
 @pytest.mark.unit
 def test_failing_custom_reward_gives_error_value_and_counts(custom_module, capfd):
-    from rlcore import rewards
+    from rlcore.task import rewards
 
     rewards._ErrorLog.printed = False
     s = _scorer(fn="my_rewards:strict", error_value=-1.0, timeout_s=0.3)
@@ -280,7 +280,7 @@ def test_converters_extract_gsm8k_and_math_answers(tmp_path):
 
     row = pq.read_table(str(tmp_path / "m.parquet")).to_pylist()[0]
     assert row["answer"] == "\\dfrac{1}{2}" and row["level"] == "L5" and row["prompt"].startswith("P1\n")
-    from rlcore.rewards import math_answer
+    from rlcore.task.rewards import math_answer
 
     assert math_answer("the result is \\boxed{0.5}", row["answer"]) == 1.0  # the gold answer parses
 

@@ -144,7 +144,7 @@ def test_dynamic_sampling_rounds_draw_fresh_seeds():
     import types
 
     from rlcore.rollout.engine import Sample
-    from rlcore.sampling import StepSampler
+    from rlcore.step.sampling import StepSampler
 
     seeds = []
 

@@ -66,7 +66,7 @@ def test_parsers_and_score_range(tmp_path):
 @pytest.mark.unit
 def test_weighted_sum_with_judged_components():
     """A judged component enters the sum like a rule; a parse failure is never correct, never an error."""
-    from rlcore.rewards import score_samples
+    from rlcore.task.rewards import score_samples
 
     judged = {"judge": ([0.8, 0.2, 0.0], [False, False, True], 0.5 - 1e-6)}
     totals, correct, m = score_samples(["1", "2", "3"], ["1", "1", "3"], {"exact_match": 1.0, "judge": 2.0},

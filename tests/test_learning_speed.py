@@ -1,4 +1,4 @@
-"""Learning per minute: dynamic sampling sized in one round (rlcore.sampling) and the exploration
+"""Learning per minute: dynamic sampling sized in one round (rlcore.step.sampling) and the exploration
 mechanisms (rlcore.algo.exploration, advantage.clip_cov_weights), each against a hand or independent
 computation. The engine here is a scripted recorder of generate calls (the sampler's logic); the
 real vLLM engine runs the same sampler in tests/test_e2e.py."""
@@ -13,7 +13,7 @@ import types
 import pytest
 import torch
 
-from rlcore import sampling
+from rlcore.step import sampling
 from rlcore.algo import advantage
 from rlcore.algo import grpo
 from rlcore.rollout.engine import Sample
@@ -85,7 +85,7 @@ class Tokenizer:
 
 
 def make_sampler(answers: list[str], algo: AlgorithmConfig, prompts_per_step: int = 4):
-    from rlcore.data import PromptSampler
+    from rlcore.task.prompts import PromptSampler
 
     prompts = [types.SimpleNamespace(ids=[1, i], answer=a, images=None, row=None) for i, a in enumerate(answers)]
     cfg = RolloutConfig(n=4, temperature=1.0, top_p=1.0, top_k=-1, max_response_length=4)

@@ -196,7 +196,7 @@ def test_remote_backend_speaks_sandbox_fusion(fusion_url):
 def test_user_tool_can_opt_into_the_sandbox(tmp_path, monkeypatch):
     from rlcore.agent.sandbox import Limits
     from rlcore.agent.tools import load_tools, run_call
-    from rlcore.rewards import load_custom_fn
+    from rlcore.task.rewards import load_custom_fn
 
     monkeypatch.setenv("RLCORE_TEST_SECRET", "hunter2")
     f = tmp_path / "my_tools.py"

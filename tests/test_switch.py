@@ -1,4 +1,4 @@
-"""The phase machine and the bucketed weight sync (rlcore/switch.py, rlcore/engine/bucket_gather.py).
+"""The phase machine and the bucketed weight sync (rlcore/step/switch.py, rlcore/engine/bucket_gather.py).
 
 Two torchrun launches (tests/workers/switch_sync.py), each held by a module-scoped fixture so
 every property below fails with its own message:
@@ -52,7 +52,7 @@ def run3(odd_model, tmp_path_factory) -> dict:
 
 
 def test_switch_runs_the_documented_order(run2):
-    from rlcore.switch import TO_GENERATION, TO_TRAINING
+    from rlcore.step.switch import TO_GENERATION, TO_TRAINING
 
     assert [s for _, s, _ in run2["trace_to_training"]] == list(TO_TRAINING)
     assert [s for _, s, _ in run2["trace_to_generation"]] == list(TO_GENERATION)
@@ -77,7 +77,7 @@ def test_switch_metrics_per_phase(run2):
     m = run2["metrics"]
     for kind in ("offload", "wake", "weight_sync", "release", "onload"):
         assert f"timing/{kind}_s" in m and m[f"timing/{kind}_s"] >= 0
-    from rlcore.switch import TO_GENERATION, TO_TRAINING
+    from rlcore.step.switch import TO_GENERATION, TO_TRAINING
 
     for phase in (*TO_GENERATION, *TO_TRAINING, "generate", "train"):
         assert 0 < m[f"memory/{phase}_rss_gb"] < 64, phase

@@ -1,4 +1,4 @@
-"""The sync check's logic (rlcore/sync_check.py) and the CPU tied-head re-pack rule
+"""The sync check's logic (rlcore/step/sync_check.py) and the CPU tied-head re-pack rule
 (rlcore/rollout/cpu_repack.py), on hand-built values. The real engines run them in tests/test_weight_sync.py
 and tests/test_e2e.py."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rlcore import sync_check
+from rlcore.step import sync_check
 from rlcore.rollout.cpu_repack import cpu_repack_on_reload, cpu_tied_linears
 
 pytestmark = pytest.mark.unit
@@ -192,7 +192,7 @@ def test_agreeing_engine_passes_and_a_breach_warns_or_raises(caplog):
     assert check.after_sync(_Rollout(0.0)).startswith("vLLM agrees")
     assert check.pop_metrics() == {"rollout/sync_probe_max": 0.0, "rollout/sync_probe_mean": 0.0}
     check.before_sync(_Policy())
-    with caplog.at_level("WARNING", logger="rlcore.sync_check"):
+    with caplog.at_level("WARNING", logger="rlcore.step.sync_check"):
         assert check.after_sync(_Rollout(0.01)).startswith("MISMATCH 1.00e-02 (unknown)")
     assert "max |d log-prob| 0.01 > rollout.check_sync_tol=0.001" in caplog.text
     assert check.pop_metrics()["rollout/sync_probe_mean"] == pytest.approx(0.01)

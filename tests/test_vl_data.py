@@ -62,7 +62,7 @@ def test_expansion_pixels_and_mrope_positions_equal_transformers(family, request
     the positions, on a two-image prompt (images with h != w merged patches)."""
     from transformers import Qwen2_5_VLForConditionalGeneration, Qwen3VLForConditionalGeneration
 
-    from rlcore.vision import VisionProcessor
+    from rlcore.task.images import VisionProcessor
 
     model_dir = request.getfixturevalue({"qwen3_vl": "tiny_vl_model", "qwen2_5_vl": "tiny_vl25_model"}[family])
     model_cls = {"qwen3_vl": Qwen3VLForConditionalGeneration, "qwen2_5_vl": Qwen2_5_VLForConditionalGeneration}[family]
@@ -105,9 +105,9 @@ def _vl_data_cfg(**kw):
 
 
 def test_image_rows_load_from_jsonl_paths_and_parquet_bytes(tiny_vl_model, tmp_path):
-    from rlcore.data import load_prompts
+    from rlcore.task.prompts import load_prompts
     from rlcore.preflight import load_tokenizer
-    from rlcore.vision import VisionProcessor, decode_image
+    from rlcore.task.images import VisionProcessor, decode_image
     from rlcore.vl_task import make_shapes_data
 
     tok, vp = load_tokenizer(tiny_vl_model), VisionProcessor(tiny_vl_model)
@@ -148,9 +148,9 @@ def test_bad_image_rows_name_file_and_line(tiny_vl_model, tmp_path, case, row, e
     from PIL import Image
 
     from rlcore.config import ConfigError
-    from rlcore.data import load_prompts
+    from rlcore.task.prompts import load_prompts
     from rlcore.preflight import load_tokenizer
-    from rlcore.vision import VisionProcessor
+    from rlcore.task.images import VisionProcessor
 
     Image.new("RGB", (32, 32)).save(tmp_path / "ok.png")
     (tmp_path / "garbage.png").write_bytes(b"\x89PNG not really")
@@ -166,7 +166,7 @@ def test_bad_image_rows_name_file_and_line(tiny_vl_model, tmp_path, case, row, e
 
 
 def _vision_inputs(n_tokens: int, tag: float, next_position: int):
-    from rlcore.vision import VisionInputs
+    from rlcore.task.images import VisionInputs
 
     return VisionInputs(pixel_values=torch.full((4 * n_tokens, 6), tag), image_grid_thw=torch.tensor([[1, 2, 2 * n_tokens]]),
                         positions=torch.arange(3 * (n_tokens + 2)).view(3, -1), next_position=next_position)

@@ -105,8 +105,8 @@ def test_prompt_ids_are_expanded_like_the_trainer(run):
         assert r["image_tokens"] == [9, 9, 18, 0]  # 96x96: (6*6 patches) / 2**2
         assert [v - s for v, s in zip(r["vllm_prompt_lens"], r["sent_prompt_lens"])] == [8, 8, 16, 0]
         assert r["expansion_equal"], "vLLM's expanded prompt differs from the processor-based expansion"
-        if isinstance(r["rlcore_vision_expansion_equal"], bool):  # rlcore.vision, when importable
-            assert r["rlcore_vision_expansion_equal"], "rlcore.vision.VisionProcessor.prepare differs from vLLM"
+        if isinstance(r["rlcore_vision_expansion_equal"], bool):  # rlcore.task.images, when importable
+            assert r["rlcore_vision_expansion_equal"], "rlcore.task.images.VisionProcessor.prepare differs from vLLM"
 
 
 def test_one_pixel_reaches_the_engine(run):

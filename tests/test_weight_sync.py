@@ -2,7 +2,7 @@
 trainer's log-probs of the same tokens (fp32), with tp=1 and tp=2 on 2 ranks, for untied and tied
 (``tie_word_embeddings``) models: the tied LM head once kept the first checkpoint's CPU packed copy
 (rlcore/rollout/cpu_repack.py; SmolLM2 and the small Qwen3 / Qwen2.5 releases are tied). The sync check
-(rlcore/sync_check.py) runs on the same switch and must agree."""
+(rlcore/step/sync_check.py) runs on the same switch and must agree."""
 
 import json
 import os

@@ -111,7 +111,7 @@ class EnvConfig:
 @functools.lru_cache(maxsize=8)
 def _tools(specs_json: str) -> dict:
     from rlcore.agent.tools import load_tools
-    from rlcore.rewards import load_custom_fn
+    from rlcore.task.rewards import load_custom_fn
 
     return load_tools(json.loads(specs_json), load_custom_fn)
 
@@ -124,7 +124,7 @@ def configured_tools(specs: list) -> dict:
 
 @functools.lru_cache(maxsize=8)
 def load_env_class(ref: str):
-    from rlcore.rewards import load_custom_fn
+    from rlcore.task.rewards import load_custom_fn
 
     cls = load_custom_fn(ref)
     missing = [m for m in ("reset", "step") if not callable(getattr(cls, m, None))]

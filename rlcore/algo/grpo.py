@@ -31,7 +31,7 @@ class RolloutBatch:
     finish_reasons: list[str]
     group_size: int
     keep: list[float] | None = None  # per-sequence loss weight (0 masks a sequence out); None = all 1
-    # Image prompts: each sample's rlcore.vision.VisionInputs (or None), one object per prompt shared
+    # Image prompts: each sample's rlcore.task.images.VisionInputs (or None), one object per prompt shared
     # by its group; prompt_ids are then the expanded ids. None: a text-only batch.
     vision: list | None = None
     # Routing replay's token keys: each sample's index in the step's batch, and the index of the
@@ -162,7 +162,7 @@ def pack(prompt_ids: list[list[int]], response_ids: list[list[int]], device, *, 
     log-prob in the (1, K) result. ``response_only=False`` (benchmarks only) projects every
     position instead: ``select`` None, ``labels`` (1, L) with -100 off the responses.
 
-    ``vision`` (per sequence ``rlcore.vision.VisionInputs`` or None): ``position_ids`` becomes
+    ``vision`` (per sequence ``rlcore.task.images.VisionInputs`` or None): ``position_ids`` becomes
     (4, 1, L), the text positions above on row 0 (what the attention mask is derived from) and the
     M-RoPE (t, h, w) positions on rows 1-3 (a response continues at its prompt's next position);
     ``mm`` holds the ``pixel_values`` and ``image_grid_thw`` of every prompt copy in the row, in

@@ -8,7 +8,7 @@ A judge's engine is a rollout engine: rlcore.rollout.judge (JudgeEngine) and its
 accelerators, rlcore.rollout.offload. Its memory-plan pieces are in rlcore.plan. Nothing here
 imports vLLM or VeOmni.
 
-The phase switch (rlcore.switch.PhaseSwitcher.judging) orders the memory: generate -> the
+The phase switch (rlcore.step.switch.PhaseSwitcher.judging) orders the memory: generate -> the
 policy's engine sleeps -> the judges wake -> score -> the judges sleep -> train.
 """
 

@@ -130,7 +130,7 @@ def _check_fields(j: JudgeConfig, where: str) -> None:
 def check_judges(cfg) -> None:
     """``reward.models`` and ``val.reward_components`` against the rest of the config (rlcore.config.Config)
     and the judges' folders, before anything loads."""
-    from rlcore.rewards import CUSTOM, ENV, REWARDS
+    from rlcore.task.rewards import CUSTOM, ENV, REWARDS
 
     judges = cfg.reward.judges()
     for i, j in enumerate(judges):

@@ -54,7 +54,7 @@ def compile_template(source: str) -> Template:
 
 def prompt_text(row: dict, prompt_key: str) -> str:
     """The prompt a judge sees: the row's prompt field; of chat messages, the last user turn."""
-    from rlcore.data import get_key
+    from rlcore.task.prompts import get_key
 
     prompt = get_key(row, prompt_key)
     if isinstance(prompt, list):
@@ -67,7 +67,7 @@ def compile_parser(spec: str) -> Callable[[str], float | None]:
     """``spec`` as ``text -> score or None``: a "file.py:function" / "module:function" reward-style
     spec, else a regex (the first group of its last match, or the whole match without groups)."""
     if spec.endswith(".py") or (":" in spec and re.fullmatch(r"[\w./-]+:\w+", spec)):
-        from rlcore.rewards import load_custom_fn
+        from rlcore.task.rewards import load_custom_fn
 
         return load_custom_fn(spec)
     try:

@@ -84,7 +84,7 @@ class Judge:
         try:
             return self.judge_ids(response, answer, row)
         except Exception as e:  # e.g. a Jinja expression that fails on one row: the run goes on
-            from rlcore.rewards import _ErrorLog
+            from rlcore.task.rewards import _ErrorLog
 
             _ErrorLog.report(f"{self.name} (its template)", e)
             return []
@@ -106,7 +106,7 @@ class Judge:
             return None
         if not self.cfg.generative:
             return to_score(out, self.cfg.score_range)
-        from rlcore.rewards import call_with_timeout
+        from rlcore.task.rewards import call_with_timeout
 
         try:
             parsed = call_with_timeout(self.parse, (out,), self.cfg.timeout_s)

@@ -301,7 +301,7 @@ class ColocateRollout:
         """Teacher-forced log-probs: for each sequence, the log-prob of every token after the
         first given the tokens before it (vLLM's ``prompt_logprobs``: raw log-softmax whatever the
         logprobs mode, gpu_model_runner.py:5383-5391 in vllm 0.32; temperature 1 on the trainer's
-        side). Text tokens only. Used by rlcore.sync_check.
+        side). Text tokens only. Used by rlcore.step.sync_check.
 
         Seeded although greedy: vllm 0.32's V2 runner seeds an unseeded request from numpy's global
         RNG, the trainer's (v1/worker/gpu/sample/states.py:54-57; rollout_checks.unseeded_call_seed)."""
@@ -316,7 +316,7 @@ class ColocateRollout:
         return [[d[t].logprob for t, d in zip(s[1:], out.prompt_logprobs[1:])] for s, out in zip(sequences, outputs)]
 
     def probe_module(self):
-        """vLLM's model on this rank (for rlcore.sync_check's hooks)."""
+        """vLLM's model on this rank (for rlcore.step.sync_check's hooks)."""
         return self._model_runner().get_model()
 
     def _sampling_params(self, prompt_idx: int, n: int, seed: int | str, stop_token_ids, **sampling):

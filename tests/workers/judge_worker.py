@@ -4,7 +4,7 @@ Every rank: the policy's engine (tiny Qwen3), then a generative judge (another t
 small chat template, a regex parser) and two discriminative ones (a tiny Qwen3ForSequenceClassification, a tiny
 Qwen2ForRewardModel: vLLM's token-level reward head), built
 as train_grpo.py builds them (rlcore.judge.build_judges). A fixed set of samples (with repeats) is
-scored through rlcore.rewards.Scorer inside the phase switch's judging. Recorded per rank:
+scored through rlcore.task.rewards.Scorer inside the phase switch's judging. Recorded per rank:
 
 - the judge inputs (token ids), the generative judge's raw answers and parsed values, the reward
   model's values: the pytest side recomputes them with vllm.LLM alone and with transformers;
@@ -86,11 +86,12 @@ def storage_sleep(jcfg, info, prompts) -> dict:
 def main() -> None:
     policy_dir, gen_dir, rm_dir, qrm_dir, out_path = sys.argv[1:6]
     info = init_distributed("cpu", 300)
-    from rlcore import judge, rewards
+    from rlcore import judge
+    from rlcore.task import rewards
     from rlcore.rollout.engine import ColocateRollout
     from rlcore.metrics import Timer
     from rlcore.rollout.checks import kv_zeroing_needed
-    from rlcore.switch import PhaseSwitcher
+    from rlcore.step.switch import PhaseSwitcher
 
     cfg = config(policy_dir, gen_dir, rm_dir, qrm_dir)
     rollout = ColocateRollout(policy_dir, info, seed=0, kv_cache_gb=0.0625, max_model_len=64)

@@ -31,7 +31,7 @@ from rlcore.dist import init_distributed
 from rlcore.engine.offload import HostCopies
 from rlcore.engine.policy import VeOmniPolicy
 from rlcore.metrics import Timer
-from rlcore.switch import PhaseSwitcher
+from rlcore.step.switch import PhaseSwitcher
 
 
 EXTRA = {"trainer": {"step": 1}}  # what rlcore.checkpoint.save stores, so checkpoint.load reads it

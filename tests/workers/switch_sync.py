@@ -23,7 +23,7 @@ from rlcore.algo import grpo
 from rlcore.config import AlgorithmConfig
 from rlcore.dist import init_distributed
 from rlcore.metrics import Timer
-from rlcore.switch import PhaseSwitcher
+from rlcore.step.switch import PhaseSwitcher
 from sync_logprobs import max_diff, sample  # same folder: torchrun puts it on sys.path
 
 TEMPERATURE = 0.8

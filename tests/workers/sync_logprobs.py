@@ -1,6 +1,6 @@
 """Worker (torchrun): one GRPO training step, a weight sync into vLLM, then vLLM's log-probs of
 its sampled tokens against the trainer's log-probs of the same tokens; the sync check
-(rlcore.sync_check, warn mode) runs on the switch and its figures and verdict are reported.
+(rlcore.step.sync_check, warn mode) runs on the switch and its figures and verdict are reported.
 
     torchrun --nproc_per_node=2 tests/workers/sync_logprobs.py MODEL_DIR TP OUT_JSON [flags]
 
@@ -20,8 +20,8 @@ from rlcore.algo import grpo
 from rlcore.config import AlgorithmConfig
 from rlcore.dist import init_distributed
 from rlcore.metrics import Timer
-from rlcore.switch import PhaseSwitcher
-from rlcore.sync_check import SyncCheck
+from rlcore.step.switch import PhaseSwitcher
+from rlcore.step.sync_check import SyncCheck
 
 
 def sample(rollout, prompts, temperature, seed):

@@ -1,4 +1,4 @@
-"""torchrun worker for tests/test_validation.py: rlcore.validation.validate on 2 CPU ranks (tp=1:
+"""torchrun worker for tests/test_validation.py: rlcore.step.validation.validate on 2 CPU ranks (tp=1:
 two replicas, then tp=2: one replica over both ranks) against a recount of the same generations
 gathered from every rank. Also holds the reward functions the tests load by file path.
 
@@ -54,10 +54,10 @@ def main(model: str, val_file: str, out: str) -> None:
 
     from rlcore.rollout.engine import ColocateRollout
     from rlcore.config import DataConfig, RewardConfig
-    from rlcore.data import load_prompts
+    from rlcore.task.prompts import load_prompts
     from rlcore.dist import init_distributed
-    from rlcore.rewards import Scorer
-    from rlcore.validation import ValSettings, validate
+    from rlcore.task.rewards import Scorer
+    from rlcore.step.validation import ValSettings, validate
 
     info = init_distributed("cpu")
     tokenizer = AutoTokenizer.from_pretrained(model)

@@ -89,7 +89,7 @@ class Reference:
     def expand(self, ids: list[int], images: list | None) -> tuple[list[int], dict]:
         """(expanded ids, processor outputs): each image token repeated
         ``image_grid_thw.prod() // merge_size**2`` times, the trainer's expansion. Written here, not
-        taken from rlcore.vision, so that the comparison with vLLM's ids stays independent."""
+        taken from rlcore.task.images, so that the comparison with vLLM's ids stays independent."""
         if not images:
             return list(ids), {}
         out = self.image_processor(images=images, return_tensors="pt")
@@ -188,7 +188,7 @@ def sampling_checks(ro, ref, model_dir: str, prompts, images, seen, m: dict) -> 
     m["image_tokens"] = [sum(t == ref.image_token for t in ids) for ids in vllm_ids]
     m["expansion_equal"] = vllm_ids == mine
     try:  # the trainer's own helper, when it is there
-        from rlcore.vision import VisionProcessor
+        from rlcore.task.images import VisionProcessor
 
         vp = VisionProcessor(model_dir)
         theirs = [vp.prepare(p, imgs)[0] if imgs else list(p) for p, imgs in zip(prompts, images)]

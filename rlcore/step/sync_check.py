@@ -31,7 +31,7 @@ import torch
 from rlcore.algo import grpo
 from rlcore.dist import all_reduce_max, all_reduce_sum
 
-log = logging.getLogger("rlcore.sync_check")
+log = logging.getLogger("rlcore.step.sync_check")
 
 # Largest |trainer - vLLM| log-prob over the probe tokens that still counts as the same policy.
 # fp32: measured 4.8e-7 (tiny Qwen3 / Llama, tied or not) and 6.2e-5 (SmolLM2-135M) on CPU; a

@@ -14,7 +14,7 @@ import os
 from dataclasses import dataclass
 
 from rlcore.dist import all_gather_objects, all_reduce_sum
-from rlcore.vision import prompt_images
+from rlcore.task.images import prompt_images
 
 
 @dataclass
@@ -78,7 +78,7 @@ def validate(rollout, tokenizer, scorer, prompts: list, settings: ValSettings, a
              wake=None) -> tuple[dict, list[dict]]:
     """Returns (``val/*`` metrics over all ranks, the greedy rows of the first
     ``num_examples`` prompts), the same on every rank (collective). ``agent``: multi-turn, tools on.
-    ``wake``: called before each generate (rlcore.switch.PhaseSwitcher.ensure_generation with judges)."""
+    ``wake``: called before each generate (rlcore.step.switch.PhaseSwitcher.ensure_generation with judges)."""
     chosen = prompts[: settings.max_samples] if settings.max_samples else prompts
     mine = chosen[rollout.dp_rank:: rollout.dp_size]
     counts = 1.0 if rollout.tp_rank == 0 else 0.0  # count each replica's outputs once

@@ -71,7 +71,7 @@ def decode_image(data: bytes):
 
 
 def prompt_images(prompts: list) -> list[list | None] | None:
-    """Decoded images of each prompt (``rlcore.data.Prompt``), None for a prompt without; None
+    """Decoded images of each prompt (``rlcore.task.prompts.Prompt``), None for a prompt without; None
     when no prompt has images (the text-only path stays as it was)."""
     encoded = [getattr(p, "images", None) for p in prompts]
     if not any(encoded):

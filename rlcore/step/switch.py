@@ -9,7 +9,7 @@ Every rank runs the same steps in the same order (several are collective):
       4 sync_weights       bucketed FSDP2 gather -> vLLM      always every tensor (full sync)
       5 offload_params     trainer parameter shards -> host   only after they were exported
       6 wake_kv_cache      vLLM re-allocates its KV cache     last: the biggest allocation
-      7 check_sync         vLLM scores the probe: equal?      warn or stop (rlcore/sync_check.py)
+      7 check_sync         vLLM scores the probe: equal?      warn or stop (rlcore/step/sync_check.py)
     to_training  (after generation)
       1 release_rollout    vLLM frees its KV cache (and its weights at sleep level 1/2)
       2 onload             trainer parameters and optimizer state -> device
@@ -21,7 +21,7 @@ Every rank runs the same steps in the same order (several are collective):
     same phase (a further dynamic-sampling round, validation) wakes it first (ensure_generation).
 
 The order keeps the peak low: at no point do the optimizer state, the KV cache and two copies
-of the weights sit on the device together. Each step is logged (logger ``rlcore.switch``, INFO;
+of the weights sit on the device together. Each step is logged (logger ``rlcore.step.switch``, INFO;
 ``logging.switch_trace=true`` prints it) with what it did or why it was a no-op, and recorded in
 ``trace``; ``describe()`` gives the configured sequence in one line (printed at start-up).
 
@@ -53,7 +53,7 @@ import torch
 
 from rlcore.dist import memory_stats
 
-log = logging.getLogger("rlcore.switch")
+log = logging.getLogger("rlcore.step.switch")
 
 TO_GENERATION = ("offload_optimizer", "probe_trainer", "wake_weights", "sync_weights", "offload_params",
                  "wake_kv_cache", "check_sync")
@@ -80,7 +80,7 @@ class PhaseSwitcher:
         free_kv_cache: release vLLM's memory while training.
         rollout_dtype: dtype the weights are cast to before the gather (vLLM's dtype).
         sync_bucket_mb: bucket size of the weight sync; None: one collective per tensor.
-        checker: ``rlcore.sync_check.SyncCheck`` (or None: no check).
+        checker: ``rlcore.step.sync_check.SyncCheck`` (or None: no check).
     """
 
     def __init__(self, policy, rollout, timer, device_type: str, *, offload_params: bool,
@@ -114,7 +114,7 @@ class PhaseSwitcher:
                 f"to_training = release_rollout[{release}] -> onload")
 
     def trace_to_stderr(self) -> None:
-        """Print every step of every switch (the ``rlcore.switch`` INFO records) on stderr."""
+        """Print every step of every switch (the ``rlcore.step.switch`` INFO records) on stderr."""
         if not any(getattr(h, "_rlcore_switch", False) for h in log.handlers):
             handler = logging.StreamHandler()
             handler.setFormatter(logging.Formatter("[switch] %(message)s"))

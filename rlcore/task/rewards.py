@@ -8,7 +8,7 @@ Custom reward (``reward.fn``): ``"package.module:function"`` (importable) or
 ``custom``. Two signatures are accepted:
 
     def my_reward(response: str, answer: str) -> float               # one sample per call
-    @rlcore.rewards.batched                                          # or set my_reward.batched = True
+    @rlcore.task.rewards.batched                                          # or set my_reward.batched = True
     def my_reward(responses: list[str], answers: list[str]) -> list[float]   # one call per batch
 
 Convention: a component scores in [0, 1], 1 meaning fully correct; ``reward/accuracy`` is the
@@ -290,7 +290,7 @@ class Scorer:
     """A RewardConfig made callable: ``Scorer(cfg).score(responses, answers)``. Model-based
     components (``reward.models``) score through ``judges`` (name -> rlcore.judge.scorer.Judge),
     attached once their engines are built, inside ``judging``: the phase switch's context that
-    puts the policy's engine to sleep and wakes the judges (rlcore.switch)."""
+    puts the policy's engine to sleep and wakes the judges (rlcore.step.switch)."""
 
     def __init__(self, cfg, components: dict[str, float] | None = None):
         self.cfg = cfg

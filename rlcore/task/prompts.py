@@ -8,7 +8,7 @@ messages ``[{"role": ..., "content": ...}]``; with ``data.apply_chat_template`` 
 rendered with the tokenizer's chat template (text becomes one user message), after an optional
 ``data.system_prompt``. With ``data.image_key`` a row also lists images, one per ``<image>``
 placeholder in its prompt; they are checked (found, decodable, as many as placeholders) and kept
-as encoded bytes, and the prompt's length counts the tokens they expand to (``rlcore.vision``).
+as encoded bytes, and the prompt's length counts the tokens they expand to (``rlcore.task.images``).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import random
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from rlcore import vision
+from rlcore.task import images as vision
 from rlcore.errors import ConfigError
 
 if TYPE_CHECKING:  # annotations only: the config sections import this module's callers
@@ -190,7 +190,7 @@ def render_prompt(row: dict, cfg: DataConfig, tokenizer, processor=None, chat=No
 
 def load_prompts(files: list[str], cfg: DataConfig, tokenizer, processor=None, chat=None) -> tuple[list[Prompt], dict]:
     """Tokenize every row; filter or reject over-long prompts. Returns (prompts, data/* stats).
-    ``processor`` (a ``rlcore.vision.VisionProcessor``) is needed for rows with images; ``chat``
+    ``processor`` (a ``rlcore.task.images.VisionProcessor``) is needed for rows with images; ``chat``
     renders multi-turn prompts with the tools."""
     prompts, bad, too_long = [], 0, 0
     for path in files:
@@ -222,7 +222,7 @@ def load_prompts(files: list[str], cfg: DataConfig, tokenizer, processor=None, c
 
 def derive_seed(seed: int, offset: int) -> int:
     """The one formula for every seed derived from a run's seed: the data order of each epoch,
-    each step's generation, validation (see rlcore.sampling.generation_seed)."""
+    each step's generation, validation (see rlcore.step.sampling.generation_seed)."""
     return seed * 1_000_003 + offset
 
 

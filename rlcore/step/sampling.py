@@ -17,10 +17,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from rlcore import vision
+from rlcore.task import images as vision
 from rlcore.algo import grpo
 from rlcore.config import AlgorithmConfig, RolloutConfig
-from rlcore.data import PromptSampler, derive_seed
+from rlcore.task.prompts import PromptSampler, derive_seed
 from rlcore.dist import all_reduce_max, all_reduce_sum
 from rlcore.metrics import Timer
 
@@ -75,16 +75,16 @@ class StepSampler:
     rollout: object  # rlcore.protocols.Rollout
     prompts: PromptSampler
     tokenizer: object
-    scorer: object  # rlcore.rewards.Scorer
+    scorer: object  # rlcore.task.rewards.Scorer
     cfg: RolloutConfig
     algo: AlgorithmConfig
     prompts_per_step: int
     seed: int
     timer: Timer
-    processor: object = None  # rlcore.vision.VisionProcessor when prompts carry images
+    processor: object = None  # rlcore.task.images.VisionProcessor when prompts carry images
     agent: object = None  # rlcore.agent.loop.Agent: multi-turn conversations with tools
     keep_rate: float = field(default=KEEP_RATE_PRIOR)  # running estimate of the kept-group fraction
-    switch: object = None  # rlcore.switch.PhaseSwitcher: wakes the policy's engine after judging
+    switch: object = None  # rlcore.step.switch.PhaseSwitcher: wakes the policy's engine after judging
 
     def state_dict(self) -> dict:
         return {"keep_rate": self.keep_rate}
