@@ -13,23 +13,24 @@ quiet.install()  # offline, quiet environment and warning filters: before the he
 import sys  # noqa: E402
 import time  # noqa: E402
 
-from rlcore import agent, judge, preempt  # noqa: E402
+from rlcore import agent, judge  # noqa: E402
+from rlcore.run import preempt  # noqa: E402
 from rlcore.algo import grpo  # noqa: E402
 from rlcore.step import validation  # noqa: E402
-from rlcore.build import build_engines  # noqa: E402
+from rlcore.run.build import build_engines  # noqa: E402
 from rlcore.cli import parse_config  # noqa: E402
 from rlcore.config import Config, ConfigError, fail  # noqa: E402
 from rlcore.task.prompts import PromptSampler  # noqa: E402
 from rlcore.dist import DistInfo, init_distributed, run_then_exit, torchrun_env  # noqa: E402
 from rlcore.errors import Exit  # noqa: E402
 from rlcore.algo.exploration import EntropyControl, clip_cov_options  # noqa: E402
-from rlcore.lifecycle import (  # noqa: E402
+from rlcore.run.lifecycle import (  # noqa: E402
     Run, commit_checkpoint, count_skips, resume, step_snapshot, stop_if_diverged, stop_preempted, teardown,
     write_due_checkpoint,
 )
 from rlcore.metrics import MetricsLogger, Timer  # noqa: E402
-from rlcore.ownership import tie_to_launcher  # noqa: E402
-from rlcore.preflight import prepare_scoring, preflight, resolve_image_limit  # noqa: E402
+from rlcore.run.ownership import tie_to_launcher  # noqa: E402
+from rlcore.run.preflight import prepare_scoring, preflight, resolve_image_limit  # noqa: E402
 from rlcore.step.sampling import StepSampler, generation_seed, response_budget, shard_for_training  # noqa: E402
 from rlcore.step.sync_check import SyncMismatchError  # noqa: E402
 

@@ -434,8 +434,7 @@ class Config:
 
 def model_num_experts(path: str) -> int:
     """Routed experts in the config.json at ``path`` (0: dense, or no readable config there)."""
-    from rlcore.engine.moe import num_experts
-    from rlcore.hf_folder import config_or_empty
+    from rlcore.hf_folder import config_or_empty, num_experts
 
     return num_experts(config_or_empty(path))
 

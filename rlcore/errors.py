@@ -18,7 +18,7 @@ class Exit(IntEnum):
     SYNC_MISMATCH = 4  # rollout.check_sync=strict: after a weight sync vLLM scored the probe unlike the trainer
     PREEMPTED = 75  # stopped by SIGTERM/SIGUSR1 after writing a checkpoint: resume with checkpoint.resume=auto
     GRACE_EXPIRED = 76  # stop signal, but no checkpoint within trainer.preempt_grace_s: the previous one is intact
-    ORPHANED = 77  # the launcher (torchrun) died, e.g. kill -9: the rank ended itself (rlcore/ownership.py)
+    ORPHANED = 77  # the launcher (torchrun) died, e.g. kill -9: the rank ended itself (rlcore/run/ownership.py)
 
 
 class ConfigError(ValueError):

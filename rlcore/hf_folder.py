@@ -107,6 +107,12 @@ def config_or_empty(path: str) -> dict:
     return config if isinstance(config, dict) else {}
 
 
+def num_experts(model_config: dict) -> int:
+    """Routed experts of an HF config (0 for a dense model)."""
+    cfg = model_config.get("text_config", model_config)
+    return int(cfg.get("num_experts") or cfg.get("num_local_experts") or cfg.get("n_routed_experts") or 0)
+
+
 def adapter_rank(path: str) -> int:
     """The LoRA rank ``r`` of the PEFT adapter folder ``path`` (its adapter_config.json)."""
     with open(os.path.join(path, "adapter_config.json")) as f:

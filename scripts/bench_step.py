@@ -151,7 +151,7 @@ def prepare(args, info) -> str:
     """Rank 0 writes a small random model and the toy data; every rank gets the folder."""
     import torch.distributed as dist
 
-    from rlcore.toy_task import make_tiny_model, make_tiny_moe_model, make_toy_data
+    from rlcore.demo.toy import make_tiny_model, make_tiny_moe_model, make_toy_data
 
     holder = [tempfile.mkdtemp(prefix="bench_step_") if info.rank == 0 else None]
     dist.broadcast_object_list(holder, src=0)

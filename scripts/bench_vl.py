@@ -5,7 +5,7 @@
 
 Starts its own ranks (torchrun) and runs ``train_grpo.main`` unchanged with the vision-language
 demo's settings (``configs/demo_vl_cpu.yaml``) on a fresh tiny Qwen3-VL
-(``rlcore.vl_task.make_tiny_vl_model``) and the shapes task (``make_shapes_data``) in a temporary
+(``rlcore.demo.vl.make_tiny_vl_model``) and the shapes task (``make_shapes_data``) in a temporary
 folder; only the prompts per step, the samples per prompt, the step count and the frozen tower
 are changed (plus no validation, no TensorBoard, no checkpoints). It is instrumented from outside:
 
@@ -348,7 +348,7 @@ def prepare(args, info) -> str:
     import torch.distributed as dist
 
     from rlcore import quiet
-    from rlcore.vl_task import make_shapes_data, make_tiny_vl_model
+    from rlcore.demo.vl import make_shapes_data, make_tiny_vl_model
 
     holder = [tempfile.mkdtemp(prefix="bench_vl_") if info.rank == 0 else None]
     dist.broadcast_object_list(holder, src=0)

@@ -161,7 +161,7 @@ def setup(args, info):
     import torch
     import torch.distributed as dist
 
-    from rlcore.toy_task import make_tiny_model, make_tiny_moe_model
+    from rlcore.demo.toy import make_tiny_model, make_tiny_moe_model
 
     holder = [tempfile.mkdtemp(prefix="bench_sync_") if info.rank == 0 else None]
     dist.broadcast_object_list(holder, src=0)

@@ -4,7 +4,7 @@
         [--device-gb 80] [-- --section.key value ...]
 
 Runs everything of the trainer's build that allocates no device memory, through the real
-libraries' own validation (rlcore/dry_run.py): the config resolved for the device, the world size,
+libraries' own validation (rlcore/run/dry_run.py): the config resolved for the device, the world size,
 the attention kernel against the packages installed here, VeOmni's kernel choices with VeOmni's
 device probe set to the device, every vLLM engine (policy and judges) through the installed
 vLLM's ``EngineArgs.create_engine_config`` on this machine's platform (device-only settings stay
@@ -38,7 +38,7 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from rlcore.dry_run import FAIL, dry_run
+    from rlcore.run.dry_run import FAIL, dry_run
 
     args, overrides = parse_args(sys.argv[1:] if argv is None else argv)
     with quiet.filtered_output():

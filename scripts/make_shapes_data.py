@@ -18,7 +18,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from rlcore.vl_task import make_shapes_data  # noqa: E402
+from rlcore.demo.vl import make_shapes_data  # noqa: E402
 
 
 def main() -> None:

@@ -4,7 +4,7 @@
         [--device cuda|npu] [--json] [-- --section.key value ...]
 
 No GPU and no weights needed: ``model.path`` must hold the model's ``config.json`` only. Prints
-the table of ``rlcore.memory_plan.format_plan``; with ``--json`` its last line is the plan as one
+the table of ``rlcore.plan.memory.format_plan``; with ``--json`` its last line is the plan as one
 JSON object. Exit code 0 when it fits, 1 when it does not, 2 on a bad config.
 """
 
@@ -18,7 +18,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from rlcore.config import fail  # noqa: E402
-from rlcore.memory_plan import format_plan, plan_from_config  # noqa: E402
+from rlcore.plan.memory import format_plan, plan_from_config  # noqa: E402
 
 
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:

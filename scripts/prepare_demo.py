@@ -13,11 +13,11 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from rlcore import quiet  # noqa: E402
-from rlcore.tool_task import make_tool_data, make_tool_model  # noqa: E402
-from rlcore.toy_task import (  # noqa: E402
+from rlcore.demo.tool import make_tool_data, make_tool_model  # noqa: E402
+from rlcore.demo.toy import (  # noqa: E402
     DEMO_RM_PREFERRED, make_tiny_model, make_tiny_moe_model, make_tiny_reward_model, make_toy_data,
 )
-from rlcore.vl_task import make_shapes_data, make_tiny_vl_model  # noqa: E402
+from rlcore.demo.vl import make_shapes_data, make_tiny_vl_model  # noqa: E402
 
 
 def main() -> None:

@@ -40,7 +40,7 @@ _remove_stale_vllm_shm()
 
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory) -> str:
-    from rlcore.toy_task import make_tiny_model
+    from rlcore.demo.toy import make_tiny_model
 
     return make_tiny_model(str(tmp_path_factory.mktemp("tiny_model")))
 
@@ -48,14 +48,14 @@ def tiny_model(tmp_path_factory) -> str:
 @pytest.fixture(scope="session")
 def tiny_tied_model(tmp_path_factory) -> str:
     """The tiny Qwen3 with ``tie_word_embeddings`` (one matrix for the embedding and the LM head)."""
-    from rlcore.toy_task import make_tiny_model
+    from rlcore.demo.toy import make_tiny_model
 
     return make_tiny_model(str(tmp_path_factory.mktemp("tiny_tied_model")), tie_word_embeddings=True)
 
 
 @pytest.fixture(scope="session")
 def toy_data(tmp_path_factory) -> tuple[str, str]:
-    from rlcore.toy_task import make_toy_data
+    from rlcore.demo.toy import make_toy_data
 
     return make_toy_data(str(tmp_path_factory.mktemp("toy_data")), n_train=200, n_val=50)
 
@@ -81,9 +81,9 @@ def run_torchrun(script: str, nproc: int, *args: str, timeout: int = 600, env: d
 
 @pytest.fixture(scope="session")
 def tiny_vl_model(tmp_path_factory) -> str:
-    """A tiny random Qwen3-VL with its processor (rlcore.vl_task)."""
+    """A tiny random Qwen3-VL with its processor (rlcore.demo.vl)."""
     from rlcore import quiet
-    from rlcore.vl_task import make_tiny_vl_model
+    from rlcore.demo.vl import make_tiny_vl_model
 
     with quiet.filtered_output():
         return make_tiny_vl_model(str(tmp_path_factory.mktemp("tiny_vl_model")))
@@ -91,9 +91,9 @@ def tiny_vl_model(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="session")
 def tiny_vl25_model(tmp_path_factory) -> str:
-    """A tiny random Qwen2.5-VL with its processor (rlcore.vl_task, module-name weight layout)."""
+    """A tiny random Qwen2.5-VL with its processor (rlcore.demo.vl, module-name weight layout)."""
     from rlcore import quiet
-    from rlcore.vl_task import make_tiny_vl_model
+    from rlcore.demo.vl import make_tiny_vl_model
 
     with quiet.filtered_output():
         return make_tiny_vl_model(str(tmp_path_factory.mktemp("tiny_vl25_model")), family="qwen2_5_vl")
@@ -102,6 +102,6 @@ def tiny_vl25_model(tmp_path_factory) -> str:
 @pytest.fixture(scope="session")
 def shapes_data(tmp_path_factory) -> tuple[str, str]:
     """The shapes task as JSONL + PNG files (train 64 rows, val 16)."""
-    from rlcore.vl_task import make_shapes_data
+    from rlcore.demo.vl import make_shapes_data
 
     return make_shapes_data(str(tmp_path_factory.mktemp("shapes")), n_train=64, n_val=16)

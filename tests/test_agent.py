@@ -23,14 +23,14 @@ LOGPROB_TOL = 1e-4  # fp32 vLLM vs fp32 transformers forward
 
 @pytest.fixture(scope="session")
 def tool_model(tmp_path_factory) -> str:
-    from rlcore.tool_task import make_tool_model
+    from rlcore.demo.tool import make_tool_model
 
     return make_tool_model(str(tmp_path_factory.mktemp("tool_model")))
 
 
 @pytest.fixture(scope="session")
 def chatml_model(tmp_path_factory) -> str:
-    from rlcore.tool_task import make_chatml_tool_model
+    from rlcore.demo.tool import make_chatml_tool_model
 
     return make_chatml_tool_model(str(tmp_path_factory.mktemp("chatml_model")), QWEN3_TEMPLATE)
 
@@ -140,7 +140,7 @@ def test_vllm_parser_reads_calls_and_counts_malformed_ones(tool_model):
     from transformers import AutoTokenizer
 
     from rlcore.agent.chat import ToolCallParser
-    from rlcore.tool_task import CALL, LOOKUP_SCHEMA
+    from rlcore.demo.tool import CALL, LOOKUP_SCHEMA
 
     tok = AutoTokenizer.from_pretrained(tool_model)
     p = ToolCallParser("hermes", tok, [LOOKUP_SCHEMA])
@@ -304,7 +304,7 @@ def test_tool_schema_must_match_the_signature(tmp_path):
     (["--tools", '["{bad}"]'], "no schema could be derived"),
     (["--tools", '[{"fn": "{bad}", "schema": {"name": "f", "parameters": {"properties": {"y": {}}}}}]'],
      "the schema does not match the function: the function requires ['x']"),
-    (["--env.cls", "rlcore.tool_task:make_tool_data"], "has no reset / step method"),
+    (["--env.cls", "rlcore.demo.tool:make_tool_data"], "has no reset / step method"),
     (["--rollout.multi_turn.enable", "false"], "rollout.multi_turn.enable=false"),
     (["--rollout.multi_turn.max_total_tokens", "100"], "must fit rollout.max_model_len=64"),
     (["--rollout.multi_turn.chat_template", "nope.jinja"], "rollout.multi_turn.chat_template"),
@@ -312,7 +312,7 @@ def test_tool_schema_must_match_the_signature(tmp_path):
 def test_bad_multi_turn_config_exits_2_before_any_model(extra, expected, tool_model, tmp_path, capsys):
     import sys
 
-    from rlcore.tool_task import make_tool_data
+    from rlcore.demo.tool import make_tool_data
 
     train, _ = make_tool_data(str(tmp_path / "data"), n_train=8, n_val=2)
     nodoc = tmp_path / "nodoc.py"

@@ -37,7 +37,7 @@ def args(model, data, out, *extra):
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    from rlcore.tool_task import make_tool_data, make_tool_model
+    from rlcore.demo.tool import make_tool_data, make_tool_model
 
     root = tmp_path_factory.mktemp("agent_e2e")
     model = make_tool_model(str(root / "model"))

@@ -50,7 +50,7 @@ def env(tiny_model, toy_data, tmp_path_factory):
         f.write(("\n".join(good) + "\n").encode() + b'{"prompt": "d \xff\xfe", "answer": "1"}\n')
     (d / "a_folder.jsonl").mkdir()
     paths["folder"] = str(d / "a_folder.jsonl")
-    from rlcore.toy_task import make_tiny_moe_model
+    from rlcore.demo.toy import make_tiny_moe_model
 
     paths["moe6"] = make_tiny_moe_model(str(d / "moe6"), num_experts=6)
     yaml = {"bad_yaml": "trainer: [unclosed\n", "unknown_key": "trainer:\n  totl_steps: 3\n",
@@ -103,7 +103,7 @@ def _image_rows(d) -> dict:
     3rd row has two placeholders for one image; plus the tiny Qwen3-VL they are for."""
     from PIL import Image
 
-    from rlcore.vl_task import make_tiny_vl_model
+    from rlcore.demo.vl import make_tiny_vl_model
 
     Image.new("RGB", (96, 96), (250, 250, 250)).save(d / "blank.png")
     good = {"prompt": "<image> how many shapes are there ?", "images": ["blank.png"], "answer": "0"}
@@ -281,7 +281,7 @@ CASES = [
 def checks_exit_code(argv: list[str], world_size: int, rank: int = 0):
     """What train_grpo.main does up to the first engine: parse_config, then preflight."""
     import train_grpo
-    from rlcore.ownership import release_output_dirs
+    from rlcore.run.ownership import release_output_dirs
 
     try:
         cfg = train_grpo.parse_config(argv)
@@ -353,7 +353,7 @@ def test_entry_point_two_ranks_every_rank_exits_2(env):
 def test_nothing_foreign_is_unpickled_by_the_trainer():
     """Static audit of the trainer's own code: every torch.load passes weights_only=True, and
     nothing calls pickle.load(s) or np.load(allow_pickle=True). (VeOmni and DCP unpickle the
-    run's own checkpoint files; rlcore.checkpoint.verify_plain vets those first.)"""
+    run's own checkpoint files; rlcore.run.checkpoint.verify_plain vets those first.)"""
     import glob
     import re
 
@@ -370,4 +370,4 @@ def test_nothing_foreign_is_unpickled_by_the_trainer():
             assert "weights_only=True" in text[m.end():i], f"{path}: {text[m.start():i]}"
             calls += 1
         assert not re.search(r"pickle\.loads?\(|allow_pickle\s*=\s*True", text), path
-    assert calls >= 2  # the audit sees rlcore/checkpoint.py's loads
+    assert calls >= 2  # the audit sees rlcore/run/checkpoint.py's loads

@@ -1,4 +1,4 @@
-"""scripts/check_config.py: the device dry run (rlcore/dry_run.py) of every shipped cluster config,
+"""scripts/check_config.py: the device dry run (rlcore/run/dry_run.py) of every shipped cluster config,
 on this CPU machine, through the real libraries' validation (VeOmni's with its device probe set to
 the config's device, the installed vLLM's EngineArgs.create_engine_config on this CPU platform).
 
@@ -24,7 +24,7 @@ RUNNER = textwrap.dedent("""
     import json, os, sys
     from rlcore import quiet
     quiet.install()
-    from rlcore.dry_run import dry_run
+    from rlcore.run.dry_run import dry_run
     out, env_changed = [], set()
     for i, (argv, device, nproc, nnodes) in enumerate(json.loads(sys.argv[1])):
         env = dict(os.environ)
@@ -88,7 +88,7 @@ def gpu_check_config(tmp_path, model_args: list[str]) -> str:
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory, tiny_model, toy_data) -> dict[str, dict[str, list]]:
-    from rlcore.toy_task import make_tiny_moe_model
+    from rlcore.demo.toy import make_tiny_moe_model
 
     tmp = tmp_path_factory.mktemp("check_config")
     cfg = lambda name: os.path.join(REPO, "configs", f"{name}.yaml")  # noqa: E731

@@ -180,7 +180,7 @@ def test_cpu_bf16_warning_follows_the_cpu():
     warns naming both fields and the fix; with the instructions, on accelerators or in float32 it
     does not. The probe is torch's own (the one vLLM's CPU attention asks) and agrees with the
     kernel's flags in /proc/cpuinfo."""
-    from rlcore.preflight import cpu_bf16_isa, cpu_bf16_note
+    from rlcore.run.preflight import cpu_bf16_isa, cpu_bf16_note
 
     note = cpu_bf16_note("cpu", ("bfloat16", "bfloat16"), None)
     assert "model.dtype/rollout.dtype=bfloat16" in note and "model.dtype: float32" in note

@@ -58,7 +58,7 @@ def test_judge_scores_a_saved_model(tiny_model, toy_data, tmp_path):
     import yaml
 
     from rlcore import quiet
-    from rlcore.toy_task import DEMO_RM_PREFERRED, make_tiny_reward_model
+    from rlcore.demo.toy import DEMO_RM_PREFERRED, make_tiny_reward_model
 
     with quiet.filtered_output():
         rm = make_tiny_reward_model(str(tmp_path / "rm"), preferred=DEMO_RM_PREFERRED)

@@ -113,7 +113,7 @@ def test_gpu_check_overrides_are_valid_trainer_config(device, check_out, tmp_pat
     trainer refuses moe_r3's MoE model, which is why gpu_check.sh skips that part there."""
     import gpu_check_report
     from rlcore.cli import parse_config
-    from rlcore.preflight import validate_against_world
+    from rlcore.run.preflight import validate_against_world
 
     assets = os.path.join(check_out, "assets")
     for part in PARTS:
@@ -468,7 +468,7 @@ def recipe_config(tmp_path, recipe: str, model_name: str, model_config: str | di
 def test_cluster_recipe_is_valid_for_16_ranks(recipe, device, tmp_path):
     """Every key of the recipe exists and its sizes fit a world of 16 (a stand-in Qwen3-8B folder
     and data files at the recipe's paths)."""
-    from rlcore.preflight import validate_against_world
+    from rlcore.run.preflight import validate_against_world
 
     cfg, path = recipe_config(tmp_path, recipe, "Qwen3-8B", {"model_type": "qwen3", "max_position_embeddings": 40960},
                               device)
@@ -484,8 +484,8 @@ def test_cluster_recipe_is_valid_for_16_ranks(recipe, device, tmp_path):
 def test_moe_recipe_is_valid_for_16_ranks_and_fits(tmp_path):
     """configs/qwen3_30b_a3b_math_16gpu.yaml: keys exist, EP 8 divides the 16 ranks and the 128
     experts of Qwen3-30B-A3B (its public config.json, tests/fixtures), and the memory plan fits 80 GB."""
-    from rlcore.memory_plan import plan_from_config
-    from rlcore.preflight import validate_against_world
+    from rlcore.plan.memory import plan_from_config
+    from rlcore.run.preflight import validate_against_world
 
     cfg, _ = recipe_config(tmp_path, "qwen3_30b_a3b_math_16gpu", "Qwen3-30B-A3B", "qwen3_30b_a3b", "cuda")
     validate_against_world(cfg, 16)
@@ -509,8 +509,8 @@ def test_vl_recipe_is_valid_for_16_ranks_and_fits(tmp_path):
     are the geo3k ones, and the memory plan (vision tower included) fits 80 GB, the GPUs of the dense
     recipe, with the whole batch in one wave. Qwen3-VL-8B-Instruct's public config.json: tests/fixtures."""
     from rlcore.config import resolve
-    from rlcore.memory_plan import plan_from_config
-    from rlcore.preflight import validate_against_world
+    from rlcore.plan.memory import plan_from_config
+    from rlcore.run.preflight import validate_against_world
 
     cfg, path = recipe_config(tmp_path, "qwen3_vl_8b_geo3k_16gpu", "Qwen3-VL-8B-Instruct", "qwen3_vl_8b", "cuda")
     validate_against_world(cfg, 16)

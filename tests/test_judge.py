@@ -99,7 +99,7 @@ def test_a_template_failing_on_one_sample_scores_it_as_unreadable(tmp_path):
     (parse_fail_value, counted), the error printed once; the engine is never asked about it."""
     from rlcore.judge.config import JudgeConfig
     from rlcore.judge.scorer import Judge
-    from rlcore.toy_task import make_tokenizer
+    from rlcore.demo.toy import make_tokenizer
 
     make_tokenizer(str(tmp_path))  # the judge reads its tokenizer only: no model here
     cfg = JudgeConfig(name="j", path=str(tmp_path), template="{{ response }} {{ (extra | int) // 0 }}",
@@ -116,7 +116,7 @@ def test_a_template_failing_on_one_sample_scores_it_as_unreadable(tmp_path):
 @pytest.fixture(scope="module")
 def judged(tiny_model, tmp_path_factory) -> tuple[list, dict]:
     from rlcore import quiet
-    from rlcore.toy_task import make_tiny_model, make_tiny_qwen2_reward_model, make_tiny_reward_model
+    from rlcore.demo.toy import make_tiny_model, make_tiny_qwen2_reward_model, make_tiny_reward_model
 
     d = tmp_path_factory.mktemp("judges")
     with quiet.filtered_output():
@@ -240,7 +240,7 @@ def test_judge_in_a_tensor_parallel_group(tiny_model, toy_data, tmp_path):
     """rollout.tensor_parallel_size 2: the judge's engine is built at the policy engine's TP (its
     tensor_parallel_size left null) and both ranks of the group score the same samples alike."""
     from rlcore import quiet
-    from rlcore.toy_task import DEMO_RM_PREFERRED, make_tiny_reward_model
+    from rlcore.demo.toy import DEMO_RM_PREFERRED, make_tiny_reward_model
     from workers.launch import TRAIN, read_rows
 
     with quiet.filtered_output():

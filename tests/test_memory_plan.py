@@ -1,4 +1,4 @@
-"""The memory plan (rlcore/memory_plan.py, scripts/plan_memory.py) against hand computations on
+"""The memory plan (rlcore/plan/memory.py, scripts/plan_memory.py) against hand computations on
 Qwen3-8B's config.json (tests/fixtures/qwen3_8b: the numbers only, no weights)."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from rlcore.memory_plan import (
+from rlcore.plan.memory import (
     COMPONENTS, GB, PHASES, ModelShape, PlanInputs, build_plan, format_plan, plan_from_config,
 )
 
@@ -135,7 +135,7 @@ def test_judges_get_a_judging_phase_by_hand(recipe, tmp_path):
 
     from rlcore.cli import parse_config
     from rlcore.config import ConfigError
-    from rlcore.memory_plan import check_judging_fits as check_memory
+    from rlcore.plan.judges import check_judging_fits as check_memory
 
     judge = tmp_path / "judge"
     judge.mkdir()
@@ -275,7 +275,7 @@ def test_qwen3_vl_8b_count_equals_transformers_on_meta():
 
 @pytest.mark.unit
 def test_tiny_qwen3_vl_count_equals_the_loaded_model(tiny_vl_model):
-    """rlcore.vl_task's tiny Qwen3-VL loaded by transformers; its processor caps images at 128 x 128
+    """rlcore.demo.vl's tiny Qwen3-VL loaded by transformers; its processor caps images at 128 x 128
     pixels (preprocessor_config.json), i.e. 16 tokens of 32 x 32 pixels."""
     from transformers import Qwen3VLForConditionalGeneration
 
@@ -403,7 +403,7 @@ def test_vl_plan_reads_the_processor_image_budget(tmp_path):
         {"size": {"longest_edge": 1024 * 1024, "shortest_edge": 65536}, "patch_size": 16, "merge_size": 2}))
     shape = ModelShape.from_path(str(model))
     assert shape.vision.max_image_tokens == 1024
-    from rlcore.memory_plan import vllm_encoder_bytes
+    from rlcore.plan.memory import vllm_encoder_bytes
 
     p = PlanInputs(shape, world=16, device_gb=80, tp=2, max_num_batched_tokens=8192, max_num_seqs=128)
     encoder, kept = vllm_encoder_bytes(p)
@@ -419,7 +419,7 @@ def test_moe_sync_scratch_is_a_layers_gathered_experts():
     the largest bucket unit, gave 1.16 GiB)."""
     import os
 
-    from rlcore.memory_plan import sync_bucket_bytes
+    from rlcore.plan.memory import sync_bucket_bytes
 
     shape = ModelShape.from_path(os.path.join(os.path.dirname(__file__), "fixtures", "qwen3_30b_a3b"))
 

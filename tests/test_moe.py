@@ -14,7 +14,7 @@ WORKER = os.path.join(REPO, "tests", "workers", "moe_parallel.py")
 
 @pytest.fixture(scope="session")
 def tiny_moe(tmp_path_factory) -> str:
-    from rlcore.toy_task import make_tiny_moe_model
+    from rlcore.demo.toy import make_tiny_moe_model
 
     return make_tiny_moe_model(str(tmp_path_factory.mktemp("tiny_moe")))
 

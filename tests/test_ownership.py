@@ -1,5 +1,5 @@
 """A killed launcher takes its ranks with it, and two runs never write one output directory
-(rlcore/ownership.py), through the real entry point under a real torchrun.
+(rlcore/run/ownership.py), through the real entry point under a real torchrun.
 
 The test process makes itself a child subreaper (``PR_SET_CHILD_SUBREAPER``): ranks orphaned by the
 ``kill -9`` of torchrun are re-parented to it instead of to PID 1, so it can tell by pid when each
@@ -177,7 +177,7 @@ def test_a_second_run_on_a_live_output_dir_exits_2_naming_the_holder(tiny_model,
 
 @pytest.mark.unit
 def test_lock_is_exclusive_names_its_holder_and_dies_with_it(tmp_path):
-    from rlcore import ownership
+    from rlcore.run import ownership
 
     out = str(tmp_path / "run")
     code = ("import sys, time; sys.path.insert(0, %r); from rlcore import ownership; "

@@ -129,7 +129,7 @@ def test_non_finite_steps_are_skipped_counted_and_stop_the_run(tiny_model, toy_d
 
 def test_grace_deadline_ends_a_stuck_rank(tmp_path):
     """A rank that never reaches a phase boundary exits 76 once trainer.preempt_grace_s has passed."""
-    code = ("import os, signal, time\nfrom rlcore.preempt import StopRequest\n"
+    code = ("import os, signal, time\nfrom rlcore.run.preempt import StopRequest\n"
             "s = StopRequest(grace_s=1.0, rank=0).install()\n"
             "t = time.monotonic(); os.kill(os.getpid(), signal.SIGTERM)\n"
             "while True: time.sleep(0.05)\n")
@@ -142,7 +142,7 @@ def test_grace_deadline_ends_a_stuck_rank(tmp_path):
 
 
 def test_watchdog_names_phase_and_rank(capfd):
-    from rlcore.preempt import Watchdog
+    from rlcore.run.preempt import Watchdog
 
     dog = Watchdog(rank=3, threshold_s=0.2, pg_timeout_s=99)
     with dog.phase("weight_sync"):

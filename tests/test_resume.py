@@ -54,7 +54,7 @@ def args(model, data, out, *extra):
 @pytest.fixture(scope="module")
 def runs(tiny_model, toy_data, tmp_path_factory):
     from rlcore import quiet
-    from rlcore.toy_task import DEMO_RM_PREFERRED, make_tiny_reward_model
+    from rlcore.demo.toy import DEMO_RM_PREFERRED, make_tiny_reward_model
 
     root = tmp_path_factory.mktemp("resume")
     with quiet.filtered_output():
@@ -198,7 +198,7 @@ def fake_checkpoint(root, name, step=1, world=2):
 
 @pytest.mark.unit
 def test_half_written_checkpoints_are_never_chosen(tmp_path):
-    from rlcore import checkpoint
+    from rlcore.run import checkpoint
     from rlcore.config import ConfigError
 
     out = str(tmp_path)
@@ -225,7 +225,7 @@ def test_half_written_checkpoints_are_never_chosen(tmp_path):
 
 @pytest.mark.unit
 def test_resume_checks_world_size_and_refuses_foreign_pickles(tmp_path):
-    from rlcore import checkpoint
+    from rlcore.run import checkpoint
     from rlcore.config import ConfigError
 
     path = fake_checkpoint(str(tmp_path), "step_5", 5, world=2)
@@ -249,7 +249,7 @@ def test_missing_and_truncated_files_are_named_and_auto_falls_back(tmp_path):
     """The manifest written last by a save lists every file's size: a removed file and a truncated
     one each get their own message (step and file), distinct from the unsafe-pickle refusal, and
     resume=auto takes the newest complete checkpoint, saying which it skipped."""
-    from rlcore import checkpoint
+    from rlcore.run import checkpoint
     from rlcore.config import ConfigError
 
     out = str(tmp_path)
@@ -295,7 +295,7 @@ def test_rng_state_roundtrips_without_pickle(tmp_path):
 
     import numpy as np
 
-    from rlcore import checkpoint
+    from rlcore.run import checkpoint
 
     torch.manual_seed(1), random.seed(2), np.random.seed(3)
     torch.rand(3), random.random(), np.random.rand(), np.random.randn()  # noqa: B018  (advance every stream)
@@ -309,7 +309,7 @@ def test_rng_state_roundtrips_without_pickle(tmp_path):
 
 @pytest.mark.unit
 def test_trim_metrics_drops_rows_after_the_checkpoint(tmp_path):
-    from rlcore import checkpoint
+    from rlcore.run import checkpoint
 
     path = tmp_path / "metrics.jsonl"
     rows = [json.dumps({"step": s, "x": s}) for s in (1, 2, 3, 4, 5)]
@@ -326,7 +326,7 @@ def test_accelerator_rng_state_is_saved_and_restored(monkeypatch, tmp_path):
     """The NPU generator (torch_npu's torch.npu) is checkpointed like CUDA's: without it a resumed
     Ascend run drew other dropout masks and sampling noise than an uninterrupted one. The device
     module here is a stand-in with torch.npu's RNG API (no Ascend on this machine)."""
-    from rlcore import checkpoint
+    from rlcore.run import checkpoint
 
     class DeviceRng:
         def __init__(self, state):

@@ -17,7 +17,7 @@ WORKER = os.path.join(REPO, "tests", "workers", "routing_replay.py")
 @pytest.fixture(scope="module")
 def tiny_moe_8(tmp_path_factory) -> str:
     """8 experts, top-2: enough experts that one large step changes some tokens' routing."""
-    from rlcore.toy_task import make_tiny_moe_model
+    from rlcore.demo.toy import make_tiny_moe_model
 
     return make_tiny_moe_model(str(tmp_path_factory.mktemp("tiny_moe_8")), num_experts=8)
 

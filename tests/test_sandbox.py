@@ -240,7 +240,7 @@ def test_config_names_the_field_the_value_and_the_fix():
       "--rollout.multi_turn.tools_sandbox.strict", "true"], "strict: true refuses the 'process' backend"),
 ], ids=["backend", "strict"])
 def test_bad_sandbox_config_exits_2_before_any_model(extra, expected, tmp_path, capsys):
-    from rlcore.tool_task import make_tool_data, make_tool_model
+    from rlcore.demo.tool import make_tool_data, make_tool_model
 
     train, _ = make_tool_data(str(tmp_path / "data"), n_train=8, n_val=2)
     sys.path.insert(0, os.path.join(REPO, "tests"))

@@ -27,7 +27,7 @@ SIZES = ("tiny", "layer", "huge")
 
 @pytest.fixture(scope="module")
 def odd_model(tmp_path_factory) -> str:
-    from rlcore.toy_task import make_tiny_model
+    from rlcore.demo.toy import make_tiny_model
 
     return make_tiny_model(str(tmp_path_factory.mktemp("odd_model")), vocab_size=29, intermediate_size=255)
 

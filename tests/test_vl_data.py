@@ -106,9 +106,9 @@ def _vl_data_cfg(**kw):
 
 def test_image_rows_load_from_jsonl_paths_and_parquet_bytes(tiny_vl_model, tmp_path):
     from rlcore.task.prompts import load_prompts
-    from rlcore.preflight import load_tokenizer
+    from rlcore.run.preflight import load_tokenizer
     from rlcore.task.images import VisionProcessor, decode_image
-    from rlcore.vl_task import make_shapes_data
+    from rlcore.demo.vl import make_shapes_data
 
     tok, vp = load_tokenizer(tiny_vl_model), VisionProcessor(tiny_vl_model)
     jsonl, _ = make_shapes_data(str(tmp_path / "j"), n_train=6, n_val=1)
@@ -149,7 +149,7 @@ def test_bad_image_rows_name_file_and_line(tiny_vl_model, tmp_path, case, row, e
 
     from rlcore.config import ConfigError
     from rlcore.task.prompts import load_prompts
-    from rlcore.preflight import load_tokenizer
+    from rlcore.run.preflight import load_tokenizer
     from rlcore.task.images import VisionProcessor
 
     Image.new("RGB", (32, 32)).save(tmp_path / "ok.png")
@@ -218,7 +218,7 @@ def test_shapes_answers_are_exact():
     """The drawn image really holds what the answer says (count from the pixels' colours)."""
     import random
 
-    from rlcore.vl_task import COLOURS, draw_shapes, shapes_question
+    from rlcore.demo.vl import COLOURS, draw_shapes, shapes_question
 
     rng = random.Random(3)
     for _ in range(40):

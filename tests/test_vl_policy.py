@@ -33,7 +33,7 @@ TOL = 1e-5  # fp32
 
 @pytest.fixture(scope="module")
 def tiny_vl(tmp_path_factory) -> str:
-    from rlcore.vl_task import make_tiny_vl_model
+    from rlcore.demo.vl import make_tiny_vl_model
 
     return make_tiny_vl_model(str(tmp_path_factory.mktemp("tiny_vl")))
 
@@ -115,7 +115,7 @@ def pack_shared(samples: list[Sample]) -> dict:
 
 
 def _responses():
-    from rlcore.vl_task import VOCAB
+    from rlcore.demo.vl import VOCAB
 
     words = [VOCAB.index(w) for w in ("red", "circle", "one", "2", "blue", "square", "the", "7", "shape")]
     g = torch.Generator().manual_seed(0)
@@ -176,7 +176,7 @@ def vl_inputs(tiny_vl, tmp_path_factory):
 def tiny_vl25_legacy(tmp_path_factory) -> str:
     """The same Qwen2.5-VL as ``tiny_vl25_model`` (same seed), saved in the released checkpoints'
     layout (``visual.*``, ``model.layers.*``)."""
-    from rlcore.vl_task import make_tiny_vl_model
+    from rlcore.demo.vl import make_tiny_vl_model
 
     return make_tiny_vl_model(str(tmp_path_factory.mktemp("tiny_vl25_legacy")), family="qwen2_5_vl",
                               original_layout=True)

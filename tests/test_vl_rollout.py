@@ -32,7 +32,7 @@ QWEN25_LAYOUTS = ("1rank", "tp2")  # launches that run Qwen2.5-VL too (dp=2 is t
 
 @pytest.fixture(scope="module")
 def vl_model(tmp_path_factory) -> str:
-    import rlcore.vl_task as vl
+    import rlcore.demo.vl as vl
 
     return vl.make_tiny_vl_model(str(tmp_path_factory.mktemp("tiny_vl")))
 
@@ -41,7 +41,7 @@ def vl_model(tmp_path_factory) -> str:
 def vl25_model(tmp_path_factory) -> str:
     """A tiny Qwen2.5-VL in the released checkpoints' layout (``visual.*``, ``model.layers.*``),
     which vLLM loads through its mapper (vllm 0.32.0 model_executor/models/qwen2_5_vl.py:1313-1322)."""
-    import rlcore.vl_task as vl
+    import rlcore.demo.vl as vl
 
     return vl.make_tiny_vl_model(str(tmp_path_factory.mktemp("tiny_vl25")), family="qwen2_5_vl", original_layout=True)
 

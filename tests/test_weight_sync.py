@@ -18,7 +18,7 @@ MODELS = {"qwen3": {}, "qwen3-tied": {"tie_word_embeddings": True},
 
 @pytest.fixture(scope="module")
 def models(tiny_model, tiny_tied_model, tmp_path_factory) -> dict[str, str]:
-    from rlcore.toy_task import make_tiny_model, make_tiny_moe_model
+    from rlcore.demo.toy import make_tiny_model, make_tiny_moe_model
 
     out = {"qwen3": tiny_model, "qwen3-tied": tiny_tied_model,
            "qwen3-moe": make_tiny_moe_model(str(tmp_path_factory.mktemp("moe")))}

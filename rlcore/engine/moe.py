@@ -62,12 +62,6 @@ def veomni_moe_implementation(impl: str, experts: int) -> str:
     return f"fused_{impl}"
 
 
-def num_experts(model_config: dict) -> int:
-    """Routed experts of an HF config (0 for a dense model)."""
-    cfg = model_config.get("text_config", model_config)
-    return int(cfg.get("num_experts") or cfg.get("num_local_experts") or cfg.get("n_routed_experts") or 0)
-
-
 def pick_moe_implementation(name: str, device_type: str, ep_size: int) -> str:
     """``auto``: VeOmni's fused kernel on accelerators (Triton on CUDA, its NPU kernel on Ascend),
     the pure-torch EP kernel on CPU. A fused kernel on CPU, or eager experts with EP, is refused."""
@@ -313,7 +307,7 @@ def checkpoint_expert_layout(model_path: str) -> ExpertLayout:
     checkpoint VeOmni would load wrong: in the modeling's own layout with a square tensor, which
     VeOmni's Qwen3-VL-MoE converter takes for the released layout and transposes
     (qwen3_vl_moe/checkpoint_tensor_converter.py:91-92 test the released shape first)."""
-    from rlcore.hf_folder import config_or_empty
+    from rlcore.hf_folder import config_or_empty, num_experts
 
     config = config_or_empty(model_path)
     if not num_experts(config):

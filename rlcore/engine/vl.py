@@ -61,7 +61,7 @@ Qwen2.5-VL (veomni/models/transformers/qwen2_5vl/generated/patched_modeling_qwen
   VeOmni randomly initialises the rest with an info-level log (module_utils.py:393-395,
   1322-1325). ``apply_checkpoint_key_mapping`` sets that mapping (measured: a legacy folder then
   loads bit-exactly); it has to run between ``build_foundation_model`` and VeOmni's weight load
-  (``rlcore.engine.build.build_sharded_model``). ``rlcore.vl_task`` writes the module names,
+  (``rlcore.engine.build.build_sharded_model``). ``rlcore.demo.vl`` writes the module names,
   which need no mapping; the policy exports module names too (vLLM maps both layouts, vllm 0.32.0
   model_executor/models/qwen2_5_vl.py:1313-1322).
 """

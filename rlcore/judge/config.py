@@ -165,7 +165,7 @@ def check_judge_world(j: JudgeConfig, where: str, rollout_tp: int) -> None:
     (vllm 0.32 distributed/parallel_state.py:2392 ``ensure_model_parallel_initialized`` asserts
     that a second engine's TP equals the first one's), so an in-process judge shares the policy
     engine's TP size: its TP group is the policy engine's (rollout.tensor_parallel_size is checked
-    against the world size in rlcore.preflight)."""
+    against the world size in rlcore.run.preflight)."""
     tp = j.tensor_parallel_size or rollout_tp
     check(tp == rollout_tp, f"{where}.tensor_parallel_size", tp,
           f"an in-process judge must use the policy engine's TP size {rollout_tp} (vLLM keeps one model-parallel "

@@ -300,7 +300,7 @@ class Scorer:
         self.judges: dict = {}
         self.judging = None  # (judges) -> context manager
         self.timer = None
-        self.for_validation = self  # val.reward_components' scorer (rlcore.preflight.prepare_scoring)
+        self.for_validation = self  # val.reward_components' scorer (rlcore.run.preflight.prepare_scoring)
 
     def attach_judges(self, judges: dict, judging, timer=None) -> None:
         self.judges, self.judging, self.timer = judges, judging, timer

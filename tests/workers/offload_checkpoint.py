@@ -8,7 +8,7 @@ Trainable policies, all on the same data (engine_train.py's micro-batches and lo
   B  step 1, offload params + optimizer (the state after to_generation), checkpoint ckpt_b and HF
      export hf_b while offloaded, onload, step 2.
   C  fresh, offloaded before anything happens, loads ckpt_b into that state, onload, step 2.
-  D  fresh and resident: the trainer's order around a resume through rlcore.checkpoint and the real
+  D  fresh and resident: the trainer's order around a resume through rlcore.run.checkpoint and the real
      PhaseSwitcher (fake rollout): load ckpt_b, to_generation (weights pushed, then offloaded),
      checkpoint.save + export_hf while offloaded (ckpt_d, hf_d), to_training, step 2.
 Frozen references: plain vs offload_outside_forward (log-probs in one on_device() block and alone).
@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from engine_train import ENGINE_KW, TEMPERATURE, all_data, full_params, train_step  # same folder
-from rlcore import checkpoint
+from rlcore.run import checkpoint
 from rlcore.dist import init_distributed
 from rlcore.engine.offload import HostCopies
 from rlcore.engine.policy import VeOmniPolicy
@@ -34,7 +34,7 @@ from rlcore.metrics import Timer
 from rlcore.step.switch import PhaseSwitcher
 
 
-EXTRA = {"trainer": {"step": 1}}  # what rlcore.checkpoint.save stores, so checkpoint.load reads it
+EXTRA = {"trainer": {"step": 1}}  # what rlcore.run.checkpoint.save stores, so checkpoint.load reads it
 
 
 class FakeRollout:

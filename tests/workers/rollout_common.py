@@ -10,7 +10,7 @@ import random
 
 import torch
 
-from rlcore.toy_task import VOCAB, make_example
+from rlcore.demo.toy import VOCAB, make_example
 
 
 def toy_prompts(num: int, long_len: int = 160) -> list[list[int]]:

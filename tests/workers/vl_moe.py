@@ -15,7 +15,7 @@ def make_tiny_vl_moe_model(out_dir: str, *, hidden_size: int = 64, num_layers: i
                            image_pixels: tuple[int, int] = (32 * 32, 128 * 128), seed: int = 0,
                            original_layout: bool = True) -> str:
     """A randomly initialised Qwen3-VL-MoE with its processor as an HF folder (fp32 safetensors):
-    ``rlcore.vl_task.make_tiny_vl_model``'s tokenizer, chat template, processor and vision tower,
+    ``rlcore.demo.vl.make_tiny_vl_model``'s tokenizer, chat template, processor and vision tower,
     with a mixture-of-experts text model (every layer sparse).
 
     ``original_layout``: the experts are written as the released Qwen3-VL-MoE checkpoints hold
@@ -29,7 +29,7 @@ def make_tiny_vl_moe_model(out_dir: str, *, hidden_size: int = 64, num_layers: i
     from transformers import (Qwen2VLImageProcessor, Qwen3VLMoeConfig, Qwen3VLMoeForConditionalGeneration,
                               Qwen3VLProcessor, Qwen3VLVideoProcessor)
 
-    from rlcore.vl_task import CHAT_TEMPLATE, SPECIAL, VOCAB, make_vl_tokenizer
+    from rlcore.demo.vl import CHAT_TEMPLATE, SPECIAL, VOCAB, make_vl_tokenizer
 
     if moe_intermediate_size in (hidden_size, hidden_size // 2) or hidden_size % 32 or moe_intermediate_size % 32:
         raise ValueError(f"moe_intermediate_size {moe_intermediate_size} with hidden_size {hidden_size}: "
@@ -89,7 +89,7 @@ def rollout_inputs(rank: int) -> tuple[list[list[int]], list]:
     the shapes move with the rank, so the two engines get different images."""
     from PIL import Image, ImageDraw
 
-    from rlcore.vl_task import COLOURS, VOCAB
+    from rlcore.demo.vl import COLOURS, VOCAB
 
     def image(colour, box):
         im = Image.new("RGB", (96, 96), (255, 255, 255))  # 96 x 96 = 9 image tokens

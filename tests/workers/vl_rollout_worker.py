@@ -27,7 +27,7 @@ import torch.distributed as dist
 from rlcore.rollout.engine import ColocateRollout
 from rlcore.dist import init_distributed
 from rlcore.rollout.checks import capture_load_weights, missing_params
-from rlcore.vl_task import COLOURS, VOCAB
+from rlcore.demo.vl import COLOURS, VOCAB
 
 T = 1.0
 N = 2

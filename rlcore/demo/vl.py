@@ -13,7 +13,7 @@ import json
 import os
 import random
 
-from rlcore.toy_task import DIGITS
+from rlcore.demo.toy import DIGITS
 
 SPECIAL = ["<pad>", "<eos>", "<unk>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
            "<|image_pad|>", "<|video_pad|>"]

@@ -100,7 +100,8 @@ def build_engines(cfg: Config, info: DistInfo, timer: Timer, probe_prompts: list
     ``probe_prompts``: token ids for the sync check (``build_switch``)."""
     torch.manual_seed(cfg.trainer.seed)
     if info.device_type != "cpu":  # before anything large lands on the device
-        from rlcore.memory_plan import check_judging_fits, device_total_gb, format_plan, plan_from_config
+        from rlcore.plan.judges import check_judging_fits
+        from rlcore.plan.memory import device_total_gb, format_plan, plan_from_config
 
         plan = plan_from_config(cfg, info.world_size, device_total_gb(info.device_type), info.device_type,
                                 nproc_per_node=info.local_world_size)

@@ -12,7 +12,7 @@ micro-batch, and vLLM's profile run of the ViT.
 This module holds the plan: its inputs (``PlanInputs``), the bytes of each component per phase,
 the search for a setting that fits (``suggest_fixes``), ``plan_from_config`` and ``format_plan``.
 The model's shape (``ModelShape``, ``VisionShape``: config.json, the processor's image budget,
-parameter and activation counts) is in rlcore/model_shape.py and re-exported here.
+parameter and activation counts) is in rlcore/plan/model_shape.py and re-exported here.
 
 Phases, in the order a run meets them (the steps are rlcore/step/switch.py's); each total is a peak:
     train     params, gradients, optimizer, activations, FSDP's gathered weights, the resident
@@ -25,7 +25,7 @@ Phases, in the order a run meets them (the steps are rlcore/step/switch.py's); e
               params still resident, two sync buckets; the KV cache is woken only after
     generate  vLLM's weights + KV cache + activations, plus the trainer state not offloaded; also
               the first generation: the trainer offloads its state before vLLM is built
-              (rlcore/build.py), so vLLM sizes its KV cache from what generation really has
+              (rlcore/run/build.py), so vLLM sizes its KV cache from what generation really has
     judge     (reward.models only) the judges awake, each its whole vLLM budget (weights, KV cache,
               activations: gpu_memory_utilization x device), the policy's engine asleep as for
               training, the trainer state not offloaded; asleep, a judge keeps its overhead
@@ -39,9 +39,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 
-from rlcore.errors import ConfigError
+from rlcore.plan.judges import JudgePlan
 
-from rlcore.model_shape import (  # noqa: F401  (re-exported: callers import the shape from here too)
+from rlcore.plan.model_shape import (  # noqa: F401  (re-exported: callers import the shape from here too)
     DEFAULT_MAX_IMAGE_TOKENS,
     VISION_FAMILIES,
     ModelShape,
@@ -63,22 +63,6 @@ VLLM_GRAPHS_GB = 1.0
 LOGITS_CHUNK = 1024  # tokens per lm_head chunk of VeOmni's log-prob kernel (its default)
 LOGITS_BUFFERS = 6  # fp32 (chunk, V) buffers alive at the kernel's backward peak
 SAMPLER_BUFFERS = 3  # fp32 (max_num_seqs, V) buffers of vLLM's sampler in its profile run
-
-
-@dataclass(frozen=True)
-class JudgePlan:
-    """A judge's engine (rlcore/judge): its model's shape, its device share while awake, its sleep
-    level (1: weights wait in host memory, 2: reloaded from disk) and dtype bytes."""
-
-    shape: object  # rlcore.model_shape.ModelShape
-    gpu_memory_utilization: float
-    sleep_level: int = 1
-    c: int = 2
-
-    def host_bytes(self, tp: int) -> int:
-        """Host memory per rank while asleep: the weights at level 1 (vLLM's CPU backup), 0 at 2."""
-        return self.c * self.shape.params // tp if self.sleep_level == 1 else 0
-
 
 
 @dataclass(frozen=True)
@@ -604,19 +588,3 @@ def format_plan(plan: MemoryPlan) -> str:
     lines.append(f"verdict: {verdict} in {p.device_gb:g} GB ({_peak(plan)}, headroom "
                  f"{(plan.limit - plan.peak()[1]) / GB:.2f} GB)")
     return "\n".join(lines)
-
-
-def check_judging_fits(plan: MemoryPlan) -> None:
-    """Accelerators, on every rank before anything loads (this plan): the judging phase must
-    fit. The plan's other phases are only printed, as without judges; the judges' budgets are set
-    by the user and known exactly, so a judging phase over the limit is a config error."""
-    if "judge" not in plan.phases or plan.total("judge") <= plan.limit:
-        return
-    gb = 2**30
-    parts = plan.phases["judge"]
-    raise ConfigError(
-        f"reward.models: the judging phase needs {plan.total('judge') / gb:.1f} GB per rank (judges awake "
-        f"{parts['judges'] / gb:.1f} GB = their gpu_memory_utilization x {plan.inputs.device_gb:g} GB, plus "
-        f"{(plan.total('judge') - parts['judges']) / gb:.1f} GB the trainer and the sleeping policy engine keep) "
-        f"but the limit is {plan.limit / gb:.1f} GB: lower reward.models[].gpu_memory_utilization, offload the "
-        "trainer (offload.params / offload.optimizer: true), or use rollout.sleep_level 1 or 2")

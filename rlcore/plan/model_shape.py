@@ -1,4 +1,4 @@
-"""The model's shape for the memory plan: what ``rlcore.memory_plan`` reads from a model folder.
+"""The model's shape for the memory plan: what ``rlcore.plan.memory`` reads from a model folder.
 
 ``ModelShape`` is the decoder of a ``config.json`` (dense Llama/Qwen-style and Qwen-MoE: hidden size,
 layers, heads, MLP or routed experts, vocab, tied lm_head) with its parameter counts (the FSDP root,
@@ -7,7 +7,7 @@ layer saves per token. ``VisionShape`` is the vision tower of a vision-language 
 Qwen3-VL-MoE, Qwen2.5-VL, Qwen2-VL: ``vision_config``) with its parameters and activations per
 patch; ``max_image_tokens`` reads the image budget of the folder's processor config
 (``preprocessor_config.json`` or ``processor_config.json``). Pure arithmetic on those JSON files,
-no weights. Notation as in ``rlcore.memory_plan``: h hidden size, V vocab, P parameters.
+no weights. Notation as in ``rlcore.plan.memory``: h hidden size, V vocab, P parameters.
 """
 
 from __future__ import annotations
@@ -177,7 +177,7 @@ class ModelShape:
 
     @classmethod
     def from_hf_config(cls, c: dict) -> "ModelShape":
-        from rlcore.engine.moe import num_experts
+        from rlcore.hf_folder import num_experts
 
         mtype, layers = c.get("model_type", ""), c["num_hidden_layers"]
         experts = num_experts(c)

@@ -7,7 +7,7 @@ their rules:
 
     config            the trainer's parser and ``rlcore.config.resolve`` for DEVICE (dtype, attention,
                       experts kernel, weight load, sleep level; the MoE and weight-load rules)
-    world             ``rlcore.preflight.validate_against_world`` for nproc x nnodes ranks
+    world             ``rlcore.run.preflight.validate_against_world`` for nproc x nnodes ranks
     attention         ``rlcore.engine.attention`` against the kernel packages installed here (a login node
                       should have the cluster's environment)
     veomni_ops        VeOmni's ``OpsImplementationConfig`` as the engine builds it, constructed with
@@ -21,7 +21,7 @@ their rules:
                       present; the sleep level against its ``LLM``. Advisory (decided by the device's
                       platform, not this one): block size and attention backend, CUDA/ACL graph
                       capture sizes, gpu_memory_utilization, sleep mode; vllm-ascend's own checks
-    memory            ``rlcore.memory_plan`` per phase, checkpoint included
+    memory            ``rlcore.plan.memory`` per phase, checkpoint included
 """
 
 from __future__ import annotations
@@ -95,7 +95,7 @@ def check_config(argv: list[str], device: str) -> tuple[Config | None, list[Chec
 
 
 def check_world(cfg: Config, world: int) -> Check:
-    from rlcore.preflight import validate_against_world
+    from rlcore.run.preflight import validate_against_world
 
     _, problem = _quiet(validate_against_world, cfg, world)
     return Check("world", FAIL, problem) if problem else Check("world", OK, f"{world} ranks")
@@ -238,7 +238,7 @@ def _check_vllm(cfg: Config, device: str) -> Check:
 
 
 def check_memory(cfg: Config, device: str, world: int, nproc: int, device_gb: float) -> Check:
-    from rlcore.memory_plan import plan_from_config
+    from rlcore.plan.memory import plan_from_config
 
     plan, problem = _quiet(plan_from_config, cfg, world, device_gb, device, nproc_per_node=nproc)
     if problem:

@@ -8,8 +8,10 @@ import sys
 import time
 from dataclasses import dataclass, field
 
-from rlcore import checkpoint, judge, preempt
-from rlcore.build import Engines
+from rlcore import judge
+from rlcore.run import checkpoint
+from rlcore.run import preempt
+from rlcore.run.build import Engines
 from rlcore.config import Config
 from rlcore.dist import DistInfo, exit_process
 from rlcore.errors import Exit

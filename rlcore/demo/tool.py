@@ -11,7 +11,7 @@ vLLM's hermes parser reads), reads the tool's message and copies the digit.
 
 from __future__ import annotations
 
-from rlcore.toy_task import DIGITS, SPECIAL, make_tiny_model, write_splits
+from rlcore.demo.toy import DIGITS, SPECIAL, make_tiny_model, write_splits
 
 CALL = '<tool_call>{"name":"lookup","arguments":{}}</tool_call>'
 WORDS = ["user", "assistant", "tool", "tools", "lookup", "secret", "?", CALL]

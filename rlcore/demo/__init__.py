@@ -1,0 +1,9 @@
+"""Offline tiny models and tasks for the demos and the tests: nothing is downloaded.
+
+    toy.py   tiny Qwen3 / Qwen3-MoE models, their tokenizer, the toy arithmetic task
+    vl.py    a tiny random Qwen3-VL with its processor, the shapes task
+    tool.py  the tool demo's task (``configs/demo_tool_cpu.yaml``: ``rlcore.demo.tool:SecretEnv``)
+
+May import: torch, transformers, rlcore.task. Nothing imports it at run time except through a
+config's dotted path.
+"""

@@ -1,0 +1,11 @@
+"""The memory plan: what each phase keeps on a device, from a model's config.json and the run's
+config, before anything loads (``scripts/plan_memory.py``, the dry run, the trainer's start on
+an accelerator).
+
+    memory.py       the formulas per component, the plan per phase, the fixes it suggests, its report
+    model_shape.py  the model's shape it reads: parameters, activations, the vision tower, the
+                    processor's image budget
+    judges.py       each judge engine's share and the judging phase's verdict
+
+Pure arithmetic: imports no torch.distributed, vLLM or VeOmni (torch only for a device's size).
+"""

@@ -1,0 +1,39 @@
+"""The judges' part of the memory plan: each judge engine's shape and share, and the judging
+phase's verdict (a config error when it cannot fit: the judges' budgets are the user's own)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from rlcore.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class JudgePlan:
+    """A judge's engine (rlcore/judge): its model's shape, its device share while awake, its sleep
+    level (1: weights wait in host memory, 2: reloaded from disk) and dtype bytes."""
+
+    shape: object  # rlcore.plan.model_shape.ModelShape
+    gpu_memory_utilization: float
+    sleep_level: int = 1
+    c: int = 2
+
+    def host_bytes(self, tp: int) -> int:
+        """Host memory per rank while asleep: the weights at level 1 (vLLM's CPU backup), 0 at 2."""
+        return self.c * self.shape.params // tp if self.sleep_level == 1 else 0
+
+
+def check_judging_fits(plan) -> None:
+    """Accelerators, on every rank before anything loads (this plan): the judging phase must
+    fit. The plan's other phases are only printed, as without judges; the judges' budgets are set
+    by the user and known exactly, so a judging phase over the limit is a config error."""
+    if "judge" not in plan.phases or plan.total("judge") <= plan.limit:
+        return
+    gb = 2**30
+    parts = plan.phases["judge"]
+    raise ConfigError(
+        f"reward.models: the judging phase needs {plan.total('judge') / gb:.1f} GB per rank (judges awake "
+        f"{parts['judges'] / gb:.1f} GB = their gpu_memory_utilization x {plan.inputs.device_gb:g} GB, plus "
+        f"{(plan.total('judge') - parts['judges']) / gb:.1f} GB the trainer and the sleeping policy engine keep) "
+        f"but the limit is {plan.limit / gb:.1f} GB: lower reward.models[].gpu_memory_utilization, offload the "
+        "trainer (offload.params / offload.optimizer: true), or use rollout.sleep_level 1 or 2")
