@@ -18,7 +18,7 @@ from rlcore.run import preempt  # noqa: E402
 from rlcore.algo import grpo  # noqa: E402
 from rlcore.step import validation  # noqa: E402
 from rlcore.run.build import build_engines  # noqa: E402
-from rlcore.cli import parse_config  # noqa: E402
+from rlcore.config.cli import parse_config  # noqa: E402
 from rlcore.config import Config, ConfigError, fail  # noqa: E402
 from rlcore.task.prompts import PromptSampler  # noqa: E402
 from rlcore.dist import DistInfo, init_distributed, run_then_exit, torchrun_env  # noqa: E402

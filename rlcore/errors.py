@@ -35,3 +35,10 @@ def check(ok: bool, key: str, value, fix: str) -> None:
     """A config check: ``key=value is invalid: fix`` (the key, the value and how to fix it)."""
     if not ok:
         raise ConfigError(f"{key}={value!r} is invalid: {fix}")
+
+
+def check_positive(section: str, obj, *names: str) -> None:
+    """Each named field of ``obj`` is None or > 0 (``section.name=value is invalid: it must be > 0``)."""
+    for name in names:
+        value = getattr(obj, name)
+        check(value is None or value > 0, f"{section}.{name}", value, "it must be > 0")

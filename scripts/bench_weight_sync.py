@@ -367,7 +367,7 @@ def lora_push(args, model_dir: str, info) -> dict:
     import torch
 
     from rlcore.rollout.engine import ColocateRollout
-    from rlcore.config_lora import LoraConfig
+    from rlcore.config.lora import LoraConfig
     from rlcore.engine.lora import LoraPolicy
 
     policy = LoraPolicy(model_dir, info, lora=LoraConfig(rank=args.lora, alpha=2 * args.lora), lr=1e-3,

@@ -29,7 +29,7 @@
 # reloads), ENFORCE_EAGER (false). Extra arguments reach train_grpo.py in every part.
 # PRINT_CONFIG=1 (or =PART) skips the device checks and only prints the trainer's config for the base
 # part (or PART) with these arguments (the tests use it to keep each part's overrides in step with
-# rlcore/config.py).
+# rlcore/config/sections.py).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 

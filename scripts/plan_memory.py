@@ -38,7 +38,7 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
 def load_config(path: str, overrides: list[str], device: str | None):
     """The trainer's own parser, resolved for the planned device (not this machine's): the
     device is --device, else parallel.device when it names an accelerator, else cuda."""
-    from rlcore.cli import parse_config
+    from rlcore.config.cli import parse_config
 
     argv = ["--config", path, *overrides]
     cfg = parse_config(argv, device_type=device or "cuda")

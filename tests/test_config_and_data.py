@@ -149,7 +149,7 @@ def test_accelerator_defaults_resolve_per_device():
 
     bf16 = resolve(Config(rollout=RolloutConfig(dtype="bfloat16")), "cpu")
     assert (bf16.model.dtype, bf16.rollout.dtype) == ("float32", "bfloat16")
-    from rlcore.config_lora import LoraConfig
+    from rlcore.config.lora import LoraConfig
 
     lora = resolve(Config(lora=LoraConfig(rank=8)), "cuda")  # adapter-only sync: vLLM keeps its base weights
     assert lora.rollout.sleep_level == 1 and lora.rollout.check_sync == "off"

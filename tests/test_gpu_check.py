@@ -112,7 +112,7 @@ def test_gpu_check_overrides_are_valid_trainer_config(device, check_out, tmp_pat
     device against the assets prepare_demo.py builds, with sizes that fit the 2 ranks. On npu the
     trainer refuses moe_r3's MoE model, which is why gpu_check.sh skips that part there."""
     import gpu_check_report
-    from rlcore.cli import parse_config
+    from rlcore.config.cli import parse_config
     from rlcore.run.preflight import validate_against_world
 
     assets = os.path.join(check_out, "assets")
@@ -444,7 +444,7 @@ def recipe_config(tmp_path, recipe: str, model_name: str, model_config: str | di
     """``configs/<recipe>.yaml`` parsed for ``device`` against a stand-in model folder (its
     config.json: a fixture file under tests/fixtures or a dict; empty weights) and empty data
     files at the recipe's paths. Returns (config, recipe path)."""
-    from rlcore.cli import parse_config
+    from rlcore.config.cli import parse_config
 
     model = tmp_path / model_name
     model.mkdir()

@@ -1,4 +1,4 @@
-"""LoRA GRPO (rlcore/engine/lora.py, rlcore/rollout/lora.py, rlcore/config_lora.py): adapter-only
+"""LoRA GRPO (rlcore/engine/lora.py, rlcore/rollout/lora.py, rlcore/config/lora.py): adapter-only
 training and adapter-only weight sync through VeOmni's and vLLM's own LoRA.
 
 The worker (tests/workers/lora_worker.py) checks the adapter's gradients against a hand-written

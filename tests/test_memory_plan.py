@@ -10,9 +10,8 @@ import sys
 
 import pytest
 
-from rlcore.plan.memory import (
-    COMPONENTS, GB, PHASES, ModelShape, PlanInputs, build_plan, format_plan, plan_from_config,
-)
+from rlcore.plan.memory import COMPONENTS, GB, PHASES, PlanInputs, build_plan, format_plan, plan_from_config
+from rlcore.plan.model_shape import ModelShape
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FIXTURE = os.path.join(REPO, "tests", "fixtures", "qwen3_8b")
@@ -107,7 +106,7 @@ def test_script_train_phase_matches_hand_computation(recipe):
 
 @pytest.mark.unit
 def test_generate_phase_and_kv_cache_by_hand(recipe):
-    from rlcore.cli import parse_config
+    from rlcore.config.cli import parse_config
 
     cfg = parse_config(["--config", recipe], device_type="cuda")
     plan = plan_from_config(cfg, world_size=16, device_gb=80, device_type="cuda")
@@ -133,7 +132,7 @@ def test_judges_get_a_judging_phase_by_hand(recipe, tmp_path):
     too large a judge is an exit-2 error before anything loads."""
     import shutil
 
-    from rlcore.cli import parse_config
+    from rlcore.config.cli import parse_config
     from rlcore.config import ConfigError
     from rlcore.plan.judges import check_judging_fits as check_memory
 
@@ -339,7 +338,7 @@ trainer: {{prompts_per_step: 128}}
 
 
 def vl_plan(tmp_path, frozen: bool):
-    from rlcore.cli import parse_config
+    from rlcore.config.cli import parse_config
 
     path = tmp_path / f"vl_{frozen}.yaml"
     path.write_text(VL_RECIPE.format(model=VL_FIXTURE, frozen=str(frozen).lower()))

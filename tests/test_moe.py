@@ -120,7 +120,7 @@ def test_stale_experts_show_as_rollout_mismatch(tiny_moe, toy_data, tmp_path):
 
 @pytest.mark.unit
 def test_demo_moe_config_points_at_what_prepare_demo_writes():
-    from rlcore.cli import parse_config
+    from rlcore.config.cli import parse_config
 
     cfg = parse_config(["--config", os.path.join(REPO, "configs", "demo_moe_cpu.yaml")], device_type="cpu")
     assert cfg.parallel.ep_size == 2 and cfg.model.moe_implementation == "torch_ep"

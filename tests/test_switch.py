@@ -130,7 +130,7 @@ def test_generate_refuses_garbage_weights_until_a_full_sync(run2):
 
 @pytest.mark.unit
 def test_config_offload_defaults_and_errors(capsys):
-    from rlcore.cli import parse_config
+    from rlcore.config.cli import parse_config
     from rlcore.config import Config, OffloadConfig, resolve
 
     def offload(device, **kw):

@@ -8,8 +8,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from rlcore.config_algo import _check_positive
-from rlcore.errors import ConfigError, check
+from rlcore.errors import ConfigError, check, check_positive
 
 
 @dataclass
@@ -90,7 +89,7 @@ class MultiTurnConfig:
     """Isolation of the python tool and of sandboxed user tools."""
 
     def __post_init__(self):
-        _check_positive("rollout.multi_turn", self, "max_turns", "max_total_tokens", "max_tool_response_tokens",
+        check_positive("rollout.multi_turn", self, "max_turns", "max_total_tokens", "max_tool_response_tokens",
                         "tool_timeout_s", "tool_cpu_s", "tool_memory_mb", "tool_output_bytes", "tool_workers")
         check(self.tool_workers <= 256, "rollout.multi_turn.tool_workers", self.tool_workers,
               "at most 256 calls run at once per rank (each sandboxed call takes a uid of the rank's block)")

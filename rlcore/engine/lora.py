@@ -33,7 +33,7 @@ _OFF = "__rlcore_adapter_off__"
 
 
 def veomni_config(lora):
-    """``rlcore.config_lora.LoraConfig`` as VeOmni's ``VeOmniLoraConfig``."""
+    """``rlcore.config.lora.LoraConfig`` as VeOmni's ``VeOmniLoraConfig``."""
     from veomni.lora import VeOmniLoraConfig
 
     # Never the vision tower: Qwen2.5-VL's ViT MLP has gate/up/down_proj too; vLLM serves LoRA on the

@@ -40,14 +40,7 @@ import math
 from dataclasses import dataclass, field, replace
 
 from rlcore.plan.judges import JudgePlan
-
-from rlcore.plan.model_shape import (  # noqa: F401  (re-exported: callers import the shape from here too)
-    DEFAULT_MAX_IMAGE_TOKENS,
-    VISION_FAMILIES,
-    ModelShape,
-    VisionShape,
-    max_image_tokens,
-)
+from rlcore.plan.model_shape import ModelShape
 
 GB = 2**30
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}

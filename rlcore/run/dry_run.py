@@ -73,7 +73,7 @@ def _quiet(fn, *args, **kwargs):
 
 
 def check_config(argv: list[str], device: str) -> tuple[Config | None, list[Check]]:
-    from rlcore.cli import _parse
+    from rlcore.config.cli import _parse
     from rlcore.config import resolve
 
     raw, problem = _quiet(_parse, argv)

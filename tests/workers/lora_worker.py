@@ -18,7 +18,7 @@ import sys
 
 import torch
 
-from rlcore.config_lora import LoraConfig
+from rlcore.config.lora import LoraConfig
 from rlcore.dist import init_distributed
 
 ROW = [5, 6, 7, 8, 9, 10, 11, 12, 13, 14]

@@ -12,7 +12,9 @@ import dataclasses
 import sys
 import textwrap
 
-from rlcore.config import Config, ConfigError, fail, resolve
+from rlcore.config.resolve import resolve
+from rlcore.config.sections import Config
+from rlcore.errors import ConfigError, fail
 
 
 def build_parser():
@@ -76,8 +78,6 @@ def to_yaml(cfg: Config) -> str:
     """The config as YAML with each section's and key's docstring as a comment above it."""
     import yaml
 
-    from rlcore.config import _field_docs
-
     lines = []
     top_docs = _field_docs(type(cfg))
     for section in dataclasses.fields(cfg):
@@ -127,3 +127,17 @@ def _clean_message(e: Exception, argv: list[str]) -> str:
         if pattern in msg:
             return f"{one_line}; {fix}"
     return one_line
+
+
+def _field_docs(cls) -> dict[str, str]:
+    """Field name -> its docstring (the string literal under it), as jsonargparse reads them for --help."""
+    import ast
+    import inspect
+
+    body = ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0].body
+    docs = {}
+    for node, nxt in zip(body, body[1:]):
+        if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and isinstance(nxt, ast.Expr)
+                and isinstance(nxt.value, ast.Constant) and isinstance(nxt.value.value, str)):
+            docs[node.target.id] = " ".join(nxt.value.value.split())
+    return docs

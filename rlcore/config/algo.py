@@ -11,13 +11,7 @@ from typing import Literal, Optional
 
 from rlcore.algo import advantage
 from rlcore.algo.rollout_correction import IS_LEVELS, IS_MASK_NORMALIZERS, IS_MODES, RS_MODES
-from rlcore.errors import ConfigError, check
-
-
-def _check_positive(section: str, obj, *names: str) -> None:
-    for name in names:
-        value = getattr(obj, name)
-        check(value is None or value > 0, f"{section}.{name}", value, "it must be > 0")
+from rlcore.errors import check, check_positive
 
 
 @dataclass
@@ -100,7 +94,7 @@ class AlgorithmConfig:
             ("kl_loss_type", self.kl_loss_type, advantage.KL_KINDS),
         ):
             check(value in valid, f"algorithm.{key}", value, f"choose one of {', '.join(valid)}")
-        _check_positive("algorithm", self, "ppo_epochs", "mini_batches", "micro_batch_size", "micro_batch_tokens")
+        check_positive("algorithm", self, "ppo_epochs", "mini_batches", "micro_batch_size", "micro_batch_tokens")
         check(0 <= self.clip_low < 1, "algorithm.clip_low", self.clip_low, "it must be in [0, 1)")
         check(self.clip_high >= 0, "algorithm.clip_high", self.clip_high, "it must be >= 0")
         check(self.dual_clip_c > 1, "algorithm.dual_clip_c", self.dual_clip_c, "it must be > 1 (3.0 is usual)")

@@ -1,0 +1,140 @@
+"""Dependent defaults, filled in once after parsing (``resolve``): the values a config leaves at
+``None`` or ``"auto"`` that depend on another field, the model folder or the device (dtype,
+attention, MoE kernels, vLLM's sleep level, block size, eager mode, the sync check). The device
+choices themselves (``pick_*``) belong to the engines that make them; this module only asks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from rlcore.agent.config import check_agent
+from rlcore.config.lora import check_lora
+from rlcore.config.sections import Config
+from rlcore.errors import ConfigError
+from rlcore.judge.config import check_judges
+
+
+def model_num_experts(path: str) -> int:
+    """Routed experts in the config.json at ``path`` (0: dense, or no readable config there)."""
+    from rlcore.hf_folder import config_or_empty, num_experts
+
+    return num_experts(config_or_empty(path))
+
+
+def _lora_sleep_level(cfg: Config, level: int) -> int:
+    """LoRA pushes only the adapter: vLLM's base weights must survive the sleep (level 1 keeps
+    them in host memory; level 2 discards them, and nothing would write them back)."""
+    if not cfg.lora.enabled:
+        return level
+    if cfg.rollout.sleep_level == 2:
+        raise ConfigError("rollout.sleep_level=2 is invalid with LoRA (lora.rank > 0): level 2 discards vLLM's base "
+                          "weights and the LoRA sync pushes only the adapter; set rollout.sleep_level: 1 (or null)")
+    return min(level, 1)
+
+
+def _check_sync(cfg: Config) -> str:
+    """The sync check scores prompt log-probs in vLLM, which an engine built with LoRA cannot (vllm
+    0.32: its LoRA logits processor indexes only the sampled rows, lora/punica_wrapper/punica_cpu.py:
+    349 -> lora/ops/torch_ops/lora_ops.py:78, even for requests without an adapter)."""
+    mode = cfg.rollout.check_sync
+    if not cfg.lora.enabled:
+        return mode or "warn"
+    if mode in ("warn", "strict"):
+        raise ConfigError(f"rollout.check_sync={mode!r} is invalid with LoRA (lora.rank > 0): vLLM's LoRA engine "
+                          f"cannot score the probe's prompt log-probs; set rollout.check_sync: off (or null). The "
+                          f"adapter's sync shows in rollout/mismatch_kl and rollout/mismatch_max every step")
+    return "off"
+
+
+def _has_vision(model_path: str) -> bool:
+    from rlcore.hf_folder import config_or_empty
+    from rlcore.rollout.checks import is_multimodal_config
+
+    return is_multimodal_config(config_or_empty(model_path))
+
+
+def check_routing_replay(mode: str | None, model_path: str, experts: int) -> None:
+    """Before loading: replay needs a mixture-of-experts model of a family VeOmni's replay hook is
+    wired into (its own list, veomni/utils/moe_router_replay.py)."""
+    if mode is None:
+        return
+    from rlcore.engine.replay import supported_model_types
+    from rlcore.hf_folder import config_or_empty
+
+    model_type = config_or_empty(model_path).get("model_type")
+    families = ", ".join(sorted(supported_model_types()))
+    if not experts or model_type not in supported_model_types():
+        raise ConfigError(f"algorithm.routing_replay={mode!r} is invalid for model.path={model_path!r} "
+                          f"(model_type {model_type!r}, {experts} experts): routing replay needs a mixture-of-"
+                          f"experts model of a family replay is wired for ({families}); "
+                          f"set algorithm.routing_replay: null")
+
+
+def resolve(cfg: Config, device_type: str) -> Config:
+    """A copy of ``cfg`` with every default that depends on another field or on the device filled
+    in (the ``null`` / ``auto`` values documented on the fields), checked where the combination
+    is what matters. Call once, after parsing; resolving a resolved config changes nothing."""
+    from rlcore.engine.attention import pick_attn_implementation
+    from rlcore.engine.moe import pick_moe_implementation
+    from rlcore.rollout.checks import (check_npu_moe, pick_block_size, pick_enforce_eager, pick_sleep_level,
+                                       pick_weight_load)
+
+
+    accel = device_type != "cpu"
+    m, r, o = cfg.model, cfg.rollout, cfg.offload
+    if r.emulate_sleep and accel:
+        raise ConfigError(f"rollout.emulate_sleep=true is for CPU runs (tests, debugging); on {device_type} vLLM's "
+                          f"sleep mode is real: set rollout.emulate_sleep: false")
+    params = accel if o.params is None else o.params
+    experts = model_num_experts(m.path)
+    try:
+        check_npu_moe(device_type, experts)
+    except ValueError as e:
+        raise ConfigError(f"model.path={m.path!r} on parallel.device={device_type!r}: {e}") from e
+    try:
+        weight_load = pick_weight_load(device_type, r.weight_load, moe=experts > 0)
+    except ValueError as e:
+        raise ConfigError(f"rollout.weight_load={r.weight_load!r} is invalid: {e}") from e
+    try:
+        block_size = pick_block_size(device_type, r.block_size, r.enable_prefix_caching)
+    except ValueError as e:
+        raise ConfigError(f"rollout.block_size={r.block_size!r} is invalid on {device_type}: {e}") from e
+    dtype = m.dtype or ("bfloat16" if accel else "float32")
+    try:
+        attn = pick_attn_implementation(m.attn_implementation, device_type, dtype=dtype)[0]
+    except ValueError as e:
+        raise ConfigError(f"model.attn_implementation={m.attn_implementation!r} is invalid: {e}") from e
+    try:
+        moe = pick_moe_implementation(m.moe_implementation, device_type, cfg.parallel.ep_size)
+    except ValueError as e:
+        raise ConfigError(f"model.moe_implementation={m.moe_implementation!r} is invalid: {e}") from e
+    check_routing_replay(cfg.algorithm.routing_replay, m.path, experts)
+    check_lora(cfg.lora, m.path, experts, vision=_has_vision(m.path))
+    check_agent(cfg)
+    check_judges(cfg)
+    if cfg.algorithm.use_rollout_logprobs and cfg.rollout_correction.options() is not None:
+        raise ConfigError("rollout_correction.is_level/rs compare the trainer's old log-probs with vLLM's, but "
+                          "algorithm.use_rollout_logprobs=true replaces the former with the latter (every ratio 1): "
+                          "set algorithm.use_rollout_logprobs: false, or turn is_level and rs off")
+    share = cfg.algorithm.share_prompt
+    if share and attn not in ("sdpa", "eager"):
+        raise ConfigError(f"algorithm.share_prompt=true needs a dense attention mask, but model.attn_implementation "
+                          f"resolves to {attn!r} on {device_type}: set model.attn_implementation: sdpa, or "
+                          f"algorithm.share_prompt: false (or null to decide per device)")
+    return dataclasses.replace(
+        cfg,
+        model=dataclasses.replace(m, dtype=dtype, attn_implementation=attn, moe_implementation=moe),
+        algorithm=dataclasses.replace(cfg.algorithm,
+                                      share_prompt=attn in ("sdpa", "eager") if share is None else share,
+                                      oversample=accel if cfg.algorithm.oversample is None else cfg.algorithm.oversample),
+        rollout=dataclasses.replace(
+            r, sleep_level=_lora_sleep_level(cfg, pick_sleep_level(device_type, r.sleep_level, r.emulate_sleep)),
+            weight_load=weight_load,
+            dtype=r.dtype or dtype, check_sync=_check_sync(cfg), block_size=block_size,
+            enforce_eager=pick_enforce_eager(device_type, r.enforce_eager)),
+        offload=dataclasses.replace(o, params=params, optimizer=accel if o.optimizer is None else o.optimizer,
+                                    ref=params if o.ref is None else o.ref),
+        reward=dataclasses.replace(cfg.reward, components=cfg.reward.effective_components()),
+        val=dataclasses.replace(cfg.val, max_response_length=cfg.val.max_response_length or r.max_response_length),
+    )
