@@ -180,7 +180,7 @@ def test_lock_is_exclusive_names_its_holder_and_dies_with_it(tmp_path):
     from rlcore.run import ownership
 
     out = str(tmp_path / "run")
-    code = ("import sys, time; sys.path.insert(0, %r); from rlcore import ownership; "
+    code = ("import sys, time; sys.path.insert(0, %r); from rlcore.run import ownership; "
             "assert ownership.lock_output_dir(%r) is None; print('locked', flush=True); time.sleep(60)") % (REPO, out)
     holder = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
     try:
@@ -201,7 +201,7 @@ def test_a_rank_stops_when_its_parent_dies(tmp_path):
     the main thread's exit path: its atexit handler ran) well within the poll + grace time."""
     marker = tmp_path / "atexit"
     child_code = (
-        "import atexit, os, sys, time; sys.path.insert(0, %r); from rlcore import ownership; "
+        "import atexit, os, sys, time; sys.path.insert(0, %r); from rlcore.run import ownership; "
         "atexit.register(lambda: open(%r, 'w').write('ran')); "
         "ownership.tie_to_launcher(0, force=True); print(os.getpid(), flush=True); time.sleep(60)"
     ) % (REPO, str(marker))

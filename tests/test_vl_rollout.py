@@ -244,6 +244,9 @@ def test_prompt_images_checked():
 def test_registry_subprocess_runs_the_shim_first(tmp_path):
     import subprocess
 
+    from rlcore.rollout.engine import _PACKAGE_ROOT
+
+    assert os.path.samefile(_PACKAGE_ROOT, REPO)  # what the engine hands the registry subprocess: the checkout
     registry = types.SimpleNamespace(_SUBPROCESS_COMMAND=[sys.executable, "-m", "some.module"])
     with rc.registry_subprocess_with_shim(registry, False, REPO):
         assert registry._SUBPROCESS_COMMAND == [sys.executable, "-m", "some.module"]  # shim not needed

@@ -38,11 +38,11 @@ NAMES = [
     ("vllm.v1.engine.core_client", "InprocClient", "ColocateRollout.shutdown (llm_engine.engine_core)"),
     ("vllm.v1.core.sched.scheduler", "Scheduler.shutdown", "ColocateRollout.shutdown"),
     ("vllm.v1.engine.llm_engine", "LLMEngine.reset_encoder_cache", "ColocateRollout._reset_encoder_cache (image prompts)"),
-    ("vllm.model_executor.models.registry", "_SUBPROCESS_COMMAND", "rollout_checks.registry_subprocess_with_shim"),
+    ("vllm.model_executor.models.registry", "_SUBPROCESS_COMMAND", "rollout.checks.registry_subprocess_with_shim"),
 ]
 
 # Every keyword ColocateRollout may pass to LLM(...): rlcore/rollout/engine.py _build_engine,
-# _memory_kwargs, rollout_checks.speed_kwargs, disable_npu_nz, cpu_prefill_kwargs, multimodal_kwargs.
+# _memory_kwargs, rollout.checks.speed_kwargs, disable_npu_nz, cpu_prefill_kwargs, multimodal_kwargs.
 LLM_KWARGS = [
     "model", "tensor_parallel_size", "distributed_executor_backend", "seed", "dtype", "max_model_len",
     "enforce_eager", "logprobs_mode", "use_tqdm_on_load", "kv_cache_memory_bytes", "gpu_memory_utilization",
@@ -124,7 +124,7 @@ def test_inproc_client_finalizer_and_v2_seeding_premise():
     assert "_finalizer" in inspect.getsource(InprocClient.__init__), \
         "InprocClient._finalizer gone: check ColocateRollout.shutdown still keeps the default process group"
     assert "np.random" in inspect.getsource(SamplingStates.add_request), \
-        "V2 sampler no longer seeds from numpy: rollout_checks.unseeded_call_seed's reason changed (keep it)"
+        "V2 sampler no longer seeds from numpy: rollout.checks.unseeded_call_seed's reason changed (keep it)"
 
 
 @pytest.fixture(scope="module")

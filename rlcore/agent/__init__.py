@@ -6,6 +6,10 @@
 - :mod:`rlcore.agent.sandbox`: the python tool's child process, its backends and limits
   (:mod:`rlcore.agent.sandbox_backends`, :mod:`rlcore.agent.sandbox_remote`).
 - :mod:`rlcore.agent.config`: the config sections and their checks.
+
+May import: vLLM (its tool parsers: the agent is a rollout capability), transformers, rlcore.task
+(custom reward functions load as tools do), the ground floor. Not VeOmni, not rlcore.config (its
+sections are imported by the config, not the reverse).
 """
 
 from __future__ import annotations

@@ -20,6 +20,8 @@ liger wrappers, :388-440 for chunk_loss / npu). The MoE load-balancing loss is n
 
 from __future__ import annotations
 
+import contextlib
+
 from rlcore.engine import moe as engine_moe
 
 EAGER = dict(
@@ -71,3 +73,16 @@ def ops_config(attn_implementation: str, moe_implementation: str, experts: int, 
 def describe_kernels(fields: dict[str, str]) -> str:
     """``kernels: rms_norm liger_kernel, swiglu liger_kernel, ...`` for the start-up line."""
     return "kernels: " + ", ".join(f"{short} {fields[name]}" for name, short in SHOWN.items())
+
+
+@contextlib.contextmanager
+def veomni_sees(device: str):
+    """VeOmni's device probe answering for ``device`` (its validation asks it at construction)."""
+    import veomni.utils.import_utils as import_utils
+
+    saved = import_utils.is_torch_npu_available
+    import_utils.is_torch_npu_available = lambda: device == "npu"
+    try:
+        yield
+    finally:
+        import_utils.is_torch_npu_available = saved

@@ -5,8 +5,10 @@
     scorer.py   a judge as a reward component (batched, de-duplicated, parsed, metrics)
 
 A judge's engine is a rollout engine: rlcore.rollout.judge (JudgeEngine) and its sleep on
-accelerators, rlcore.rollout.offload. Its memory-plan pieces are in rlcore.plan. Nothing here
-imports vLLM or VeOmni.
+accelerators, rlcore.rollout.offload. Its memory-plan pieces are in rlcore.plan.
+
+May import: transformers (a tokenizer for the templates), rlcore.task (rows, rewards), rlcore.rollout
+(its engine, built in ``build_judges``) and the ground floor. Not VeOmni.
 
 The phase switch (rlcore.step.switch.PhaseSwitcher.judging) orders the memory: generate -> the
 policy's engine sleeps -> the judges wake -> score -> the judges sleep -> train.

@@ -7,5 +7,6 @@ an accelerator).
                     processor's image budget
     judges.py       each judge engine's share and the judging phase's verdict
 
-Pure arithmetic: imports no torch.distributed, vLLM or VeOmni (torch only for a device's size).
+May import: the ground floor (the config.json reader), torch only for a device's size. Pure
+arithmetic: no torch.distributed, no vLLM, no VeOmni, no engine wing.
 """

@@ -12,7 +12,7 @@ micro-batch, and vLLM's profile run of the ViT.
 This module holds the plan: its inputs (``PlanInputs``), the bytes of each component per phase,
 the search for a setting that fits (``suggest_fixes``), ``plan_from_config`` and ``format_plan``.
 The model's shape (``ModelShape``, ``VisionShape``: config.json, the processor's image budget,
-parameter and activation counts) is in rlcore/plan/model_shape.py and re-exported here.
+parameter and activation counts) is in rlcore/plan/model_shape.py.
 
 Phases, in the order a run meets them (the steps are rlcore/step/switch.py's); each total is a peak:
     train     params, gradients, optimizer, activations, FSDP's gathered weights, the resident

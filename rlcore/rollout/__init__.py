@@ -11,6 +11,7 @@
     offload.py        a second engine's sleep on accelerators (storages freed in place)
     process_state.py  the process-wide state vLLM changes, saved and restored around it
     vllm_globals.py   vLLM's module-level singletons, kept per engine
+    dry_check.py      the dry run's engine-config validation by vLLM, for a device this machine lacks
 
 May import: vLLM, torch, transformers, rlcore.config and the ground floor. Never VeOmni: weights
 arrive as (name, tensor) pairs from the policy engine (rlcore.engine) through the phase switch.

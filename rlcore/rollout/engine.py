@@ -71,7 +71,7 @@ from rlcore.rollout.checks import (
 log = logging.getLogger("rlcore.rollout")
 
 # The folder holding the rlcore package: what vLLM's registry subprocess puts on sys.path to
-# import the torchvision shim (rollout_checks.registry_subprocess_command).
+# import the torchvision shim (rollout.checks.registry_subprocess_command).
 _PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the checkout (rlcore/rollout/engine.py)
 
 
@@ -116,7 +116,7 @@ class ColocateRollout:
         emulate_sleep: bool = False,
     ):
         """``enforce_eager`` None: eager on CPU, CUDA/ACL graphs on accelerators (they survive
-        sleep/wake: see rollout_checks.pick_enforce_eager). ``max_num_seqs``,
+        sleep/wake: see rollout.checks.pick_enforce_eager). ``max_num_seqs``,
         ``max_num_batched_tokens``, ``enable_prefix_caching`` (the n samples of a prompt share its
         prefix blocks), ``block_size``: None leaves vLLM's default (block_size: 32 on CPU, see llm_kwargs).
 
@@ -124,7 +124,7 @@ class ColocateRollout:
         {"image": 2, "video": 0}, the most items of each kind a prompt may have (None: vLLM's
         default, 999); ``mm_processor_cache_gb`` None turns vLLM's cache of processed images off
         for a multimodal model (new images every step: it would only fill host memory, see
-        rollout_checks.multimodal_kwargs). A text model gets neither unless they are given.
+        rollout.checks.multimodal_kwargs). A text model gets neither unless they are given.
 
         ``emulate_sleep`` (CPU only; tests and debugging): ``sleep_level`` 1 and 2 act on the CPU
         engine's weights as vLLM's sleep mode does on a device (rlcore.rollout.cpu_sleep)."""
@@ -187,7 +187,7 @@ class ColocateRollout:
             log.warning("vLLM treats %s as multimodal but its config.json has no vision/audio config: vLLM's "
                         "processed-image cache keeps its default size", model_path)
         self.image_token_id = image_token_id(hf_config) if self.multimodal else None
-        # Samples stop at a vision slot token (rollout_checks.slot_token_ids): sampled log-probs
+        # Samples stop at a vision slot token (rollout.checks.slot_token_ids): sampled log-probs
         # stay those of the full vocabulary, which is what the trainer computes.
         self._slot_tokens = slot_token_ids(hf_config) if self.multimodal else []
         self.vision_token_ids = [*self._slot_tokens, *([self.image_token_id] if self.image_token_id is not None else [])]
@@ -205,7 +205,7 @@ class ColocateRollout:
             registry = None
         check_engine_kwargs((f.name for f in dataclasses.fields(EngineArgs)), kwargs)
         # A model class vLLM has not inspected before is inspected in a fresh interpreter, which
-        # needs rlcore's torchvision shim too (rollout_checks.registry_subprocess_command).
+        # needs rlcore's torchvision shim too (rollout.checks.registry_subprocess_command).
         # A rotary cache of its own; the workspace manager it binds is kept as its own (vllm_globals).
         with registry_subprocess_with_shim(registry, torchvision_shim.stubbed, _PACKAGE_ROOT), \
                 vllm_globals.engine_build({}) as owned:
@@ -258,7 +258,7 @@ class ColocateRollout:
         each prompt gets its own request seed, distinct per DP replica, equal on TP ranks.
         ``seed=None`` still sends seeded requests, from the engine's own stream (engine seed and
         a count of such calls): vLLM 0.32's CUDA sampler would otherwise seed them from numpy's
-        global RNG, the trainer's per-rank state (see rollout_checks.unseeded_call_seed).
+        global RNG, the trainer's per-rank state (see rollout.checks.unseeded_call_seed).
         ``temperature == 0`` is greedy: one decode per prompt, copied n times (vLLM refuses
         n > 1 with greedy); the logprobs are then of the unscaled logits.
 
@@ -304,7 +304,7 @@ class ColocateRollout:
         side). Text tokens only. Used by rlcore.step.sync_check.
 
         Seeded although greedy: vllm 0.32's V2 runner seeds an unseeded request from numpy's global
-        RNG, the trainer's (v1/worker/gpu/sample/states.py:54-57; rollout_checks.unseeded_call_seed)."""
+        RNG, the trainer's (v1/worker/gpu/sample/states.py:54-57; rollout.checks.unseeded_call_seed)."""
         from vllm import SamplingParams
 
         self._require_awake("score", {"weights", "kv_cache"})
@@ -342,7 +342,7 @@ class ColocateRollout:
         every rank passes full tensors; vLLM's weight loaders slice them. ``weight_load``
         picks the call (see ``_pick_weight_load``): ``reload_weights`` on CPU, where fp32 linear
         weights are repacked into oneDNN handles and ``model.load_weights`` fails (on a worker
-        without it, vllm-ascend 0.23, the model runner's: rollout_checks.reload_weights_method).
+        without it, vllm-ascend 0.23, the model runner's: rollout.checks.reload_weights_method).
 
         ``full=True`` says the iterator holds every weight: that makes the weights valid again
         after a level-2 sleep, and it must name at least what the previous full update named
@@ -401,7 +401,7 @@ class ColocateRollout:
 
     def _reset_encoder_cache(self) -> None:
         """Drop vLLM's cached vision-encoder outputs (multimodal models; see
-        rollout_checks.check_encoder_cache_reset): after new weights, an image seen before must be
+        rollout.checks.check_encoder_cache_reset): after new weights, an image seen before must be
         encoded again, and on the CPU reload path the scheduler's record of it must go too."""
         if self.multimodal:
             self.llm.llm_engine.reset_encoder_cache()

@@ -29,7 +29,7 @@ def llm_kwargs(model_path: str, device_type: str, *, tp_size: int, seed: int, ma
     experts per token (R3 routing replay; rlcore.rollout.routing). ``lora_rank``: LoRA for
     the policy's adapter (rlcore.rollout.lora). ``runner``, ``sleep_mode``: a judge's engine
     (pooling for reward models; no vLLM sleep mode for a second engine: rlcore.rollout.offload).
-    ``speed["block_size"]`` None is 32 on CPU (rollout_checks.pick_block_size)."""
+    ``speed["block_size"]`` None is 32 on CPU (rollout.checks.pick_block_size)."""
     if device_type == "cpu":
         # Explicit size: vLLM's auto sizing takes ~60% of host RAM per rank (OOM with 2 ranks).
         # The legacy env var would silently override it (restored by ProcessState).

@@ -8,5 +8,5 @@
     checkpoint.py atomic checkpoints and what they hold; preempt.py: stop signals, the watchdog
     ownership.py  the output folder's owner; a rank ends when its launcher does
 
-The top floor: it may import every wing; nothing in rlcore imports it (the entry points do).
+May import: every wing (the top floor); nothing in rlcore imports it (the entry points do).
 """

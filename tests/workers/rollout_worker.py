@@ -49,7 +49,7 @@ def sampling_checks(ro, hf, prompts, m: dict) -> list:
     """Seeded sampling: reproducible, seed-dependent, RNG-neutral, logprobs == transformers."""
     rng_before = torch.get_rng_state()
     # seed=None: the rollout still seeds every request, from (engine seed, call count, dp rank), so
-    # TP ranks agree and numpy's global RNG is never drawn (see rollout_checks.unseeded_call_seed).
+    # TP ranks agree and numpy's global RNG is never drawn (see rollout.checks.unseeded_call_seed).
     t0 = time.perf_counter()
     m["unseeded_samples"] = as_plain(ro.generate(prompts, n=N, temperature=T, max_tokens=MAX_TOKENS))
     m["first_generate_s"] = time.perf_counter() - t0
@@ -105,7 +105,7 @@ def memory_checks(ro, hf, prompts, m: dict) -> None:
 
 def prefix_checks(ro, m: dict) -> None:
     """A 70-token prompt's n samples share its two full 32-token blocks (CPU block size:
-    rollout_checks.pick_block_size; with vLLM's CPU default of 128 nothing would be shared)."""
+    rollout.checks.pick_block_size; with vLLM's CPU default of 128 nothing would be shared)."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 

@@ -95,7 +95,7 @@ def main():
     # ones. A sync that did nothing would leave a difference of this size below.
     moved = max_diff(policy, rollout, batch, temperature, info.device)
     # The level-2 refill (accelerators: the weights' memory was discarded by the sleep): the next
-    # full push must write every vLLM parameter (rollout_checks.require_all_loaded raises otherwise);
+    # full push must write every vLLM parameter (rollout.checks.require_all_loaded raises otherwise);
     # a tied head is the embedding's Parameter, so the embedding's tensor covers it.
     rollout.weights_valid = False
     with policy.on_device():

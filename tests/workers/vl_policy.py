@@ -112,7 +112,7 @@ def text_only_logprobs(policy: VeOmniPolicy, data: dict, W: int, rank: int) -> t
 def qwen25_checks(model_dir: str, inputs: str, legacy_dir: str, info, results: dict, tensors: dict) -> None:
     """Qwen2.5-VL: export, log-probs of the packed / shared / unshared / text-only rows, shared vs
     unshared gradients, the input refusals; then the released-layout folder, loaded with
-    ``engine_vl.apply_checkpoint_key_mapping`` (set where engine_veomni builds the model: the
+    ``engine_vl.apply_checkpoint_key_mapping`` (set where rlcore.engine.build builds the model: the
     wrapper below stands in for that call), exported and run on the packed row."""
     from rlcore.engine import vl as engine_vl
 
