@@ -14,23 +14,24 @@ import sys  # noqa: E402
 import time  # noqa: E402
 
 from rlcore import agent, judge  # noqa: E402
-from rlcore.run import preempt  # noqa: E402
 from rlcore.algo import grpo  # noqa: E402
-from rlcore.step import validation  # noqa: E402
-from rlcore.run.build import build_engines  # noqa: E402
-from rlcore.config.cli import parse_config  # noqa: E402
+from rlcore.algo.batch import advantages_for, rollout_metrics  # noqa: E402
+from rlcore.algo.exploration import EntropyControl, clip_cov_options  # noqa: E402
 from rlcore.config import Config, ConfigError, fail  # noqa: E402
-from rlcore.task.prompts import PromptSampler  # noqa: E402
+from rlcore.config.cli import parse_config  # noqa: E402
 from rlcore.dist import DistInfo, init_distributed, run_then_exit, torchrun_env  # noqa: E402
 from rlcore.errors import Exit  # noqa: E402
-from rlcore.algo.exploration import EntropyControl, clip_cov_options  # noqa: E402
+from rlcore.run import preempt  # noqa: E402
+from rlcore.run.build import build_engines  # noqa: E402
+from rlcore.step import validation  # noqa: E402
+from rlcore.task.prompts import PromptSampler  # noqa: E402
 from rlcore.run.lifecycle import (  # noqa: E402
     Run, commit_checkpoint, count_skips, resume, step_snapshot, stop_if_diverged, stop_preempted, teardown,
     write_due_checkpoint,
 )
 from rlcore.metrics import MetricsLogger, Timer  # noqa: E402
 from rlcore.run.ownership import tie_to_launcher  # noqa: E402
-from rlcore.run.preflight import prepare_scoring, preflight, resolve_image_limit  # noqa: E402
+from rlcore.run.preflight import preflight, prepare_scoring, resolve_image_limit  # noqa: E402
 from rlcore.step.sampling import StepSampler, generation_seed, response_budget, shard_for_training  # noqa: E402
 from rlcore.step.sync_check import SyncMismatchError  # noqa: E402
 
@@ -64,7 +65,7 @@ def loop(run: Run) -> None:
         at_start = step_snapshot(run)  # the state of step - 1, should this step be abandoned
         with watchdog.phase("generate"):
             batch, scores, reward_metrics = run.sampler.sample(state.step)  # prompts -> generate -> score
-            adv = grpo.advantages_for(batch, scores, cfg.algorithm, e.rollout.tp_size)  # (N, T)
+            adv = advantages_for(batch, scores, cfg.algorithm, e.rollout.tp_size)  # (N, T)
         if stop.agreed():  # phase boundary, collective: drop this step's samples, keep step - 1
             stop_preempted(run, at_start)
         batch, adv, scores = shard_for_training(e.rollout, batch, adv, scores)
@@ -81,8 +82,8 @@ def loop(run: Run) -> None:
             saved = write_due_checkpoint(run)  # still in the train phase: vLLM asleep
         with watchdog.phase("weight_sync"):
             e.switch.to_generation()
-        log_step(run, grpo.rollout_metrics(batch, scores, adv, {**reward_metrics, **train_metrics},
-                                           run.info.world_size, e.rollout.tp_size), step_start)
+        log_step(run, rollout_metrics(batch, scores, adv, {**reward_metrics, **train_metrics},
+                                    run.info.world_size, e.rollout.tp_size), step_start)
         commit_checkpoint(run, saved)  # after its metrics row
         stop_if_diverged(run)
         if val_due(cfg.trainer, state.step):

@@ -133,7 +133,7 @@ def global_batch(args):
     0/1 rewards, the same on every rank (fixed seed)."""
     import torch
 
-    from rlcore.algo import grpo
+    from rlcore.algo.batch import RolloutBatch
 
     g = torch.Generator().manual_seed(args.seed)
     rand = lambda lo, hi: int(torch.randint(lo, hi + 1, (1,), generator=g))  # noqa: E731
@@ -143,7 +143,7 @@ def global_batch(args):
     lo, hi = max(1, args.response_len // 2), max(1, args.response_len * 3 // 2)
     responses = [tokens(rand(lo, hi)) for _ in range(args.prompts * args.n)]
     total = len(responses)
-    batch = grpo.RolloutBatch([p for p in prompts for _ in range(args.n)], responses,
+    batch = RolloutBatch([p for p in prompts for _ in range(args.n)], responses,
                               [[0.0] * len(r) for r in responses], ["0"] * total, ["stop"] * total, args.n)
     rewards = torch.bernoulli(torch.full((total,), 0.5), generator=g)
     return batch, rewards
@@ -151,8 +151,7 @@ def global_batch(args):
 
 def local_inputs(args, info):
     """This rank's share of the batch and its ``UpdateInputs`` (on-policy, no reference)."""
-    from rlcore.algo import advantage
-    from rlcore.algo import grpo
+    from rlcore.algo import advantage, grpo
 
     batch, rewards = global_batch(args)
     adv = advantage.compute_advantages("grpo", rewards, batch.response_mask(), args.n)  # (N, T)
@@ -176,13 +175,13 @@ def configs(args) -> dict:
 
 def packing(local, cfg) -> tuple[int, int]:
     """(micro-batches, packed tokens) of this rank's share under ``cfg`` (collective)."""
-    from rlcore.algo import grpo
+    from rlcore.algo.packing import pack, split_micro
 
-    parts = grpo.split_micro(local, list(range(len(local))), cfg)
+    parts = split_micro(local, list(range(len(local))), cfg)
     tokens = 0
     for idx in parts:
         sub = local.select(idx)
-        tokens += grpo.pack(sub.prompt_ids, sub.response_ids, "cpu", share_prompt=bool(cfg.share_prompt),
+        tokens += pack(sub.prompt_ids, sub.response_ids, "cpu", share_prompt=bool(cfg.share_prompt),
                             response_only=cfg.response_only_logits)["input_ids"].shape[1]
     return len(parts), tokens
 

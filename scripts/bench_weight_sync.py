@@ -173,8 +173,8 @@ def setup(args, info):
         else:
             make_tiny_model(model_dir, **model_dims(args.params))
     dist.barrier()
-    from rlcore.rollout.engine import ColocateRollout
     from rlcore.engine.policy import VeOmniPolicy
+    from rlcore.rollout.engine import ColocateRollout
 
     policy = VeOmniPolicy(model_dir, info, lr=1e-3, total_steps=10, ep_size=info.world_size if args.moe else 1)
     g = torch.Generator().manual_seed(info.rank)
@@ -300,6 +300,7 @@ def logprob_check(policy, rollout, model_dir: str, bucket_mb: float, info) -> di
     import torch
 
     from rlcore.algo import grpo
+    from rlcore.algo.batch import RolloutBatch
 
     g = torch.Generator().manual_seed(100 + info.rank)
     prompts = [torch.randint(3, 26, (16,), generator=g).tolist() for _ in range(8)]
@@ -307,7 +308,7 @@ def logprob_check(policy, rollout, model_dir: str, bucket_mb: float, info) -> di
     def worst() -> float:
         out = rollout.generate(prompts, n=2, temperature=1.0, max_tokens=16, seed=7)
         flat = [(p, s) for p, ss in zip(prompts, out) for s in ss]
-        batch = grpo.RolloutBatch([p for p, _ in flat], [s.response_ids for _, s in flat],
+        batch = RolloutBatch([p for p, _ in flat], [s.response_ids for _, s in flat],
                                   [s.logprobs for _, s in flat], ["0"] * len(flat),
                                   [s.finish_reason for _, s in flat], 2)
         mask = batch.response_mask()
@@ -366,9 +367,9 @@ def lora_push(args, model_dir: str, info) -> dict:
     model; the adapter push timed ``--reps`` times, its bytes, and vLLM vs the trainer after it."""
     import torch
 
-    from rlcore.rollout.engine import ColocateRollout
     from rlcore.config.lora import LoraConfig
     from rlcore.engine.lora import LoraPolicy
+    from rlcore.rollout.engine import ColocateRollout
 
     policy = LoraPolicy(model_dir, info, lora=LoraConfig(rank=args.lora, alpha=2 * args.lora), lr=1e-3,
                         total_steps=10)

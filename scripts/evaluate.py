@@ -101,8 +101,8 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     data_cfg, reward_cfg = build_configs(args)
     from rlcore.config import Config, ConfigError, ModelConfig
-    from rlcore.task.prompts import load_prompts
     from rlcore.run.preflight import load_tokenizer, load_vision
+    from rlcore.task.prompts import load_prompts
     from rlcore.task.rewards import Scorer
 
     try:
@@ -122,13 +122,13 @@ def main(argv=None) -> None:
 
 
 def run_eval(args, prompts, tokenizer, scorer):
-    from rlcore.run.build import build_rollout
     from rlcore.config import Config, ConfigError, DataConfig, ModelConfig, RolloutConfig, TrainerConfig, resolve
     from rlcore.dist import init_distributed
     from rlcore.judge import build_judges, shutdown
     from rlcore.metrics import Timer
-    from rlcore.step.switch import PhaseSwitcher
+    from rlcore.run.build import build_rollout
     from rlcore.run.preflight import resolve_image_limit
+    from rlcore.step.switch import PhaseSwitcher
     from rlcore.step.validation import ValSettings, validate
 
     info = init_distributed("auto")

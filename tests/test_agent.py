@@ -159,11 +159,11 @@ def test_masked_tool_tokens_loss_and_gradient_match_hand_reference(agg):
     """Two conversations (model, tool, model tokens) and a single-turn one: the GRPO loss and its
     gradient equal a reference that only ever looks at the model tokens; tool tokens get zero."""
     from rlcore.algo import advantage
-    from rlcore.algo import grpo
+    from rlcore.algo.batch import RolloutBatch
 
     env_mask = [[1, 1, 0, 0, 0, 1, 1], [1, 0, 0, 1], [1, 1, 1]]
     responses = [[5] * len(m) for m in env_mask]
-    batch = grpo.RolloutBatch([[1, 2]] * 3, responses, [[0.0] * len(m) for m in env_mask], ["x"] * 3,
+    batch = RolloutBatch([[1, 2]] * 3, responses, [[0.0] * len(m) for m in env_mask], ["x"] * 3,
                               ["stop"] * 3, 3, env_mask=env_mask)
     mask = batch.response_mask()  # (N, T)
     adv = advantage.compute_advantages("grpo", torch.tensor([1.0, 0.0, 0.5]), mask, 3)

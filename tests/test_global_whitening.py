@@ -17,7 +17,7 @@ N, T, GROUP = 8, 5, 4
 
 
 def batch():
-    from rlcore.algo.grpo import RolloutBatch
+    from rlcore.algo.batch import RolloutBatch
 
     g = torch.Generator().manual_seed(0)
     lens = torch.randint(1, T + 1, (N,), generator=g).tolist()
@@ -27,8 +27,8 @@ def batch():
 
 
 def _worker(rank: int, world: int, port: int, estimator: str, out) -> None:
+    from rlcore.algo.batch import advantages_for
     from rlcore.config import AlgorithmConfig
-    from rlcore.algo.grpo import advantages_for
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
@@ -42,8 +42,8 @@ def _worker(rank: int, world: int, port: int, estimator: str, out) -> None:
 
 @pytest.mark.parametrize("estimator", ["reinforce_pp", "reinforce_pp_baseline"])
 def test_reinforce_pp_whitening_is_global(estimator):
+    from rlcore.algo.batch import advantages_for
     from rlcore.config import AlgorithmConfig
-    from rlcore.algo.grpo import advantages_for
     from rlcore.dist import _free_port
 
     b, scores = batch()

@@ -1,4 +1,4 @@
-"""Every algorithm option reaches the loss: the same batch through grpo.advantages_for +
+"""Every algorithm option reaches the loss: the same batch through advantages_for +
 grpo.ppo_update with one option changed gives a different first-step gradient (or the documented
 invariance). The policy here is a small plain-PyTorch LM fake; the FSDP engine is tested elsewhere."""
 
@@ -11,7 +11,8 @@ import dataclasses
 import pytest
 import torch
 
-from rlcore.algo import grpo
+from rlcore.algo import grpo, packing
+from rlcore.algo.batch import RolloutBatch, advantages_for, shape_rewards
 from rlcore.config import AlgorithmConfig
 
 pytestmark = pytest.mark.unit  # pure logic: no torchrun, no vLLM, no model build
@@ -61,7 +62,7 @@ def make_batch():
         n = [5, 2, 6, 3, 4, 6, 1, 5][i]
         responses.append(torch.randint(0, VOCAB, (n,), generator=g).tolist())
         finish.append("length" if n == 6 else "stop")
-    return grpo.RolloutBatch(prompts, responses, [[0.0] * len(r) for r in responses], ["x"] * 8, finish, 4)
+    return RolloutBatch(prompts, responses, [[0.0] * len(r) for r in responses], ["x"] * 8, finish, 4)
 
 
 def perturbed(scale, seed):
@@ -80,8 +81,8 @@ SCORES = torch.tensor([1.0, 0.0, 0.5, 0.0, 1.0, 1.0, 0.0, 0.2])
 def run(cfg: AlgorithmConfig, steps_out=False):
     torch.manual_seed(0)
     policy, batch = FakePolicy(), make_batch()
-    scores, _ = grpo.shape_rewards(SCORES.clone(), batch, cfg, max_response_length=6)
-    adv = grpo.advantages_for(batch, scores, cfg)
+    scores, _ = shape_rewards(SCORES.clone(), batch, cfg, max_response_length=6)
+    adv = advantages_for(batch, scores, cfg)
     # old and reference policies differ from the current one, so ratios and KL are far from trivial
     old = grpo.compute_logprobs_in_chunks(perturbed(0.15, 2), batch, 1.0, 8, "cpu")
     ref = grpo.compute_logprobs_in_chunks(perturbed(0.5, 3), batch, 1.0, 8, "cpu")
@@ -131,7 +132,7 @@ def test_micro_batch_size_does_not_change_the_gradient():
 
 def test_mask_truncated_removes_truncated_sequences_from_the_loss():
     batch = make_batch()
-    grpo.shape_rewards(SCORES.clone(), batch, dataclasses.replace(BASE, mask_truncated=True), 6)
+    shape_rewards(SCORES.clone(), batch, dataclasses.replace(BASE, mask_truncated=True), 6)
     mask = batch.response_mask()
     assert mask[2].sum() == 0 and mask[5].sum() == 0 and mask[0].sum() == 5
     assert copy.copy(batch).keep == [1.0, 1.0, 0.0, 1.0, 1.0, 0.0, 1.0, 1.0]
@@ -180,8 +181,8 @@ def test_tis_weights_are_capped_and_reach_the_gradient():
         torch.manual_seed(0)
         policy, batch = FakePolicy(), make_batch()
         batch.rollout_logp = [[lp - 5.0 for lp in r] for r in batch.rollout_logp]
-        scores, _ = grpo.shape_rewards(SCORES.clone(), batch, cfg, max_response_length=6)
-        adv = grpo.advantages_for(batch, scores, cfg)
+        scores, _ = shape_rewards(SCORES.clone(), batch, cfg, max_response_length=6)
+        adv = advantages_for(batch, scores, cfg)
         metrics = grpo.ppo_update(policy, batch, adv, None, None, cfg, 1.0, world_size=1, device="cpu", norm_len=6,
                                   tis_cap=tis_cap)
         return policy.grads, metrics
@@ -197,8 +198,8 @@ def test_use_rollout_logprobs_takes_vllms_logprobs_as_old():
     cfg = dataclasses.replace(BASE, kl_loss_coef=0.0, use_rollout_logprobs=True)
     torch.manual_seed(0)
     policy, batch = FakePolicy(), make_batch()
-    scores, _ = grpo.shape_rewards(SCORES.clone(), batch, cfg, max_response_length=6)
-    adv = grpo.advantages_for(batch, scores, cfg)
+    scores, _ = shape_rewards(SCORES.clone(), batch, cfg, max_response_length=6)
+    adv = advantages_for(batch, scores, cfg)
     metrics = grpo.train_on_batch(policy, None, batch, adv, cfg, 1.0, 1, "cpu", norm_len=6)
     # The rollout log-probs of make_batch are not the policy's: ratios != 1, so clipping can act.
     assert metrics["actor/ppo_kl"] != 0.0
@@ -208,11 +209,11 @@ def test_use_rollout_logprobs_takes_vllms_logprobs_as_old():
 
 def test_token_budget_micro_batches_balance_tokens_and_keep_the_gradient():
     lengths = [9, 2, 7, 3, 8, 1, 6, 4]
-    parts = grpo.token_budget_batches(lengths, budget=12)  # 40 tokens -> ceil(40 / 12) = 4 micro-batches
+    parts = packing.token_budget_batches(lengths, budget=12)  # 40 tokens -> ceil(40 / 12) = 4 micro-batches
     assert len(parts) == 4 and sorted(i for p in parts for i in p) == list(range(8))
     loads = [sum(lengths[i] for i in p) for p in parts]
     assert max(loads) - min(loads) <= max(lengths), loads
-    assert len(grpo.token_budget_batches([50, 50], budget=10)) == 2  # never more than the sequences
+    assert len(packing.token_budget_batches([50, 50], budget=10)) == 2  # never more than the sequences
     base = run(BASE)
     for budget in (9, 20, 1000):  # one long sequence per micro-batch .. all in one
         grads = run(dataclasses.replace(BASE, micro_batch_tokens=budget))

@@ -97,9 +97,9 @@ def test_judge_entries_are_checked(tmp_path):
 def test_a_template_failing_on_one_sample_scores_it_as_unreadable(tmp_path):
     """A Jinja expression that raises on one row does not end the run: that sample is unscorable
     (parse_fail_value, counted), the error printed once; the engine is never asked about it."""
+    from rlcore.demo.toy import make_tokenizer
     from rlcore.judge.config import JudgeConfig
     from rlcore.judge.scorer import Judge
-    from rlcore.demo.toy import make_tokenizer
 
     make_tokenizer(str(tmp_path))  # the judge reads its tokenizer only: no model here
     cfg = JudgeConfig(name="j", path=str(tmp_path), template="{{ response }} {{ (extra | int) // 0 }}",

@@ -13,12 +13,12 @@ import types
 import pytest
 import torch
 
-from rlcore.step import sampling
-from rlcore.algo import advantage
-from rlcore.algo import grpo
-from rlcore.rollout.engine import Sample
-from rlcore.config import AlgorithmConfig, ExplorationConfig, RolloutConfig
+from rlcore.algo import advantage, grpo
+from rlcore.algo.batch import advantages_for, informative_groups, shape_rewards
 from rlcore.algo.exploration import EntropyControl, clip_cov_options, next_entropy_coef
+from rlcore.config import AlgorithmConfig, ExplorationConfig, RolloutConfig
+from rlcore.rollout.engine import Sample
+from rlcore.step import sampling
 
 pytestmark = pytest.mark.unit
 
@@ -103,7 +103,7 @@ def test_one_round_when_the_estimate_holds():
     s, rollout = make_sampler(answers, ALGO)
     batch, scores, m = s.sample(1)
     assert rollout.calls == [sampling.plan_prompts(4, 0.5, 4.0)] == [10]  # one round, sized by the prior 0.5
-    assert len(batch) == 16 and len(grpo.informative_groups(scores, 4)) == 4  # 4 kept groups, all informative
+    assert len(batch) == 16 and len(informative_groups(scores, 4)) == 4  # 4 kept groups, all informative
     assert m["rollout/sampling_rounds"] == 1 and m["rollout/generated_per_trained"] == 10 / 4
     assert m["rollout/zero_variance_groups_frac"] == 0.5 and s.keep_rate == 0.5  # 5 kept of 10, prior 0.5
     assert all(k == 1.0 for k in batch.keep)
@@ -221,8 +221,8 @@ def test_clip_cov_removes_exactly_the_drawn_tokens_gradient():
     def update(clip_cov):
         torch.manual_seed(0)
         policy, batch = FakePolicy(), make_batch()
-        scores, _ = grpo.shape_rewards(SCORES.clone(), batch, cfg, max_response_length=6)
-        adv = grpo.advantages_for(batch, scores, cfg)
+        scores, _ = shape_rewards(SCORES.clone(), batch, cfg, max_response_length=6)
+        adv = advantages_for(batch, scores, cfg)
         m = grpo.ppo_update(policy, batch, adv, None, None, cfg, 1.0, 1, "cpu", norm_len=6, clip_cov=clip_cov)
         return policy.grads[0], m
 

@@ -132,8 +132,8 @@ def test_judges_get_a_judging_phase_by_hand(recipe, tmp_path):
     too large a judge is an exit-2 error before anything loads."""
     import shutil
 
-    from rlcore.config.cli import parse_config
     from rlcore.config import ConfigError
+    from rlcore.config.cli import parse_config
     from rlcore.plan.judges import check_judging_fits as check_memory
 
     judge = tmp_path / "judge"

@@ -198,8 +198,8 @@ def fake_checkpoint(root, name, step=1, world=2):
 
 @pytest.mark.unit
 def test_half_written_checkpoints_are_never_chosen(tmp_path):
-    from rlcore.run import checkpoint
     from rlcore.config import ConfigError
+    from rlcore.run import checkpoint
 
     out = str(tmp_path)
     root = checkpoint.checkpoint_root(out)
@@ -225,8 +225,8 @@ def test_half_written_checkpoints_are_never_chosen(tmp_path):
 
 @pytest.mark.unit
 def test_resume_checks_world_size_and_refuses_foreign_pickles(tmp_path):
-    from rlcore.run import checkpoint
     from rlcore.config import ConfigError
+    from rlcore.run import checkpoint
 
     path = fake_checkpoint(str(tmp_path), "step_5", 5, world=2)
     checkpoint.validate_resume(path, rank=1, world_size=2)
@@ -249,8 +249,8 @@ def test_missing_and_truncated_files_are_named_and_auto_falls_back(tmp_path):
     """The manifest written last by a save lists every file's size: a removed file and a truncated
     one each get their own message (step and file), distinct from the unsafe-pickle refusal, and
     resume=auto takes the newest complete checkpoint, saying which it skipped."""
-    from rlcore.run import checkpoint
     from rlcore.config import ConfigError
+    from rlcore.run import checkpoint
 
     out = str(tmp_path)
     root = checkpoint.checkpoint_root(out)

@@ -20,8 +20,8 @@ import torch
 import pytest
 
 import rlcore.rollout.engine as cr
-from rlcore.rollout import checks as rc
 from rlcore.dist import DistInfo
+from rlcore.rollout import checks as rc
 
 # ----------------------------------------------------------------------------- fakes
 

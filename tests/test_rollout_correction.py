@@ -10,9 +10,8 @@ import math
 import pytest
 import torch
 
-from rlcore.algo import advantage
-from rlcore.algo import grpo
-from rlcore.algo import rollout_correction as rc
+from rlcore.algo import advantage, grpo, rollout_correction as rc
+from rlcore.algo.batch import advantages_for, shape_rewards
 from rlcore.config import ConfigError, RolloutCorrectionConfig
 
 pytestmark = pytest.mark.unit
@@ -187,8 +186,8 @@ def update(correction=None, keep_by_hand=None, tis_cap=None):
     batch.rollout_logp = [[-1.0 - 0.4 * i] * len(r) for i, r in enumerate(batch.response_ids)]
     if keep_by_hand is not None:
         batch.keep = keep_by_hand
-    scores, _ = grpo.shape_rewards(SCORES.clone(), batch, cfg, max_response_length=6)
-    adv = grpo.advantages_for(batch, scores, cfg)
+    scores, _ = shape_rewards(SCORES.clone(), batch, cfg, max_response_length=6)
+    adv = advantages_for(batch, scores, cfg)
     metrics = grpo.train_on_batch(policy, None, batch, adv, cfg, 1.0, 1, "cpu", norm_len=6, tis_cap=tis_cap,
                                   correction=correction)
     return policy.grads[0], metrics

@@ -45,16 +45,16 @@ def test_token_keys_name_the_same_tokens_however_packed():
     """Shared-prompt packing and a prompt copy per sample give each position the same key: one
     key per (sample, response position), one per (group, prompt position); selected sub-batches
     keep their samples' keys."""
-    from rlcore.algo import grpo
+    from rlcore.algo import batch as rollout_batch, packing
 
     prompts = [[5, 6, 7]] * 3 + [[8, 9]] * 2
     responses = [[1, 2], [3], [4, 5, 6], [7, 8], [9]]
-    batch = grpo.RolloutBatch(prompts, responses, [[0.0] * len(r) for r in responses], ["x"] * 5, ["stop"] * 5, 3)
+    batch = rollout_batch.RolloutBatch(prompts, responses, [[0.0] * len(r) for r in responses], ["x"] * 5, ["stop"] * 5, 3)
     assert batch.gids == [0, 0, 0, 1, 1]
 
     def keyed(b, share):
-        packed = grpo.pack(b.prompt_ids, b.response_ids, "cpu", share_prompt=share)
-        keys = grpo.token_keys(b, "cpu", share_prompt=share)
+        packed = packing.pack(b.prompt_ids, b.response_ids, "cpu", share_prompt=share)
+        keys = packing.token_keys(b, "cpu", share_prompt=share)
         assert keys.shape == packed["input_ids"].shape  # one key per packed position
         return dict(zip(keys[0].tolist(), packed["input_ids"][0].tolist()))
 
@@ -63,7 +63,7 @@ def test_token_keys_name_the_same_tokens_however_packed():
     assert len(shared) == 3 + 2 + sum(len(r) for r in responses)  # prompts once per group
     part = batch.select([4, 1])
     assert keyed(part, True).items() <= shared.items() and part.gids == [1, 0] and part.uids == [4, 1]
-    assert grpo.token_key(1, 3, prompt=True) != grpo.token_key(1, 3) != grpo.token_key(0, 3)
+    assert packing.token_key(1, 3, prompt=True) != packing.token_key(1, 3) != packing.token_key(0, 3)
 
 
 R3_WORKER = os.path.join(REPO, "tests", "workers", "routing_replay_r3.py")
@@ -97,15 +97,15 @@ def test_rollout_routing_rows_by_hand():
     key, the last tokens listed as free; a wrong row count is refused."""
     import numpy as np
 
-    from rlcore.algo import grpo
+    from rlcore.algo import batch as rollout_batch, packing
 
     prompts, responses = [[5, 6]] * 2 + [[7]], [[1, 2, 3], [4, 5], [8, 9]]
     rows = [np.arange(n * 2, dtype=np.uint8).reshape(n, 2, 1) + 10 * i
             for i, n in enumerate([4, 3, 2])]  # (P+R-1, layers 2, K 1)
-    batch = grpo.RolloutBatch(prompts, responses, [[0.0] * len(r) for r in responses], ["x"] * 3, ["stop"] * 3, 2,
+    batch = rollout_batch.RolloutBatch(prompts, responses, [[0.0] * len(r) for r in responses], ["x"] * 3, ["stop"] * 3, 2,
                               routed_experts=rows)
-    keys, experts, free = grpo.rollout_routing(batch)
-    k = grpo.token_key
+    keys, experts, free = packing.rollout_routing(batch)
+    k = packing.token_key
     assert keys.tolist() == [k(0, 0, True), k(0, 1, True), k(0, 2), k(0, 3),  # sample 0: prompt, 2 of 3 tokens
                              k(1, 2),  # sample 1: its group's prompt rows already given, 1 of 2 tokens
                              k(1, 0, True), k(2, 1)]  # sample 2: its own group
@@ -113,10 +113,10 @@ def test_rollout_routing_rows_by_hand():
     assert experts[:, 0, 0].tolist() == [0, 2, 4, 6, 14, 20, 22]
     assert free.tolist() == [k(0, 4), k(1, 3), k(2, 2)]
     # select / concat carry the rows with their samples
-    assert grpo.concat([batch.select([2]), batch.select([0])]).routed_experts[1] is rows[0]
+    assert rollout_batch.concat([batch.select([2]), batch.select([0])]).routed_experts[1] is rows[0]
     batch.routed_experts[1] = rows[1][:1]
     with pytest.raises(RuntimeError, match="sample 1 has 1 rows .* for 4 tokens"):
-        grpo.rollout_routing(batch)
+        packing.rollout_routing(batch)
 
 
 @pytest.mark.unit

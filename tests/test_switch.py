@@ -130,8 +130,8 @@ def test_generate_refuses_garbage_weights_until_a_full_sync(run2):
 
 @pytest.mark.unit
 def test_config_offload_defaults_and_errors(capsys):
-    from rlcore.config.cli import parse_config
     from rlcore.config import Config, OffloadConfig, resolve
+    from rlcore.config.cli import parse_config
 
     def offload(device, **kw):
         o = resolve(Config(offload=OffloadConfig(**kw)), device).offload
@@ -173,8 +173,8 @@ def test_sleep_level_and_weight_load_choices():
 def test_kv_buffer_zeroed_without_touching_it():
     """Resume of the CPU KV buffer: reads back all zeros, and the whole pages were dropped rather
     than written (RSS falls by about the buffer size instead of staying)."""
-    from rlcore.rollout.cpu_kv import _zero_lazily
     from rlcore.dist import memory_stats
+    from rlcore.rollout.cpu_kv import _zero_lazily
 
     n = 64 * 2**20 + 123  # not a whole number of pages: the partial tail page is zeroed by hand
     buf = torch.full((n,), 7, dtype=torch.uint8)

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rlcore.step import sync_check
 from rlcore.rollout.cpu_repack import cpu_repack_on_reload, cpu_tied_linears
+from rlcore.step import sync_check
 
 pytestmark = pytest.mark.unit
 

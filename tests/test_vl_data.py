@@ -105,10 +105,10 @@ def _vl_data_cfg(**kw):
 
 
 def test_image_rows_load_from_jsonl_paths_and_parquet_bytes(tiny_vl_model, tmp_path):
-    from rlcore.task.prompts import load_prompts
+    from rlcore.demo.vl import make_shapes_data
     from rlcore.run.preflight import load_tokenizer
     from rlcore.task.images import VisionProcessor, decode_image
-    from rlcore.demo.vl import make_shapes_data
+    from rlcore.task.prompts import load_prompts
 
     tok, vp = load_tokenizer(tiny_vl_model), VisionProcessor(tiny_vl_model)
     jsonl, _ = make_shapes_data(str(tmp_path / "j"), n_train=6, n_val=1)
@@ -148,9 +148,9 @@ def test_bad_image_rows_name_file_and_line(tiny_vl_model, tmp_path, case, row, e
     from PIL import Image
 
     from rlcore.config import ConfigError
-    from rlcore.task.prompts import load_prompts
     from rlcore.run.preflight import load_tokenizer
     from rlcore.task.images import VisionProcessor
+    from rlcore.task.prompts import load_prompts
 
     Image.new("RGB", (32, 32)).save(tmp_path / "ok.png")
     (tmp_path / "garbage.png").write_bytes(b"\x89PNG not really")
@@ -175,7 +175,7 @@ def _vision_inputs(n_tokens: int, tag: float, next_position: int):
 def test_pack_with_images_lays_out_positions_pixels_and_runs():
     """Unshared: every sample carries its prompt's pixels and M-RoPE block, text row restarting at 0.
     Shared: a run's images once. Equal ids with different images are different runs."""
-    from rlcore.algo.grpo import pack, prompt_runs
+    from rlcore.algo.packing import pack, prompt_runs
 
     a, b = _vision_inputs(1, 1.0, 50), _vision_inputs(1, 2.0, 60)
     prompt = [7, 5, 6]  # expanded: one image token between start and end
@@ -204,7 +204,7 @@ def test_pack_with_images_lays_out_positions_pixels_and_runs():
 
 
 def test_batches_keep_each_samples_images_through_select_and_concat():
-    from rlcore.algo.grpo import RolloutBatch, concat
+    from rlcore.algo.batch import RolloutBatch, concat
 
     a, b = _vision_inputs(1, 1.0, 5), _vision_inputs(1, 2.0, 5)
     batch = RolloutBatch([[1]] * 4, [[2]] * 4, [[0.0]] * 4, ["x"] * 4, ["stop"] * 4, 2, vision=[a, a, b, b])

@@ -156,7 +156,7 @@ def test_expert_layout_detection(tmp_path):
     square expert tensor in transformers' layout is refused (VeOmni would transpose it)."""
     from safetensors.torch import save_file
 
-    from rlcore.engine.moe import PER_EXPERT, ExpertLayout, checkpoint_expert_layout, split_experts
+    from rlcore.engine.moe import ExpertLayout, PER_EXPERT, checkpoint_expert_layout, split_experts
 
     def folder(name, h, i, tensors):
         d = tmp_path / name

@@ -7,10 +7,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from rlcore.engine import moe as engine_moe
-from rlcore.engine import vl as engine_vl
 from rlcore.config import model_num_experts
 from rlcore.dist import DistInfo
+from rlcore.engine import moe as engine_moe, vl as engine_vl
 from rlcore.engine.kernels import ops_config
 
 

@@ -37,17 +37,15 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from rlcore.engine import moe as engine_moe
-from rlcore.engine import replay as engine_replay
-from rlcore.engine import vl as engine_vl
 from rlcore import hf_folder
+from rlcore.engine import moe as engine_moe, replay as engine_replay, vl as engine_vl
 from rlcore.engine.build import build_sharded_model, ensure_parallel_state, install_cpu_shims
 from rlcore.engine.kernels import describe_kernels, kernel_fields
 from rlcore.engine.parts import (LrLambda, dim0_shard_group, eager_attention_mask, full_tensor, hf_name, hidden_rows,
                                  resume_lr_schedule)
+from rlcore.dist import DistInfo, empty_cache
 from rlcore.engine.attention import pick_attn_implementation
 from rlcore.engine.bucket_gather import ShardSpec, SyncBuffers, SyncPlan
-from rlcore.dist import DistInfo, empty_cache
 from rlcore.engine.offload import HostCopies
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -217,14 +215,14 @@ class VeOmniPolicy:
                 repeat); the others never meet the vocabulary. None = all ``L``.
             attention_mask: None for block-causal attention derived from ``position_ids`` (row 0),
                 or a ``(1, 1, L, L)`` bool mask, True where a query may attend to a key (sdpa/eager
-                only; see ``rlcore.algo.grpo.pack``; eager gets it as an additive float mask).
+                only; see ``rlcore.algo.packing.pack``; eager gets it as an additive float mask).
             mm: None, or for a vision-language model the row's images: ``pixel_values`` (P, C)
                 float (the processor's patches, any float dtype) and ``image_grid_thw`` (I, 3)
                 int of every image, in order of appearance of their ``<|image_pad|>`` runs in
                 ``input_ids``; checked against the image-token count (``rlcore.engine.vl``).
             temperature: logits are divided by it before the softmax.
             grad: False runs under ``no_grad`` (always so for a frozen policy).
-            token_keys: ``(1, L)`` int64 name of each position (``grpo.pack``), for ``routing(mode)``.
+            token_keys: ``(1, L)`` int64 name of each position (``packing.pack``), for ``routing(mode)``.
 
         Offloaded parameters are loaded for a no-grad forward and offloaded again after it (wrap
         several in ``on_device()`` to move them once); a forward with grad raises instead.
@@ -274,7 +272,7 @@ class VeOmniPolicy:
 
     def routing(self, mode: str | None, rows: tuple | None = None):
         """Context: the MoE routers record or replay each token's experts (rlcore.engine.replay);
-        ``rows`` (R3: grpo.rollout_routing) replace the step's routing before a replay."""
+        ``rows`` (R3: packing.rollout_routing) replace the step's routing before a replay."""
         if mode is None or self.replay is None:
             return contextlib.nullcontext()
         if mode == "record":

@@ -1,7 +1,7 @@
 """MoE routing replay for the policy engine, keyed by token identity so the forwards may pack the
 samples differently. R2: record the routing of the step's first training forward, replay it in
 the later ones. R3: replay the experts vLLM routed each token to while sampling (``load``; the
-rows come from rlcore.rollout.routing and grpo.rollout_routing). An engine module: it talks to
+rows come from rlcore.rollout.routing and packing.rollout_routing). An engine module: it talks to
 VeOmni's own hook.
 
 VeOmni's hook (veomni/utils/moe_router_replay.py): a manager installed with
@@ -17,7 +17,7 @@ blocks, once (``OWN_HOOKS``). The hook sits in the block, before the experts cal
 experts implementation (fused GPU/NPU kernels, rlcore.engine.moe's CPU EP path) gets the
 replayed indices.
 
-Token keys: the trainer packs samples into one (1, L) row per micro-batch (rlcore.algo.grpo.pack) and
+Token keys: the trainer packs samples into one (1, L) row per micro-batch (rlcore.algo.packing.pack) and
 passes a key per position: a response token is (its sample, its position), a prompt token (its
 group, its position), since every sample of a group sees the same prompt (shared or copied). The
 router sees the row's tokens in order (hidden_states.view(-1, H)), on this rank only (expert
@@ -105,7 +105,7 @@ class RoutingReplay:
 
     def load(self, keys: torch.Tensor, experts: torch.Tensor, free: torch.Tensor) -> None:
         """R3: replace the step's routing with given rows: ``keys`` (M,), ``experts`` (M, layers, K)
-        indexed by decoder layer (vLLM's layout, grpo.rollout_routing), ``free`` the keys that
+        indexed by decoder layer (vLLM's layout, packing.rollout_routing), ``free`` the keys that
         may route natively without counting as missing."""
         self.reset()
         if len(keys) and experts.shape[1] <= max(self.decoder_layer, default=-1):

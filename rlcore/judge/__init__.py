@@ -21,8 +21,8 @@ def build_judges(cfg, info, policy_rollout=None) -> dict:
     """name -> rlcore.judge.scorer.Judge for ``reward.models`` (collective: every rank builds each
     engine together, like the policy's); each engine asleep once built. ``policy_rollout``: the
     policy's engine, asleep while they are built (vLLM sizes a new engine from the free memory)."""
-    from rlcore.rollout.judge import JudgeEngine, default_offload
     from rlcore.judge.scorer import Judge
+    from rlcore.rollout.judge import JudgeEngine, default_offload
 
     judges, entries = {}, cfg.reward.judges()
     if entries and policy_rollout is not None:

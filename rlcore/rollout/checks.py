@@ -200,7 +200,7 @@ def slot_token_ids(hf_config) -> list[int]:
     """Token ids that mark image / video slots in a prompt (``<|image_pad|>``, ``<|video_pad|>``).
     A response must not contain them: the policy's forward takes every such token of its packed
     row for a slot to fill with vision features, so ``generate`` stops a sample at one (it ends
-    the response, and ``rlcore.algo.grpo.pack`` never feeds a response's last token as an input)."""
+    the response, and ``rlcore.algo.packing.pack`` never feeds a response's last token as an input)."""
     ids = [image_token_id(hf_config)]
     for key in ("video_token_id", "video_token_index"):
         value = getattr(hf_config, key, None)

@@ -73,11 +73,11 @@ def _check_engines(cfg, device: str, quiet) -> tuple[bool | None, str]:
     from vllm.engine.arg_utils import EngineArgs
     from vllm.platforms import current_platform
 
-    from rlcore.rollout.settings import config_llm_kwargs
     from rlcore.dist import detect_device
-    from rlcore.rollout.judge import judge_llm_kwargs
     from rlcore.rollout.checks import check_engine_kwargs, check_sleep_level_supported
+    from rlcore.rollout.judge import judge_llm_kwargs
     from rlcore.rollout.routing import vllm_verdict
+    from rlcore.rollout.settings import config_llm_kwargs
 
     r, here = cfg.rollout, detect_device()[0]
     r3, native = cfg.algorithm.routing_replay == "r3", here == device

@@ -32,16 +32,13 @@ from typing import Any
 
 import torch
 
-from rlcore import torchvision_shim
-from rlcore.rollout import cpu_sleep
-from rlcore.rollout import lora as rollout_lora
-from rlcore.rollout import vllm_globals
-from rlcore import hf_folder
+from rlcore import hf_folder, torchvision_shim
 from rlcore.config import model_num_experts
-from rlcore.rollout.cpu_kv import clear_stale_cpu_shm, release_cpu_kv as _release_cpu_kv, resume_cpu_kv as _resume_cpu_kv
-from rlcore.rollout.cpu_repack import cpu_repack_on_reload
 from rlcore.dist import DistInfo
 from rlcore.hf_folder import config_or_empty
+from rlcore.rollout import cpu_sleep, lora as rollout_lora, vllm_globals
+from rlcore.rollout.cpu_kv import clear_stale_cpu_shm, release_cpu_kv as _release_cpu_kv, resume_cpu_kv as _resume_cpu_kv
+from rlcore.rollout.cpu_repack import cpu_repack_on_reload
 from rlcore.rollout.process_state import ProcessState, get_torch_rng, set_torch_rng
 from rlcore.rollout.settings import LOGPROBS_MODE, llm_kwargs
 from rlcore.rollout.checks import (

@@ -59,8 +59,8 @@ def _quiet(fn, *args, **kwargs):
 
 
 def check_config(argv: list[str], device: str) -> tuple[Config | None, list[Check]]:
-    from rlcore.config.cli import _parse
     from rlcore.config import resolve
+    from rlcore.config.cli import _parse
 
     raw, problem = _quiet(_parse, argv)
     if problem:

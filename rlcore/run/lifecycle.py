@@ -9,14 +9,13 @@ import time
 from dataclasses import dataclass, field
 
 from rlcore import judge
-from rlcore.run import checkpoint
-from rlcore.run import preempt
-from rlcore.run.build import Engines
+from rlcore.algo.exploration import EntropyControl
 from rlcore.config import Config
 from rlcore.dist import DistInfo, exit_process
 from rlcore.errors import Exit
-from rlcore.algo.exploration import EntropyControl
 from rlcore.metrics import MetricsLogger, Timer, format_duration
+from rlcore.run import checkpoint, preempt
+from rlcore.run.build import Engines
 from rlcore.step.sampling import StepSampler
 
 

@@ -7,15 +7,15 @@ import dataclasses
 import os
 
 from rlcore import agent
-from rlcore.run import checkpoint
-from rlcore.task import rewards
-from rlcore.rollout import routing as rollout_routing
 from rlcore.config import Config, ConfigError, check, fail
-from rlcore.task.prompts import load_prompts
-from rlcore.judge.config import check_judge_data
 from rlcore.dist import detect_device
 from rlcore.hf_folder import read_config
+from rlcore.judge.config import check_judge_data
+from rlcore.rollout import routing as rollout_routing
+from rlcore.run import checkpoint
 from rlcore.run.ownership import claim_output_dir
+from rlcore.task import rewards
+from rlcore.task.prompts import load_prompts
 
 
 def _print_main(message: str) -> None:

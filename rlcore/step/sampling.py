@@ -17,12 +17,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from rlcore.task import images as vision
-from rlcore.algo import grpo
+from rlcore.algo import batch as rollout_batch
 from rlcore.config import AlgorithmConfig, RolloutConfig
-from rlcore.task.prompts import PromptSampler, derive_seed
 from rlcore.dist import all_reduce_max, all_reduce_sum
 from rlcore.metrics import Timer
+from rlcore.task import images as vision
+from rlcore.task.prompts import PromptSampler, derive_seed
 
 _VALIDATION_OFFSET = 500_009  # validation seeds stay apart from the training steps'
 _SELECT_OFFSET = 700_001  # the kept-group draw of a step: apart from the generation seeds
@@ -92,19 +92,19 @@ class StepSampler:
     def load_state_dict(self, state: dict) -> None:
         self.keep_rate = state.get("keep_rate", KEEP_RATE_PRIOR)  # checkpoints before it: the prior
 
-    def sample(self, step: int) -> tuple[grpo.RolloutBatch, torch.Tensor, dict]:
+    def sample(self, step: int) -> tuple[rollout_batch.RolloutBatch, torch.Tensor, dict]:
         """This replica's samples of ``step``, their shaped rewards (N,) and reward metrics."""
         if not self.algo.dynamic_sampling:
             batch = self.generate(self.next_prompts(self.per_replica()), step)
             scores, metrics = self.score(batch)
             groups = max(len(scores) // batch.group_size, 1)
-            informative = len(grpo.informative_groups(scores, batch.group_size))
+            informative = len(rollout_batch.informative_groups(scores, batch.group_size))
             metrics["rollout/zero_variance_groups_frac"] = 1.0 - informative / groups
             metrics["rollout/generated_per_trained"] = 1.0
             return batch, scores, metrics
         return self.sample_dynamic(step)
 
-    def sample_dynamic(self, step: int) -> tuple[grpo.RolloutBatch, torch.Tensor, dict]:
+    def sample_dynamic(self, step: int) -> tuple[rollout_batch.RolloutBatch, torch.Tensor, dict]:
         """DAPO dynamic sampling: keep ``target`` informative groups per replica. Round 0 samples
         plan_prompts(target) prompts (without oversample: target, each round, as before it);
         while a replica is short, another round samples for the largest shortfall, sized by this
@@ -119,7 +119,7 @@ class StepSampler:
             batch = self.generate(self.next_prompts(size), step, round_)
             scores, round_metrics = self.score(batch)
             metrics = metrics or round_metrics  # reward metrics: those of the first round
-            good = set(grpo.informative_groups(scores, n))
+            good = set(rollout_batch.informative_groups(scores, n))
             for g in range(len(scores) // n):
                 group = (batch.select(list(range(g * n, (g + 1) * n))), scores[g * n: (g + 1) * n])
                 (kept if g in good else dropped).append(group)
@@ -142,7 +142,7 @@ class StepSampler:
             "rollout/sampling_rounds": round_ + 1,
             "rollout/generated_per_trained": total_seen / (target * ranks),
             "rollout/keep_rate_est": self.keep_rate})
-        return grpo.concat([b for b, _ in chosen]), torch.cat([s for _, s in chosen]), metrics
+        return rollout_batch.concat([b for b, _ in chosen]), torch.cat([s for _, s in chosen]), metrics
 
     def per_replica(self) -> int:
         return self.prompts_per_step // self.rollout.dp_size
@@ -154,7 +154,7 @@ class StepSampler:
         batch = self.prompts.next_batch(per_replica * dp_size)
         return batch[dp_rank * per_replica: (dp_rank + 1) * per_replica]
 
-    def generate(self, prompts: list, step: int, round_: int = 0) -> grpo.RolloutBatch:
+    def generate(self, prompts: list, step: int, round_: int = 0) -> rollout_batch.RolloutBatch:
         r = self.cfg
         if self.switch is not None:
             self.switch.ensure_generation()  # a previous round's judging put the engine to sleep
@@ -173,7 +173,7 @@ class StepSampler:
         policy_form = [(p.ids, None) if not im else self.processor.prepare(p.ids, im)
                        for p, im in zip(prompts, images or [None] * len(prompts))]
         flat = [(p, form, s) for p, form, samples in zip(prompts, policy_form, out) for s in samples]
-        return grpo.RolloutBatch(
+        return rollout_batch.RolloutBatch(
             prompt_ids=[ids for _, (ids, _), _ in flat], response_ids=[s.response_ids for _, _, s in flat],
             rollout_logp=[s.logprobs for _, _, s in flat], answers=[p.answer for p, _, _ in flat],
             finish_reasons=[s.finish_reason for _, _, s in flat], group_size=r.n,
@@ -181,14 +181,14 @@ class StepSampler:
             routed_experts=[s.routed_experts for _, _, s in flat] if flat and flat[0][2].routed_experts is not None
             else None)
 
-    def score(self, batch: grpo.RolloutBatch) -> tuple[torch.Tensor, dict]:
+    def score(self, batch: rollout_batch.RolloutBatch) -> tuple[torch.Tensor, dict]:
         """Rule-based rewards (N,), then DAPO overlong shaping / truncation masking when configured."""
         with self.timer("reward"):
             texts = self.tokenizer.batch_decode(batch.final_ids or batch.response_ids, skip_special_tokens=True)
             values, metrics = self.scorer.score(texts, batch.answers, batch.env_rewards, rows=batch.rows)
             if batch.conversations is not None:
                 metrics.update(agent_metrics(batch.conversations, self.rollout.tp_size))
-            shaped, shape_metrics = grpo.shape_rewards(torch.tensor(values, dtype=torch.float32), batch,
+            shaped, shape_metrics = rollout_batch.shape_rewards(torch.tensor(values, dtype=torch.float32), batch,
                                                        self.algo, response_budget(self.cfg))
         return shaped, {**metrics, **shape_metrics}
 
@@ -217,7 +217,7 @@ def response_budget(cfg: RolloutConfig) -> int:
 
 
 def multi_turn_batch(agent, rollout, prompts: list, r: RolloutConfig, seed: int,
-                     timer: Timer | None = None) -> grpo.RolloutBatch:
+                     timer: Timer | None = None) -> rollout_batch.RolloutBatch:
     """The prompts' conversations (rlcore.agent.loop) as a RolloutBatch with its env mask. The
     timer records the tools' share of the generate time (timing/tool_s) and each turn's generate."""
     n = r.n
@@ -229,7 +229,7 @@ def multi_turn_batch(agent, rollout, prompts: list, r: RolloutConfig, seed: int,
         for turn, seconds in enumerate(agent.stats["generate_s"], 1):
             timer.add(f"generate_turn{turn}", seconds)
     flat = [(p, c) for p, g in zip(prompts, groups) for c in g]
-    return grpo.RolloutBatch(
+    return rollout_batch.RolloutBatch(
         prompt_ids=[c.prompt_ids for _, c in flat], response_ids=[c.response_ids for _, c in flat],
         rollout_logp=[c.logprobs for _, c in flat], answers=[p.answer for p, _ in flat],
         finish_reasons=[c.finish for _, c in flat], group_size=n, env_mask=[c.env_mask for _, c in flat],
@@ -237,7 +237,7 @@ def multi_turn_batch(agent, rollout, prompts: list, r: RolloutConfig, seed: int,
         conversations=[c for _, c in flat], rows=[p.row for p, _ in flat])
 
 
-def shard_for_training(rollout, batch: grpo.RolloutBatch, adv: torch.Tensor, scores: torch.Tensor):
+def shard_for_training(rollout, batch: rollout_batch.RolloutBatch, adv: torch.Tensor, scores: torch.Tensor):
     """Ranks of one TP group hold the same samples: each trains on (and logs) its own slice."""
     tp, tp_rank = rollout.tp_size, rollout.tp_rank
     if tp == 1:

@@ -29,6 +29,7 @@ from contextlib import contextmanager
 import torch
 
 from rlcore.algo import grpo
+from rlcore.algo.batch import RolloutBatch
 from rlcore.dist import all_reduce_max, all_reduce_sum
 
 log = logging.getLogger("rlcore.step.sync_check")
@@ -62,12 +63,12 @@ def probe_sequences(prompt_ids: list[list[int]], skip_ids=(), n: int = PROBE_PRO
     return out
 
 
-def probe_batch(seqs: list[list[int]]) -> grpo.RolloutBatch:
+def probe_batch(seqs: list[list[int]]) -> RolloutBatch:
     """Each sequence as prompt (first half) + response (second half), so that the trainer's own
     packing and response-only logits score it."""
     cut = [max(1, len(s) // 2) for s in seqs]
     resp = [s[c:] for s, c in zip(seqs, cut)]
-    return grpo.RolloutBatch([s[:c] for s, c in zip(seqs, cut)], resp, [[0.0] * len(r) for r in resp],
+    return RolloutBatch([s[:c] for s, c in zip(seqs, cut)], resp, [[0.0] * len(r) for r in resp],
                              [""] * len(seqs), ["length"] * len(seqs), 1)
 
 

@@ -19,8 +19,8 @@ import random
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from rlcore.task import images as vision
 from rlcore.errors import ConfigError
+from rlcore.task import images as vision
 
 if TYPE_CHECKING:  # annotations only: the config sections import this module's callers
     from rlcore.config import DataConfig

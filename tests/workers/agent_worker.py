@@ -23,9 +23,9 @@ from rlcore.agent.chat import ChatRenderer, ToolCallParser  # noqa: E402
 from rlcore.agent.loop import Agent  # noqa: E402
 from rlcore.agent.sandbox import Limits  # noqa: E402
 from rlcore.agent.tools import ToolRunner, load_tools  # noqa: E402
-from rlcore.rollout.engine import ColocateRollout  # noqa: E402
-from rlcore.dist import init_distributed  # noqa: E402
 from rlcore.demo.tool import CALL, SecretEnv  # noqa: E402
+from rlcore.dist import init_distributed  # noqa: E402
+from rlcore.rollout.engine import ColocateRollout  # noqa: E402
 
 
 class TwoToolEnv:

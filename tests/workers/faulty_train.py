@@ -18,8 +18,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 sys.path.insert(0, REPO)
 
 from rlcore.algo import grpo  # noqa: E402
-from rlcore.step import sampling  # noqa: E402
-from rlcore.step import switch  # noqa: E402
+from rlcore.step import sampling, switch  # noqa: E402
 
 NAN_STEPS = {int(s) for s in os.environ.get("RLCORE_TEST_NAN_STEPS", "").split(",") if s}
 SIGNAL_STEP = int(os.environ.get("RLCORE_TEST_SIGNAL_STEP", "0") or 0)

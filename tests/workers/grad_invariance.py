@@ -14,8 +14,8 @@ import sys
 
 import torch
 
-from rlcore.algo import advantage
-from rlcore.algo import grpo
+from rlcore.algo import advantage, grpo
+from rlcore.algo.batch import RolloutBatch
 from rlcore.config import AlgorithmConfig
 from rlcore.dist import init_distributed
 
@@ -31,13 +31,13 @@ VARIANTS = {
 }
 
 
-def global_batch() -> tuple[grpo.RolloutBatch, torch.Tensor]:
+def global_batch() -> tuple[RolloutBatch, torch.Tensor]:
     g = torch.Generator().manual_seed(0)
     group_a, group_b = (torch.randint(3, 26, (n,), generator=g).tolist() for n in (5, 8))
     prompts = [group_a] * 3 + [group_b] * 5
     lengths = [7, 1, 4, 9, 3, 5, 2, 8]
     responses = [torch.randint(3, 26, (n,), generator=g).tolist() for n in lengths]
-    batch = grpo.RolloutBatch(prompts, responses, [[0.0] * n for n in lengths], ["x"] * N, ["stop"] * N, GROUP)
+    batch = RolloutBatch(prompts, responses, [[0.0] * n for n in lengths], ["x"] * N, ["stop"] * N, GROUP)
     rewards = torch.tensor([1.0, 0.0, 0.5, 0.2, 0.0, 1.0, 0.3, 0.0])
     return batch, rewards
 

@@ -87,11 +87,11 @@ def main() -> None:
     policy_dir, gen_dir, rm_dir, qrm_dir, out_path = sys.argv[1:6]
     info = init_distributed("cpu", 300)
     from rlcore import judge
-    from rlcore.task import rewards
-    from rlcore.rollout.engine import ColocateRollout
     from rlcore.metrics import Timer
     from rlcore.rollout.checks import kv_zeroing_needed
+    from rlcore.rollout.engine import ColocateRollout
     from rlcore.step.switch import PhaseSwitcher
+    from rlcore.task import rewards
 
     cfg = config(policy_dir, gen_dir, rm_dir, qrm_dir)
     rollout = ColocateRollout(policy_dir, info, seed=0, kv_cache_gb=0.0625, max_model_len=64)

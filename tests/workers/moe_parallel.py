@@ -10,7 +10,7 @@ import sys
 
 import torch
 
-from rlcore.algo import grpo
+from rlcore.algo import grpo, packing
 from rlcore.config import AlgorithmConfig
 from rlcore.dist import init_distributed
 from grad_invariance import global_batch  # this directory is on sys.path under torchrun
@@ -23,7 +23,7 @@ def main():
 
     policy = VeOmniPolicy(model_dir, info, lr=1e-3, total_steps=1, grad_clip=None, ep_size=ep)
     batch, rewards = global_batch()
-    packed = grpo.pack(batch.prompt_ids, batch.response_ids, info.device, response_only=False)
+    packed = packing.pack(batch.prompt_ids, batch.response_ids, info.device, response_only=False)
     with torch.no_grad():
         logits = policy.model(input_ids=packed["input_ids"], position_ids=packed["position_ids"],
                               use_cache=False).logits.float()

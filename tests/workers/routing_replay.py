@@ -20,7 +20,7 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from rlcore.algo import grpo
+from rlcore.algo import grpo, packing
 from rlcore.config import AlgorithmConfig
 from rlcore.dist import all_reduce_max, all_reduce_sum, init_distributed
 from grad_invariance import global_batch  # this directory is on sys.path under torchrun
@@ -67,8 +67,8 @@ def reference_logprobs(hf_dir, batch, forced):
     force_routers(model, lambda layer, native: forced(layer, state["keys"]))
     out = torch.zeros(batch.response_mask().shape)
     for i, (p, r) in enumerate(zip(batch.prompt_ids, batch.response_ids)):
-        state["keys"] = torch.tensor([grpo.token_key(batch.gids[i], j, prompt=True) for j in range(len(p))]
-                                     + [grpo.token_key(batch.uids[i], j) for j in range(len(p), len(p) + len(r))])
+        state["keys"] = torch.tensor([packing.token_key(batch.gids[i], j, prompt=True) for j in range(len(p))]
+                                     + [packing.token_key(batch.uids[i], j) for j in range(len(p), len(p) + len(r))])
         with torch.no_grad():
             logits = model(input_ids=torch.tensor([p + r])).logits[0].float()
         logp = torch.log_softmax(logits, -1)

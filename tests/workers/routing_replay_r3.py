@@ -5,7 +5,7 @@ rlcore.rollout.routing), so the rows come from an independent source in vLLM's e
 token without a row): transformers' own Qwen3-MoE routing of each sequence, with every third
 token's experts moved to other experts so that replay has something to change.
 
-1. The rows go through ``grpo.rollout_routing`` into the engine; a pre-hook on every experts
+1. The rows go through ``packing.rollout_routing`` into the engine; a pre-hook on every experts
    module records the indices it is given in the replayed log-prob forward.
 2. Reference: transformers' forward of each sequence alone with its routers forced to the rows
    (natively routed where a token has no row), which also counts the tokens whose native top-k
@@ -22,7 +22,7 @@ import sys
 import numpy as np
 import torch
 
-from rlcore.algo import grpo
+from rlcore.algo import grpo, packing
 from rlcore.config import AlgorithmConfig
 from rlcore.dist import all_reduce_max, all_reduce_sum, init_distributed
 from grad_invariance import global_batch  # this directory is on sys.path under torchrun
@@ -86,7 +86,7 @@ def perturbed_routers(policy, hf, batch, rows, cfg, info):
                 local.add_(torch.randn(local.shape, generator=g) * 0.5 * local.std())
     plain = dict(cfg.__dict__, routing_replay=None)
     native = grpo.compute_logprobs_in_chunks(policy, batch, 1.0, AlgorithmConfig(**plain), info.device)
-    with policy.routing("replay", grpo.rollout_routing(dataclasses.replace(batch, routed_experts=rows))):
+    with policy.routing("replay", packing.rollout_routing(dataclasses.replace(batch, routed_experts=rows))):
         replayed = grpo.compute_logprobs_in_chunks(policy, batch, 1.0, cfg, info.device)
     agreement = policy.routing_metrics()["actor/router_agreement"]
     with torch.no_grad():
@@ -117,14 +117,14 @@ def main():
     # a prompt copy per sample, as the reference scores them: equal agreement denominators
     cfg = AlgorithmConfig(share_prompt=False, micro_batch_size=2, routing_replay="r3")
     calls = experts_capture(policy.model, policy.replay)
-    with policy.routing("replay", grpo.rollout_routing(local)):
+    with policy.routing("replay", packing.rollout_routing(local)):
         replayed = grpo.compute_logprobs_in_chunks(policy, local, 1.0, cfg, info.device)
     first = policy.routing_metrics()
     # every token with a row reached the experts with exactly that row; the last tokens natively
     expected = {}
     for i, (p, r) in enumerate(zip(local.prompt_ids, local.response_ids)):
         for j in range(len(p) + len(r) - 1):
-            key = grpo.token_key(local.gids[i], j, prompt=True) if j < len(p) else grpo.token_key(local.uids[i], j)
+            key = packing.token_key(local.gids[i], j, prompt=True) if j < len(p) else packing.token_key(local.uids[i], j)
             expected[key] = local.routed_experts[i][j]
     mismatched = tokens = unreplayed = 0
     for layer, keys, idx in calls:

@@ -18,8 +18,7 @@ import sys
 
 import torch
 
-from rlcore.algo import advantage
-from rlcore.algo import grpo
+from rlcore.algo import advantage, grpo
 from rlcore.config import AlgorithmConfig
 from rlcore.dist import init_distributed
 from rlcore.metrics import Timer

@@ -15,8 +15,8 @@ import sys
 
 import torch
 
-from rlcore.algo import advantage
-from rlcore.algo import grpo
+from rlcore.algo import advantage, grpo
+from rlcore.algo.batch import RolloutBatch
 from rlcore.config import AlgorithmConfig
 from rlcore.dist import init_distributed
 from rlcore.metrics import Timer
@@ -27,7 +27,7 @@ from rlcore.step.sync_check import SyncCheck
 def sample(rollout, prompts, temperature, seed):
     out = rollout.generate(prompts, n=4, temperature=temperature, max_tokens=12, seed=seed)
     flat = [(p, s) for p, samples in zip(prompts, out) for s in samples]
-    return grpo.RolloutBatch([p for p, _ in flat], [s.response_ids for _, s in flat],
+    return RolloutBatch([p for p, _ in flat], [s.response_ids for _, s in flat],
                              [s.logprobs for _, s in flat], ["0"] * len(flat),
                              [s.finish_reason for _, s in flat], 4)
 
@@ -68,8 +68,8 @@ def main():
 
         cpu_repack.cpu_tied_linears = lambda model: []
     info = init_distributed("cpu")
-    from rlcore.rollout.engine import ColocateRollout
     from rlcore.engine.policy import VeOmniPolicy
+    from rlcore.rollout.engine import ColocateRollout
 
     torch.manual_seed(0)
     policy = VeOmniPolicy(model_dir, info, lr=1e-2, total_steps=10, ep_size=2 if "ep2" in sys.argv[4:] else 1)

@@ -52,12 +52,12 @@ def main(model: str, val_file: str, out: str) -> None:
     import torch.distributed as dist
     from transformers import AutoTokenizer
 
-    from rlcore.rollout.engine import ColocateRollout
     from rlcore.config import DataConfig, RewardConfig
-    from rlcore.task.prompts import load_prompts
     from rlcore.dist import init_distributed
-    from rlcore.task.rewards import Scorer
+    from rlcore.rollout.engine import ColocateRollout
     from rlcore.step.validation import ValSettings, validate
+    from rlcore.task.prompts import load_prompts
+    from rlcore.task.rewards import Scorer
 
     info = init_distributed("cpu")
     tokenizer = AutoTokenizer.from_pretrained(model)

@@ -257,8 +257,8 @@ def main() -> None:
     lap("save_hf")
 
     # --- the rollout: vLLM with images, before and after a push of the trained weights ---------
-    from rlcore.rollout.engine import ColocateRollout
     from rlcore.rollout.checks import capture_load_weights, missing_params
+    from rlcore.rollout.engine import ColocateRollout
 
     ro = ColocateRollout(model_dir, info, tp_size=1, seed=0, kv_cache_gb=0.0625, max_model_len=256,
                          limit_mm_per_prompt=LIMITS)

@@ -24,10 +24,10 @@ import rlcore  # noqa: F401  (first: the torchvision shim, before transformers/v
 import torch
 import torch.distributed as dist
 
-from rlcore.rollout.engine import ColocateRollout
+from rlcore.demo.vl import COLOURS, VOCAB
 from rlcore.dist import init_distributed
 from rlcore.rollout.checks import capture_load_weights, missing_params
-from rlcore.demo.vl import COLOURS, VOCAB
+from rlcore.rollout.engine import ColocateRollout
 
 T = 1.0
 N = 2

@@ -1,0 +1,156 @@
+"""One rank's share of a step's samples (``RolloutBatch``, groups of ``group_size`` consecutive
+sequences) and what is computed on it before the update: DAPO reward shaping, advantages, the
+informative groups of dynamic sampling, the rollout metrics."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from rlcore.algo import advantage
+from rlcore.algo.packing import prompt_runs
+from rlcore.dist import all_rank_means, all_rank_sums, all_reduce_sum
+
+if TYPE_CHECKING:  # annotations only: pure math imports no config at run time
+    from rlcore.config import AlgorithmConfig
+
+
+@dataclass
+class RolloutBatch:
+    """One rank's share of a step's samples, groups of ``group_size`` consecutive sequences."""
+
+    prompt_ids: list[list[int]]
+    response_ids: list[list[int]]
+    rollout_logp: list[list[float]]  # vLLM's log-probs of the sampled tokens
+    answers: list[str]
+    finish_reasons: list[str]
+    group_size: int
+    keep: list[float] | None = None  # per-sequence loss weight (0 masks a sequence out); None = all 1
+    # Image prompts: each sample's rlcore.task.images.VisionInputs (or None), one object per prompt shared
+    # by its group; prompt_ids are then the expanded ids. None: a text-only batch.
+    vision: list | None = None
+    # Routing replay's token keys: each sample's index in the step's batch, and the index of the
+    # run of equal prompts it belongs to (its group); both carried through select().
+    uids: list[int] | None = None
+    gids: list[int] | None = None
+    # Multi-turn (rlcore.agent): per response token 1 = sampled by the policy (trained), 0 = a tool's
+    # or environment's token (context only); the ids of each sample's final model turn (what the
+    # rule rewards read); the environment's reward. None: single-turn.
+    env_mask: list[list[int]] | None = None
+    final_ids: list[list[int]] | None = None
+    env_rewards: list[float | None] | None = None
+    conversations: list | None = None  # each sample's rlcore.agent.loop.Conversation (metrics, val samples)
+    # R3 (algorithm.routing_replay: r3): per sample vLLM's routed experts, (P + R - 1, layers, K)
+    # uint8/uint16 rows for every token it ran a forward for (rlcore.rollout.routing). None: off.
+    routed_experts: list | None = None
+    rows: list[dict] | None = None  # each sample's data row (model-based rewards read its fields)
+
+    def __post_init__(self):
+        if self.keep is None:
+            self.keep = [1.0] * len(self.response_ids)
+        if self.uids is None:
+            self.uids = list(range(len(self.response_ids)))
+        if self.gids is None:
+            self.gids = [k for k, (a, b) in enumerate(prompt_runs(self.prompt_ids, self.vision)) for _ in range(a, b)]
+
+    def __len__(self) -> int:
+        return len(self.response_ids)
+
+    def select(self, idx: list[int]) -> "RolloutBatch":
+        values = {f: getattr(self, f) for f in _PER_SAMPLE}
+        return RolloutBatch(group_size=self.group_size,
+                            **{f: None if v is None else [v[i] for i in idx] for f, v in values.items()})
+
+    def response_mask(self) -> torch.Tensor:
+        """(N, T) 1 on response tokens of kept sequences: the loss mask."""
+        n, t = len(self), max(1, max(len(r) for r in self.response_ids))
+        mask = torch.zeros(n, t)  # (N, T)
+        for i, r in enumerate(self.response_ids):
+            mask[i, : len(r)] = self.keep[i]
+            if self.env_mask is not None:  # tool/environment tokens: context, never trained
+                mask[i, : len(r)] *= torch.tensor(self.env_mask[i], dtype=mask.dtype)
+        return mask
+
+    def rollout_logp_matrix(self) -> torch.Tensor:
+        mask = self.response_mask()
+        out = torch.zeros_like(mask)  # (N, T)
+        for i, lp in enumerate(self.rollout_logp):
+            out[i, : len(lp)] = torch.tensor(lp, dtype=out.dtype)
+        return out
+
+
+def shape_rewards(scores: torch.Tensor, batch: RolloutBatch, cfg: AlgorithmConfig,
+                  max_response_length: int) -> tuple[torch.Tensor, dict[str, float]]:
+    """DAPO overlong shaping and truncation masking; returns the shaped scores (N,)."""
+    metrics = {}
+    if cfg.overlong_buffer_len > 0:
+        lengths = torch.tensor([len(r) for r in batch.response_ids], dtype=scores.dtype)
+        penalty = advantage.overlong_penalty(lengths, max_response_length, cfg.overlong_buffer_len,
+                                             cfg.overlong_penalty_factor)
+        scores = scores + penalty
+        metrics["reward/overlong_penalty_mean"] = penalty.mean().item()
+    if cfg.mask_truncated:
+        batch.keep = [0.0 if f == "length" else k for f, k in zip(batch.finish_reasons, batch.keep)]
+    return scores, metrics
+
+
+def advantages_for(batch: RolloutBatch, scores: torch.Tensor, cfg: AlgorithmConfig, tp_size: int = 1) -> torch.Tensor:
+    """(N, T) advantages of the configured estimator, zero off the loss mask. Batch-level
+    statistics (REINFORCE++ whitening) are those of the global batch: summed over all ranks, each
+    replica counted once (the ``tp_size`` ranks of a replica hold the same samples here)."""
+    def sum_fn(values: list[float]) -> list[float]:
+        return [v / tp_size for v in all_reduce_sum(values)]
+
+    return advantage.compute_advantages(cfg.adv_estimator, scores, batch.response_mask(), batch.group_size,
+                                        norm_by_std=cfg.norm_by_std, gamma=cfg.gamma, sum_fn=sum_fn)
+
+
+def informative_groups(scores: torch.Tensor, group_size: int) -> list[int]:
+    """Indices of the groups whose rewards are not all equal (DAPO dynamic sampling keeps these)."""
+    degenerate = advantage.group_is_degenerate(scores, group_size)
+    return [g for g in range(len(degenerate)) if not degenerate[g]]
+
+
+# RolloutBatch's per-sample lists, carried by select() and concat() (uids/gids are renumbered by concat)
+_PER_SAMPLE = ("prompt_ids", "response_ids", "rollout_logp", "answers", "finish_reasons", "keep", "vision", "uids",
+               "gids", "env_mask", "final_ids", "env_rewards", "conversations", "routed_experts", "rows")
+
+
+def concat(batches: list[RolloutBatch]) -> RolloutBatch:
+    def cat(attr: str):
+        if all(getattr(b, attr) is None for b in batches):
+            return None
+        return [x for b in batches for x in (getattr(b, attr) if getattr(b, attr) is not None else [None] * len(b))]
+
+    return RolloutBatch(group_size=batches[0].group_size,
+                        **{f: cat(f) for f in _PER_SAMPLE if f not in ("uids", "gids")})
+
+
+def rollout_metrics(batch: RolloutBatch, scores: torch.Tensor, adv: torch.Tensor, metrics: dict,
+                    world_size: int, tp_size: int) -> dict[str, float]:
+    """Global (all-rank) statistics of the step's samples, merged with the phase ``metrics``
+    (reward components and filter fractions are per-rank means: averaged over ranks)."""
+    mask = batch.response_mask()
+    # Generated tokens: multi-turn conversations also hold tool answers (prefilled, not generated).
+    lens = [len(r) for r in batch.response_ids] if batch.env_mask is None else [sum(m) for m in batch.env_mask]
+    g = all_rank_sums({
+        "s": scores.sum().item(), "s2": (scores ** 2).sum().item(), "cnt": len(scores), "ntok": sum(lens),
+        "nall": float(sum(len(r) for r in batch.response_ids)),
+        "trunc": float(sum(f == "length" for f in batch.finish_reasons)), "ntok_loss": mask.sum().item(),
+        "a1": (adv * mask).sum().item(), "a2": (adv ** 2 * mask).sum().item()})
+    out = dict(metrics)
+    per_replica = ("reward/", "rollout/filtered", "rollout/zero_variance")
+    out.update(all_rank_means({k: v for k, v in metrics.items() if k.startswith(per_replica)}, world_size))
+    if "reward/errors" in out:  # a count: the sum over replicas (TP ranks score the same samples)
+        out["reward/errors"] *= world_size / tp_size
+    mean, a_mean, ntok_loss = g["s"] / g["cnt"], g["a1"] / max(g["ntok_loss"], 1), max(g["ntok_loss"], 1)
+    out.update({
+        "reward/mean": mean, "reward/std": max(g["s2"] / g["cnt"] - mean ** 2, 0.0) ** 0.5,
+        "rollout/response_len_mean": g["ntok"] / g["cnt"], "rollout/truncated_frac": g["trunc"] / g["cnt"],
+        "rollout/tokens": g["ntok"],
+        **({"rollout/conversation_len_mean": g["nall"] / g["cnt"]} if batch.env_mask is not None else {}),
+        "advantage/mean": a_mean, "advantage/std": max(g["a2"] / ntok_loss - a_mean ** 2, 0.0) ** 0.5,
+    })
+    return out
