@@ -13,7 +13,7 @@
 #           only the adapter is synced)
 #   moe_r3  the tiny Qwen3-MoE (4 experts, top-2; EP = the rank count) with R3 routing replay (vLLM
 #           returns its routed experts, the trainer replays them); weight_load reload (MoE). Skipped
-#           on NPU: the trainer refuses MoE with the pinned vllm-ascend (rollout.checks.check_npu_moe)
+#           on NPU: the trainer refuses MoE with the pinned vllm-ascend (rollout.settings.check_npu_moe)
 #
 #   bash scripts/gpu_check.sh                 # CUDA: 1 or 2 visible GPUs (CUDA_VISIBLE_DEVICES picks them)
 #   DEVICE=npu bash scripts/gpu_check.sh      # Ascend NPUs (ASCEND_RT_VISIBLE_DEVICES picks them)

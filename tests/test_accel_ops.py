@@ -67,7 +67,7 @@ def test_recipe_kernels_pass_veomnis_validation_on_its_device(recipe, device, mo
 
 def test_moe_on_npu_passes_veomni_but_is_refused_at_config_time(tmp_path, veomni_device, capsys):
     """The experts name VeOmni accepts on Ascend is fused_npu (checked by its validation), but the
-    pinned vllm-ascend breaks MoE at the first weight sync (rollout.checks.check_npu_moe): the 30B
+    pinned vllm-ascend breaks MoE at the first weight sync (rollout.settings.check_npu_moe): the 30B
     recipe parsed for npu exits 2 before anything loads, naming the vllm-ascend that would work."""
     from rlcore.engine.kernels import ops_config
 

@@ -159,7 +159,7 @@ def test_accelerator_defaults_resolve_per_device():
 @pytest.mark.unit
 def test_kv_block_size_per_device():
     """CPU gets 32-token blocks so that prompts under vLLM's CPU default of 128 tokens are shared by
-    their n samples (rollout.checks.pick_block_size); accelerators keep vLLM's default; a size the
+    their n samples (rollout.settings.pick_block_size); accelerators keep vLLM's default; a size the
     CPU kernels cannot take is refused naming the field and the fix."""
     from rlcore.config import Config, ConfigError, RolloutConfig, resolve
 

@@ -102,7 +102,7 @@ def test_shutdown_keeps_process_group(run):
 def test_cpu_blocks_share_a_prompt(run):
     """32-token KV blocks on CPU: a prompt's full blocks are computed once for its n samples, and
     again served from the cache to the next call (vLLM's CPU default of 128 shares no prompt
-    shorter than 128 tokens: rollout.checks.pick_block_size)."""
+    shorter than 128 tokens: rollout.settings.pick_block_size)."""
     for r in run["ranks"]:
         assert r["block_size"] == 32
         # [first call after a cache reset, the same prompt again]: 64 both times, so the first

@@ -21,7 +21,7 @@ import pytest
 
 import rlcore.rollout.engine as cr
 from rlcore.dist import DistInfo
-from rlcore.rollout import checks as rc
+from rlcore.rollout import checks as rc, settings as rs
 
 # ----------------------------------------------------------------------------- fakes
 
@@ -148,7 +148,7 @@ class FakeLLM(FakeLLMWithoutKVRelease):  # vllm 0.32.0 (entrypoints/llm.py:861)
 # distributed_executor_backend 449, tensor_parallel_size 465, block_size 504, enable_prefix_caching 505,
 # gpu_memory_utilization 518, kv_cache_memory_bytes 519, max_num_batched_tokens 520, max_num_seqs 524,
 # logprobs_mode 526, enforce_eager 543, enable_sleep_mode 661, additional_config 685, use_tqdm_on_load 687;
-# enable_chunked_prefill (an EngineArgs field since vLLM 0.4; CPU only: rollout.checks.cpu_prefill_kwargs).
+# enable_chunked_prefill (an EngineArgs field since vLLM 0.4; CPU only: rollout.settings.cpu_prefill_kwargs).
 ENGINE_ARGS = ("model dtype seed max_model_len distributed_executor_backend tensor_parallel_size enable_prefix_caching "
                "gpu_memory_utilization kv_cache_memory_bytes max_num_batched_tokens max_num_seqs logprobs_mode "
                "enforce_eager enable_sleep_mode additional_config use_tqdm_on_load enable_chunked_prefill block_size").split()
@@ -174,7 +174,7 @@ def fake_vllm(monkeypatch):
     from rlcore.rollout import process_state
 
     monkeypatch.setattr(process_state, "accel_module", lambda device_type: None)  # no torch.cuda/npu RNG here
-    monkeypatch.delenv(rc.NZ_ENV, raising=False)
+    monkeypatch.delenv(rs.NZ_ENV, raising=False)
     return mod
 
 
@@ -192,16 +192,16 @@ def test_nz_turned_off_on_npu_only(fake_vllm, monkeypatch):
     import os
 
     make("npu")
-    assert os.environ[rc.NZ_ENV] == "0", "vllm-ascend NPUWorker.wake_up raises while NZ is on"
+    assert os.environ[rs.NZ_ENV] == "0", "vllm-ascend NPUWorker.wake_up raises while NZ is on"
     assert FakeLLM.built[-1]["additional_config"] == {"weight_nz_mode": 0}  # the config key wins over env
     for device in ("cpu", "cuda"):
-        monkeypatch.setenv(rc.NZ_ENV, "2")
+        monkeypatch.setenv(rs.NZ_ENV, "2")
         make(device)
-        assert os.environ[rc.NZ_ENV] == "2" and "additional_config" not in FakeLLM.built[-1]
-    env = {rc.NZ_ENV: "1"}
-    assert rc.disable_npu_nz("npu", env) and env[rc.NZ_ENV] == "0"
+        assert os.environ[rs.NZ_ENV] == "2" and "additional_config" not in FakeLLM.built[-1]
+    env = {rs.NZ_ENV: "1"}
+    assert rs.disable_npu_nz("npu", env) and env[rs.NZ_ENV] == "0"
     env = {}
-    assert rc.disable_npu_nz("cuda", env) == {} and env == {}
+    assert rs.disable_npu_nz("cuda", env) == {} and env == {}
 
 
 # ----------------------------------------------------------------------------- finding 4: load path
@@ -209,29 +209,29 @@ def test_nz_turned_off_on_npu_only(fake_vllm, monkeypatch):
 
 @pytest.mark.unit
 def test_weight_load_choice_per_platform():
-    assert rc.pick_weight_load("cuda", "auto") == "direct"
-    assert rc.pick_weight_load("npu", "auto") == "direct"  # vllm-ascend 0.23 NPUWorker: no reload_weights
-    assert rc.pick_weight_load("cpu", "auto") == "reload"  # oneDNN repacking needs vLLM's reload
-    assert rc.pick_weight_load("npu", "reload") == "reload"
-    assert rc.pick_weight_load("cuda", "auto", moe=True) == "reload"  # fused-MoE post-processing
+    assert rs.pick_weight_load("cuda", "auto") == "direct"
+    assert rs.pick_weight_load("npu", "auto") == "direct"  # vllm-ascend 0.23 NPUWorker: no reload_weights
+    assert rs.pick_weight_load("cpu", "auto") == "reload"  # oneDNN repacking needs vLLM's reload
+    assert rs.pick_weight_load("npu", "reload") == "reload"
+    assert rs.pick_weight_load("cuda", "auto", moe=True) == "reload"  # fused-MoE post-processing
     with pytest.raises(ValueError, match="CPU"):
-        rc.pick_weight_load("cpu", "direct")
+        rs.pick_weight_load("cpu", "direct")
     with pytest.raises(ValueError):
-        rc.pick_weight_load("cuda", "fast")
+        rs.pick_weight_load("cuda", "fast")
     for device in ("cuda", "npu"):  # no fused-MoE backend is known to need no post-load step
         with pytest.raises(ValueError, match="not supported for mixture-of-experts models.*use reload"):
-            rc.pick_weight_load(device, "direct", moe=True)
+            rs.pick_weight_load(device, "direct", moe=True)
 
 
 @pytest.mark.unit
 def test_moe_on_npu_is_refused_naming_the_vllm_ascend_that_would_work():
     """vllm-ascend 0.23.0's NPUWorker.wake_up swaps w13/w2 for transposed views
     (vllm_ascend/worker/worker.py:251-269); 0.26.0rc1 no longer does (:247-270)."""
-    rc.check_npu_moe("npu", 0)  # dense: fine
-    rc.check_npu_moe("cuda", 128)
-    rc.check_npu_moe("cpu", 4)
+    rs.check_npu_moe("npu", 0)  # dense: fine
+    rs.check_npu_moe("cuda", 128)
+    rs.check_npu_moe("cpu", 4)
     with pytest.raises(ValueError, match="vllm-ascend 0.26.0rc1 or newer"):
-        rc.check_npu_moe("npu", 128)
+        rs.check_npu_moe("npu", 128)
 
 
 @pytest.mark.unit
@@ -402,9 +402,9 @@ def test_storage_sleep_refused_for_a_judge_that_zeroes_kv_blocks(fake_vllm, monk
 
 @pytest.mark.unit
 def test_enforce_eager_auto_per_device(fake_vllm):
-    assert rc.pick_enforce_eager("cpu", None) is True
-    assert rc.pick_enforce_eager("cuda", None) is False and rc.pick_enforce_eager("npu", None) is False
-    assert rc.pick_enforce_eager("cuda", True) is True and rc.pick_enforce_eager("cpu", False) is False
+    assert rs.pick_enforce_eager("cpu", None) is True
+    assert rs.pick_enforce_eager("cuda", None) is False and rs.pick_enforce_eager("npu", None) is False
+    assert rs.pick_enforce_eager("cuda", True) is True and rs.pick_enforce_eager("cpu", False) is False
     for device, eager in (("cpu", True), ("cuda", False), ("npu", False)):
         assert make(device).enforce_eager is eager and FakeLLM.built[-1]["enforce_eager"] is eager
     assert FakeLLM.built[-1]["enable_sleep_mode"] is True  # accelerators: sleep-mode allocator
@@ -431,7 +431,7 @@ def test_speed_kwargs_reach_llm_only_when_set(fake_vllm):
     for part in ("on cuda", "tp=1", "enforce_eager=False", "weight_load=direct", "sleep level 2",
                  "prefix_caching=False", "max_num_seqs=64", "max_num_batched_tokens=4096"):
         assert part in line, (part, line)
-    assert rc.speed_kwargs(enable_prefix_caching=False) == {"enable_prefix_caching": False}
+    assert rs.speed_kwargs(enable_prefix_caching=False) == {"enable_prefix_caching": False}
     assert "block_size" not in FakeLLM.built[-1]  # cuda: vLLM's own default
     make("cuda", block_size=32)
     assert FakeLLM.built[-1]["block_size"] == 32

@@ -21,7 +21,7 @@ import pytest
 
 import test_rollout_accel as accel
 from conftest import REPO, run_torchrun
-from rlcore.rollout import checks as rc
+from rlcore.rollout import checks as rc, settings as rs
 from test_rollout_accel import fake_vllm  # noqa: F401  (the fixture, for the unit test at the end)
 
 WORKER = os.path.join(REPO, "tests", "workers", "vl_rollout_worker.py")
@@ -197,24 +197,24 @@ def test_qwen25_vl_logprobs_expansion_and_vision_push(run):
 
 @pytest.mark.unit
 def test_multimodal_kwargs_only_for_multimodal_or_when_asked():
-    assert rc.multimodal_kwargs(False) == {}
-    assert rc.multimodal_kwargs(True) == {"mm_processor_cache_gb": 0.0}
-    assert rc.multimodal_kwargs(True, limit_mm_per_prompt={"image": 2, "video": 0}, mm_processor_cache_gb=1) == {
+    assert rs.multimodal_kwargs(False) == {}
+    assert rs.multimodal_kwargs(True) == {"mm_processor_cache_gb": 0.0}
+    assert rs.multimodal_kwargs(True, limit_mm_per_prompt={"image": 2, "video": 0}, mm_processor_cache_gb=1) == {
         "limit_mm_per_prompt": {"image": 2, "video": 0}, "mm_processor_cache_gb": 1.0}
-    assert rc.multimodal_kwargs(False, limit_mm_per_prompt={"image": 1}) == {"limit_mm_per_prompt": {"image": 1}}
+    assert rs.multimodal_kwargs(False, limit_mm_per_prompt={"image": 1}) == {"limit_mm_per_prompt": {"image": 1}}
     for bad in ({"image": -1}, {"image": 1.5}, {"image": True}, {3: 1}):
         with pytest.raises(ValueError, match="limit_mm_per_prompt"):
-            rc.multimodal_kwargs(True, limit_mm_per_prompt=bad)
+            rs.multimodal_kwargs(True, limit_mm_per_prompt=bad)
     with pytest.raises(ValueError, match="mm_processor_cache_gb"):
-        rc.multimodal_kwargs(True, mm_processor_cache_gb=-1)
+        rs.multimodal_kwargs(True, mm_processor_cache_gb=-1)
 
 
 @pytest.mark.unit
 def test_multimodal_config_detection():
-    assert rc.is_multimodal_config({"model_type": "qwen3_vl", "vision_config": {"depth": 2}})
-    assert rc.is_multimodal_config({"audio_config": {}})
-    assert not rc.is_multimodal_config({"model_type": "qwen3"})
-    assert not rc.is_multimodal_config({})
+    assert rs.is_multimodal_config({"model_type": "qwen3_vl", "vision_config": {"depth": 2}})
+    assert rs.is_multimodal_config({"audio_config": {}})
+    assert not rs.is_multimodal_config({"model_type": "qwen3"})
+    assert not rs.is_multimodal_config({})
     ns = types.SimpleNamespace
     assert rc.image_token_id(ns(image_token_id=7)) == 7
     assert rc.image_token_id(ns(image_token_index=32000)) == 32000

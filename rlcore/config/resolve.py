@@ -49,7 +49,7 @@ def _check_sync(cfg: Config) -> str:
 
 def _has_vision(model_path: str) -> bool:
     from rlcore.hf_folder import config_or_empty
-    from rlcore.rollout.checks import is_multimodal_config
+    from rlcore.rollout.settings import is_multimodal_config
 
     return is_multimodal_config(config_or_empty(model_path))
 
@@ -77,8 +77,9 @@ def resolve(cfg: Config, device_type: str) -> Config:
     is what matters. Call once, after parsing; resolving a resolved config changes nothing."""
     from rlcore.engine.attention import pick_attn_implementation
     from rlcore.engine.moe import pick_moe_implementation
-    from rlcore.rollout.checks import (check_npu_moe, pick_block_size, pick_enforce_eager, pick_sleep_level,
-                                       pick_weight_load)
+    from rlcore.rollout.settings import (
+        check_npu_moe, pick_block_size, pick_enforce_eager, pick_sleep_level, pick_weight_load,
+    )
 
 
     accel = device_type != "cpu"

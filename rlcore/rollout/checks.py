@@ -1,6 +1,8 @@
-"""Pure decisions and checks behind ``rlcore.rollout.engine`` (no vLLM import here).
+"""The checks and call-time helpers behind ``rlcore.rollout.engine``, against the engine it built
+(the pre-build choices, ``pick_*`` and the ``LLM`` keywords, are in ``rlcore.rollout.settings``).
 
-Each helper takes plain values or the vLLM objects as arguments, so the logic is unit-tested
+Each helper takes plain values or the vLLM objects as arguments (one imports vLLM's config
+context, inside a function), so the logic is unit-tested
 with small fakes (tests/test_rollout_accel.py) while the code paths that only run on
 accelerators stay checked against the pinned packages' sources, cited by file:line:
   vllm 0.32.0 (CUDA wheel), vllm 0.23.0 + vllm-ascend 0.23.0 (requirements-npu.txt pin),
@@ -11,180 +13,10 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import os
-from collections.abc import Iterable, MutableMapping
+from collections.abc import Iterable
 from contextlib import contextmanager
 
 log = logging.getLogger("rlcore.rollout")
-
-# vllm-ascend: 0 = no FRACTAL_NZ weight format (1, the default, = quantized weights only; 2 = all).
-NZ_ENV = "VLLM_ASCEND_ENABLE_NZ"
-
-
-# ----------------------------------------------------------------------------- engine settings
-
-
-def pick_sleep_level(device_type: str, sleep_level: int | None, emulate: bool = False) -> int:
-    """vLLM sleep level used by release_memory on accelerators (0: free the KV cache only,
-    1: also move the weights to host memory, 2: also discard the weights); 0 on CPU unless
-    ``emulate`` (rollout.emulate_sleep: the CPU engine sleeps as a device's does, rlcore.rollout.cpu_sleep).
-
-    None picks 2: the phase switch pushes every weight before each generation anyway, so the
-    host copy that level 1 keeps (and copies back at wake-up) would be wasted work and memory.
-    """
-    if sleep_level is not None and sleep_level not in (0, 1, 2):
-        raise ValueError(f"sleep_level must be 0 (KV cache only), 1 or 2 (or None = auto), got {sleep_level}")
-    if emulate and device_type != "cpu":
-        raise ValueError(f"emulate_sleep is for CPU engines; on {device_type} vLLM's sleep mode is real")
-    if device_type == "cpu" and not emulate:
-        return 0  # sleep mode is rejected on CPU and llm.sleep() there makes generate() hang
-    return 2 if sleep_level is None else sleep_level
-
-
-def pick_weight_load(device_type: str, weight_load: str, moe: bool = False) -> str:
-    """How update_weights loads: "reload" (vLLM's reload_weights: layer-wise restore, load,
-    post-process, copy back) or "direct" (``model.load_weights`` straight into vLLM's parameters).
-
-    auto: reload on CPU, where fp32 linear weights are repacked into oneDNN handles after loading
-    (vllm 0.32.0 vllm/model_executor/layers/linear.py:206 UnquantizedLinearMethod
-    .process_weights_after_loading -> dispatch_cpu_unquantized_gemm). direct on CUDA and NPU:
-    unquantized dense layers need no post-load processing there once vllm-ascend's FRACTAL_NZ cast
-    is off (vllm-ascend 0.23.0 vllm_ascend/ops/linear.py:86-98, maybe_trans_nz is a no-op with
-    weight_nz_mode=0, utils.py:261-298), and vllm-ascend 0.23.0's NPUWorker has no reload_weights
-    (vllm_ascend/worker/worker.py:89-1037; 0.26.0rc1 adds it at worker.py:1115): reload goes through
-    its model runner there (see reload_weights_method). A mixture-of-experts model (``moe``)
-    reloads on every device: vLLM's fused-MoE layers post-process (CPU: pre-pack, see
-    cpu_repack.cpu_repack_on_reload) the expert weights after loading, and Ascend refuses a direct MoE load.
-    """
-    if weight_load not in ("auto", "reload", "direct"):
-        raise ValueError(f"weight_load must be auto, reload or direct, got {weight_load!r}")
-    if weight_load == "direct" and device_type == "cpu":
-        raise ValueError("weight_load=direct does not work on CPU (vLLM repacks linear weights); use reload")
-    if weight_load == "direct" and moe:
-        # vllm 0.32.0 fused_moe/oracle/unquantized.py: the FlashInfer TRTLLM / CUTLASS backends
-        # shuffle the expert tensors and swap w13 into w31 after loading, so a direct load writes
-        # checkpoint-layout tensors into kernel-layout storage (same shapes, wrong experts); the CPU
-        # kernel pre-packs them (cpu_repack.py). No backend is known to need no post-load step.
-        raise ValueError("weight_load=direct is not supported for mixture-of-experts models: vLLM post-processes "
-                         "the expert weights after loading (layout shuffles, w13/w31 swaps, pre-packing), which a "
-                         "direct load skips; use reload (or auto)")
-    if weight_load == "auto":
-        return "reload" if device_type == "cpu" or moe else "direct"
-    return weight_load
-
-
-# The first vllm-ascend whose NPUWorker.wake_up no longer swaps the expert tensors (0.26.0rc1
-# worker/worker.py:247-270) and that has NPUWorker.reload_weights (:1115-1116).
-NPU_MOE_NEEDS = "vllm-ascend 0.26.0rc1 or newer (with its vLLM)"
-
-
-def check_npu_moe(device_type: str, experts: int) -> None:
-    """Refuse a mixture-of-experts model on Ascend with the pinned vllm-ascend 0.23.0, whose
-    ``NPUWorker.wake_up`` replaces each layer's ``w13_weight`` / ``w2_weight`` by transposed views
-    (vllm_ascend/worker/worker.py:251-269): the in-place reload then re-runs the fused-MoE post-load
-    step on them and copies [E, H, 2I] data into [E, 2I, H] storage, and a direct load skips that
-    step (refused for MoE everywhere, see pick_weight_load): the first weight sync breaks the
-    experts either way. vllm-ascend 0.26.0rc1 dropped the swap; its vLLM is not installable with
-    this project's pins (requirements-npu.txt)."""
-    if device_type == "npu" and experts > 0:
-        raise ValueError(f"a mixture-of-experts model ({experts} experts) cannot be trained on Ascend NPUs with the "
-                         f"pinned vllm-ascend 0.23.0: its wake_up swaps the expert tensors for transposed views, so "
-                         f"the first weight sync would corrupt the experts. It needs {NPU_MOE_NEEDS}; train MoE "
-                         f"models on CUDA GPUs, or a dense model on NPUs")
-
-
-def pick_enforce_eager(device_type: str, enforce_eager: bool | None) -> bool:
-    """None: eager on CPU (no CUDA graphs there; it also skips the inductor compile of the
-    sampler helpers, 10-15 s per process), graphs on CUDA and NPU.
-
-    Graphs survive sleep/wake because weights and KV cache come back at the same device
-    addresses: the handle kept per allocation holds its virtual address and wake-up maps new
-    physical memory there (vllm 0.32.0 vllm/device_allocator/__init__.py:13-14 HandleType,
-    cumem.py:277-278 unmap in sleep, :346-350 create_and_map in wake_up; vllm-ascend 0.26.0rc1
-    vllm_ascend/device_allocator/camem.py:74-75, :217, :240). The graph pool itself is outside
-    the weights/kv_cache pools and stays resident (vllm 0.32.0 sleep_mode_backend.py:131-136,
-    model.py:380 sleep_mode_offload_cudagraph=False). Weight pushes write into the existing
-    parameter storage (direct: weight_loader copy_; reload: vllm 0.32.0
-    model_loader/reload/layerwise.py:417 _copy_and_restore_kernel_tensors), so captured
-    pointers stay valid.
-    """
-    return device_type == "cpu" if enforce_eager is None else bool(enforce_eager)
-
-
-CPU_BLOCK_SIZE = 32
-
-
-def pick_block_size(device_type: str, block_size: int | None, enable_prefix_caching: bool | None = None) -> int | None:
-    """Tokens per KV-cache block; None leaves vLLM's default.
-
-    On CPU the default is 32, not vLLM's 128 (vllm 0.32.0 platforms/cpu.py:292-293): prefix caching
-    shares only full blocks, so with 128-token blocks no prompt shorter than 128 tokens is shared
-    and each of a prompt's n samples recomputes it. The CPU attention kernels take any multiple of
-    32 (v1/attention/backends/cpu_attn.py:65-66). Measured on SmolLM2-135M, 16 word problems of
-    50-66 tokens x 8 samples x 24 tokens, 2 cores: 13.7 s a generate with 128-token blocks, 7.5 s
-    with 32 (12.7 s with 32 and prefix caching off). Accelerators keep vLLM's default."""
-    if block_size is not None:
-        if block_size < 1 or (device_type == "cpu" and block_size % CPU_BLOCK_SIZE):
-            raise ValueError(f"block_size={block_size}: vLLM's CPU attention needs a multiple of {CPU_BLOCK_SIZE} "
-                             f"(v1/attention/backends/cpu_attn.py:65), e.g. 32, or null for {CPU_BLOCK_SIZE}"
-                             if device_type == "cpu" else f"block_size={block_size} must be > 0, or null")
-        return block_size
-    return CPU_BLOCK_SIZE if device_type == "cpu" and enable_prefix_caching is not False else None
-
-
-def speed_kwargs(*, max_num_seqs: int | None = None, max_num_batched_tokens: int | None = None,
-                 enable_prefix_caching: bool | None = None, block_size: int | None = None) -> dict:
-    """The scheduler/cache settings that were set (None = leave vLLM's own default in place)."""
-    given = dict(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                 enable_prefix_caching=enable_prefix_caching, block_size=block_size)
-    return {k: v for k, v in given.items() if v is not None}
-
-
-def is_multimodal_config(config: dict) -> bool:
-    """Whether an HF ``config.json`` (as a dict) describes a model that takes images (or audio):
-    Qwen2-VL, Qwen2.5-VL, Qwen3-VL(-MoE) and the other vision-language configs of transformers nest
-    a ``vision_config``; audio-language ones an ``audio_config``. Read before the engine exists, to
-    pick the multimodal engine settings (multimodal_kwargs); the built engine's own answer is
-    ``ModelConfig.is_multimodal_model`` (vllm 0.32.0 config/model.py:1980-1982)."""
-    return isinstance(config.get("vision_config"), dict) or isinstance(config.get("audio_config"), dict)
-
-
-def multimodal_kwargs(multimodal: bool, *, limit_mm_per_prompt: dict[str, int] | None = None,
-                      mm_processor_cache_gb: float | None = None) -> dict:
-    """The ``LLM(...)`` keywords for images in prompts; {} for a text model unless asked for.
-
-    ``limit_mm_per_prompt`` ({"image": 2, "video": 0}): set only when given (vLLM's default is
-    999 items of each modality, vllm 0.32.0 config/multimodal.py:307-325). vLLM refuses a prompt
-    with more items, and on accelerators sizes the encoder's profiling run by it; a 0 keeps that
-    modality out (no dummy videos profiled).
-
-    ``mm_processor_cache_gb``: None gives 0 on a multimodal model. vLLM's default, 4 GiB
-    (config/multimodal.py:357), is an LRU of the processed items, pixel tensors included, in host
-    memory: with the in-process engine (one API process, vLLM DP 1) the cache type is "lru"
-    (multimodal/cache/factories.py:23-46), whose engine-side half keeps every new item's
-    ``MultiModalKwargsItem`` until 4 GiB are full (multimodal/cache/lru.py:86-122, sized at
-    :99-107). A GRPO step brings new images every time (the n samples of a prompt are one request,
-    processed once), so the cache would only grow to its cap on every rank, beside the trainer,
-    and hit again at best once an epoch. With 0 nothing is cached (factories.py:31-33) and each image is processed
-    in its request (multimodal/processing/processor.py:1511-1512 -> _apply_hf_processor), which
-    still hashes it (processor.py:1480-1482): the prefix cache and the encoder cache keep telling
-    images apart.
-    """
-    kwargs: dict = {}
-    if limit_mm_per_prompt is not None:
-        bad = {k: v for k, v in limit_mm_per_prompt.items()
-               if not isinstance(k, str) or isinstance(v, bool) or not isinstance(v, int) or v < 0}
-        if bad:
-            raise ValueError(f"limit_mm_per_prompt must map a modality name to a count >= 0, got {bad}")
-        kwargs["limit_mm_per_prompt"] = dict(limit_mm_per_prompt)
-    if mm_processor_cache_gb is not None:
-        if mm_processor_cache_gb < 0:
-            raise ValueError(f"mm_processor_cache_gb must be >= 0, got {mm_processor_cache_gb}")
-        kwargs["mm_processor_cache_gb"] = float(mm_processor_cache_gb)
-    elif multimodal:
-        kwargs["mm_processor_cache_gb"] = 0.0
-    return kwargs
-
 
 def image_token_id(hf_config) -> int | None:
     """The id of the placeholder token one image is written as in a prompt (``<|image_pad|>`` for
@@ -302,41 +134,6 @@ def registry_subprocess_with_shim(registry, needed: bool, package_root: str):
         yield
     finally:
         registry._SUBPROCESS_COMMAND = original
-
-
-def cpu_prefill_kwargs(device_type: str) -> dict:
-    """On CPU, prefills are never chunked: ``{"enable_chunked_prefill": False}``.
-
-    A prompt scheduled in part has its sampled token discarded, and for a seeded request vLLM then
-    rewinds the request's generator: ``gen.set_offset(gen.get_offset() - 4)`` (vllm 0.32.0
-    v1/worker/gpu_model_runner.py:3495-3502, the mask set at :2056-2060). A CPU
-    ``torch.Generator`` has no offset ("CPU Generator does not use offset"), so the step dies as
-    soon as a step's prompts exceed ``max_num_batched_tokens`` (every request here is seeded). Without
-    chunking the scheduler waits for room instead of splitting a prompt (v1/core/sched/
-    scheduler.py:1158-1167). Accelerators keep vLLM's default (their generators have offsets)."""
-    return {"enable_chunked_prefill": False} if device_type == "cpu" else {}
-
-
-def disable_npu_nz(device_type: str, environ: MutableMapping[str, str] | None = None) -> dict:
-    """On NPU turn vllm-ascend's FRACTAL_NZ weight format off before the engine builds; returns
-    the extra ``LLM(...)`` kwargs that say the same. Other devices: nothing is touched.
-
-    ``NPUWorker.wake_up`` raises ValueError while ``weight_nz_mode`` is non-zero, and the default
-    is 1 (vllm-ascend 0.23.0 vllm_ascend/worker/worker.py:241-247, envs.py:92,
-    ascend_config.py:247-254; 0.26.0rc1 worker.py:247-253, envs.py:88). NZ also re-lays out
-    weights after loading, which in-place pushes would not repeat.
-    The config key wins over the env var (0.23.0 ascend_config.py:354-365), so both are set. The env
-    var is NOT restored: vllm-ascend reads it lazily on every access (0.23.0 envs.py:118 __getattr__),
-    e.g. worker.py:295-301 _check_nz_disabled, so it must stay 0 while the engine lives.
-    """
-    if device_type != "npu":
-        return {}
-    environ = os.environ if environ is None else environ
-    previous = environ.get(NZ_ENV)
-    if previous not in (None, "0"):
-        log.warning("%s=%s overridden to 0: vllm-ascend's NPUWorker.wake_up refuses NZ weights", NZ_ENV, previous)
-    environ[NZ_ENV] = "0"
-    return {"additional_config": {"weight_nz_mode": 0}}
 
 
 def check_engine_kwargs(field_names: Iterable[str], kwargs: dict) -> None:

@@ -37,32 +37,20 @@ from rlcore.config import model_num_experts
 from rlcore.dist import DistInfo
 from rlcore.hf_folder import config_or_empty
 from rlcore.rollout import cpu_sleep, lora as rollout_lora, vllm_globals
-from rlcore.rollout.cpu_kv import clear_stale_cpu_shm, release_cpu_kv as _release_cpu_kv, resume_cpu_kv as _resume_cpu_kv
+from rlcore.rollout.checks import (
+    align_sampler_logprobs_mode, capture_load_weights, check_encoder_cache_reset, check_engine_kwargs,
+    check_prompt_images, check_sleep_level_supported, check_weight_load, describe_engine, detach_client_finalizer,
+    image_token_id, slot_token_ids, registry_subprocess_with_shim, reload_weights_method, request_seed as _request_seed,
+    reset_prefix_cache, require_all_loaded, unseeded_call_seed,
+)
+from rlcore.rollout.cpu_kv import (
+    clear_stale_cpu_shm, release_cpu_kv as _release_cpu_kv, resume_cpu_kv as _resume_cpu_kv,
+)
 from rlcore.rollout.cpu_repack import cpu_repack_on_reload
 from rlcore.rollout.process_state import ProcessState, get_torch_rng, set_torch_rng
-from rlcore.rollout.settings import LOGPROBS_MODE, llm_kwargs
-from rlcore.rollout.checks import (
-    align_sampler_logprobs_mode,
-    capture_load_weights,
-    check_encoder_cache_reset,
-    check_engine_kwargs,
-    check_prompt_images,
-    check_sleep_level_supported,
-    check_weight_load,
-    describe_engine,
-    detach_client_finalizer,
-    image_token_id,
-    slot_token_ids,
-    is_multimodal_config,
-    pick_enforce_eager as _pick_enforce_eager,
-    pick_sleep_level as _pick_sleep_level,
-    pick_weight_load as _pick_weight_load,
-    registry_subprocess_with_shim,
-    reload_weights_method,
-    request_seed as _request_seed,
-    reset_prefix_cache,
-    require_all_loaded,
-    unseeded_call_seed,
+from rlcore.rollout.settings import (
+    LOGPROBS_MODE, is_multimodal_config, llm_kwargs, pick_enforce_eager as _pick_enforce_eager,
+    pick_sleep_level as _pick_sleep_level, pick_weight_load as _pick_weight_load,
 )
 
 log = logging.getLogger("rlcore.rollout")
@@ -113,7 +101,7 @@ class ColocateRollout:
         emulate_sleep: bool = False,
     ):
         """``enforce_eager`` None: eager on CPU, CUDA/ACL graphs on accelerators (they survive
-        sleep/wake: see rollout.checks.pick_enforce_eager). ``max_num_seqs``,
+        sleep/wake: see rollout.settings.pick_enforce_eager). ``max_num_seqs``,
         ``max_num_batched_tokens``, ``enable_prefix_caching`` (the n samples of a prompt share its
         prefix blocks), ``block_size``: None leaves vLLM's default (block_size: 32 on CPU, see llm_kwargs).
 
@@ -121,7 +109,7 @@ class ColocateRollout:
         {"image": 2, "video": 0}, the most items of each kind a prompt may have (None: vLLM's
         default, 999); ``mm_processor_cache_gb`` None turns vLLM's cache of processed images off
         for a multimodal model (new images every step: it would only fill host memory, see
-        rollout.checks.multimodal_kwargs). A text model gets neither unless they are given.
+        rollout.settings.multimodal_kwargs). A text model gets neither unless they are given.
 
         ``emulate_sleep`` (CPU only; tests and debugging): ``sleep_level`` 1 and 2 act on the CPU
         engine's weights as vLLM's sleep mode does on a device (rlcore.rollout.cpu_sleep)."""
@@ -325,7 +313,7 @@ class ColocateRollout:
             seed=_request_seed(seed, self.dp_rank, prompt_idx),  # never None: see generate()
             stop_token_ids=list(stop_token_ids or []),
             logprobs=0,  # 0 = only the sampled token's logprob
-            detokenize=False,  # the trainer works on ids; skip the text
+            detokenize=False,  # the trainer works on ids; skip the text,
         )
 
     # ------------------------------------------------------------------------- weights

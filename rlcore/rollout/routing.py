@@ -61,4 +61,4 @@ def check_config(cfg: Config, device_type: str) -> None:
                           f"vLLM {vllm.__version__} refuses that engine on this {device_type} machine: {problem}. "
                           f"Use algorithm.routing_replay: r2 (the trainer records the routing itself), or run R3 "
                           f"on CUDA GPUs, where vLLM's V2 model runner serves it (Ascend NPUs refuse mixture-of-experts "
-                          f"models with the pinned vllm-ascend: rollout.checks.check_npu_moe)")
+                          f"models with the pinned vllm-ascend: rollout.settings.check_npu_moe)")

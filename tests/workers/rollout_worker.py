@@ -105,7 +105,7 @@ def memory_checks(ro, hf, prompts, m: dict) -> None:
 
 def prefix_checks(ro, m: dict) -> None:
     """A 70-token prompt's n samples share its two full 32-token blocks (CPU block size:
-    rollout.checks.pick_block_size; with vLLM's CPU default of 128 nothing would be shared)."""
+    rollout.settings.pick_block_size; with vLLM's CPU default of 128 nothing would be shared)."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
