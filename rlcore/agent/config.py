@@ -33,7 +33,14 @@ class ToolsSandboxConfig:
     per process (keyed by its pid, so the ranks of a node never share one); the range is 2^30 uids
     wide: pick one no real user or service holds."""
     max_procs: int = 0
-    """Further processes one call may start (RLIMIT_NPROC; 0: none). Not enforced for uid 0."""
+    """Further processes one call may start (RLIMIT_NPROC, not enforced for uid 0; and the call's
+    control group's pids cap, which is, at max_procs + 6 with the sandbox's own processes)."""
+    cgroup: str = "auto"
+    """A control group per call (memory, processes, CPU bounded for the whole call; every process
+    killed at its end): auto (where this process may make one: cgroup v2 delegated to its group or
+    parent, or a writable v1 hierarchy), off, required (refuse to start without one)."""
+    cpus: Optional[float] = 1.0
+    """The CPU quota of a call's control group, in CPUs (null: none)."""
 
     def __post_init__(self):
         from rlcore.agent.sandbox import BACKENDS
@@ -42,6 +49,9 @@ class ToolsSandboxConfig:
         check(self.backend in BACKENDS, f"{key}.backend", self.backend, f"choose one of {', '.join(BACKENDS)}")
         check(self.backend != "remote" or bool(self.url), f"{key}.url", self.url,
               "backend: remote needs the service's URL, e.g. url: http://sandbox-host:8080")
+        check(self.cgroup in ("auto", "off", "required"), f"{key}.cgroup", self.cgroup,
+              "choose auto, off or required")
+        check(self.cpus is None or self.cpus > 0, f"{key}.cpus", self.cpus, "it must be > 0 (or null: no quota)")
         check(self.url is None or str(self.url).startswith(("http://", "https://")), f"{key}.url", self.url,
               "give an http:// or https:// URL")
         check(0 < self.uid_base < 2**32 - 2**16 - 2**30, f"{key}.uid_base", self.uid_base,
@@ -141,7 +151,7 @@ def sandbox_limits(mt):
     sb = ToolsSandboxConfig(**sb) if isinstance(sb, dict) else sb
     return Limits(timeout_s=mt.tool_timeout_s, cpu_s=mt.tool_cpu_s, memory_mb=mt.tool_memory_mb,
                   output_bytes=mt.tool_output_bytes, max_procs=sb.max_procs, backend=sb.backend, strict=sb.strict,
-                  python=sb.python, url=sb.url, uid_base=sb.uid_base)
+                  python=sb.python, url=sb.url, uid_base=sb.uid_base, cgroup=sb.cgroup, cpus=sb.cpus)
 
 
 def _check_sandbox(mt) -> None:

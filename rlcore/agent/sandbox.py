@@ -35,7 +35,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 
-from rlcore.agent import sandbox_backends as sb
+from rlcore.agent import sandbox_backends as sb, sandbox_cgroup as cg
 from rlcore.agent.sandbox_backends import Result
 
 LOCAL = ("bwrap", "namespaces", "uid", "process")
@@ -106,6 +106,8 @@ class Limits:
     python: str | None = None  # the interpreter the child runs (default: this one's base install)
     url: str | None = None  # the remote backend's service
     uid_base: int = 1_000_000_000  # per-call uids: uid_base + slot (root trainers)
+    cgroup: str = "auto"  # a control group per call: auto (where one can be made) | off | required
+    cpus: float | None = 1.0  # the call's CPU quota in its group (None: none)
 
 
 class SandboxUnavailable(RuntimeError):
@@ -160,6 +162,10 @@ def check(limits: Limits) -> None:
             + "; ".join(f"{b}: {why_not(b, limits.python, limits.uid_base)}" for b in ("bwrap", "namespaces"))
             + "); install bubblewrap or allow unprivileged user namespaces, point backend: remote at a sandbox "
             "service, or set strict: false to accept it")
+    if limits.cgroup == "required" and chosen != "remote" and cg.probe()[0] is None:
+        raise SandboxUnavailable(f"cgroup: required, but no control group can be made per call here "
+                                 f"({cg.probe()[1]}); run the trainer where its cgroup delegates memory/pids/cpu "
+                                 "(systemd Delegate=yes, Slurm's cgroup/v2), or set cgroup: auto")
 
 
 def isolation(limits: Limits = Limits()) -> dict[str, bool]:
@@ -169,11 +175,16 @@ def isolation(limits: Limits = Limits()) -> dict[str, bool]:
     legacy = _legacy_layers(limits.python) if chosen == "process" else {}
     return {"user_pid_mount_namespaces": ns, "network_namespace": ns or chosen == "remote" or
             legacy.get("network_namespace", chosen == "uid" and _netns_ok(limits.python)),
-            "read_only_file_system_view": ns, "every_descendant_killed": ns or chosen == "uid",
+            "read_only_file_system_view": ns,
+            "every_descendant_killed": ns or chosen == "uid" or _cgroup_place(limits, chosen) is not None,
             "unprivileged_uid": chosen in ("uid", "remote") or ns or legacy.get("unprivileged_uid", False),
             "nproc_limit": os.geteuid() != 0 or legacy.get("unprivileged_uid", False) or _per_call_uid(chosen),
             "rlimits": chosen != "remote", "own_session": chosen != "remote", "audit_hook": chosen != "remote",
-            "cgroup_limits": False}
+            "cgroup_limits": _cgroup_place(limits, chosen) is not None}
+
+
+def _cgroup_place(limits: Limits, chosen: str) -> cg.Place | None:
+    return None if limits.cgroup == "off" or chosen == "remote" else cg.probe()[0]
 
 
 def describe(limits: Limits = Limits()) -> str:
@@ -189,7 +200,18 @@ def describe(limits: Limits = Limits()) -> str:
     return (f"python tool sandbox: backend {chosen}{where}" + (f" (skipped {'; '.join(skipped)})" if skipped else "")
             + f";{weak} layers: {', '.join(on)}" + (f" (not in effect: {', '.join(off)})" if off else "")
             + f"; limits {limits.timeout_s:g} s wall, {limits.cpu_s} s CPU, {limits.memory_mb} MiB, "
-            f"{limits.output_bytes} B output; cgroup v2 limits: {sb.cgroup_note()} (rlimits used). See docs/tools.md")
+            f"{limits.output_bytes} B output; {_cgroup_note(limits, chosen)}. See docs/tools.md")
+
+
+def _cgroup_note(limits: Limits, chosen: str) -> str:
+    if limits.cgroup == "off" or chosen == "remote":
+        return "no control group per call (cgroup: off)" if chosen != "remote" else "limits: the service's"
+    place, why = cg.probe()
+    if place is None:
+        return f"no control group per call ({why}): the rlimits bound each process alone"
+    cpu = f", {limits.cpus:g} CPU" if limits.cpus is not None and "cpu" in place.controllers else ""
+    return (f"a control group per call: {why}; {limits.memory_mb} MiB, {limits.max_procs + cg.OWN_PROCS} "
+            f"processes{cpu} for the whole call, every process killed at its end")
 
 
 @functools.lru_cache(maxsize=8)
@@ -268,6 +290,17 @@ def _run_local(code: str, limits: Limits, chosen: str, extra_paths: tuple[str, .
         launch = _launch(code, limits, chosen, extra_paths)
     except OSError as e:
         return Result("", f"start failed: {e}")
+    if (place := _cgroup_place(limits, chosen)) is not None:
+        try:
+            launch.group = cg.create(place, memory_mb=limits.memory_mb, procs=limits.max_procs + cg.OWN_PROCS,
+                                     cpus=limits.cpus)
+        except OSError as e:
+            _cleanup(None, launch, limits)
+            return Result("", f"start failed: no control group for the call: {e}")
+        launch.argv = cg.join_argv(launch.group, launch.argv)
+    elif limits.cgroup == "required":
+        _cleanup(None, launch, limits)
+        return Result("", "sandbox refused: cgroup: required and no control group can be made here")
     try:
         proc = subprocess.Popen(
             launch.argv, cwd=launch.workdir, env={"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"},
@@ -287,6 +320,10 @@ def _run_local(code: str, limits: Limits, chosen: str, extra_paths: tuple[str, .
     if error is None and proc.returncode:
         code_ = proc.returncode
         error = f"signal {-code_}" if code_ < 0 else f"exit {code_}"
+        if launch.group is not None and code_ == cg.JOIN_FAILED and not out:
+            error = "start failed: the child could not join its control group"
+    if launch.oom_killed and error != "timeout":
+        error = "memory_limit"  # the kernel's OOM killer, in the call's group
     return Result(text, error)
 
 
@@ -295,6 +332,9 @@ def _cleanup(proc: subprocess.Popen | None, launch: sb.Launch, limits: Limits) -
     give its uid back, remove its directories."""
     if proc is not None:
         _kill_group(proc)
+    if launch.group is not None:  # every process of the call, whatever session or uid it took
+        launch.oom_killed = cg.memory_killed(launch.group)
+        cg.destroy(launch.group)
     for fd in launch.close:
         os.close(fd)
     if launch.uid is not None:

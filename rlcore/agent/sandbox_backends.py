@@ -54,6 +54,8 @@ class Launch:
     base: str = ""  # the temporary directory holding it
     uid: int | None = None  # the per-call uid whose processes are killed afterwards
     close: list[int] = field(default_factory=list)  # fds to close once the child started
+    group: object = None  # the call's control group (rlcore.agent.sandbox_cgroup.Group), or None
+    oom_killed: bool = False  # the kernel's OOM killer ended a process of that group
 
 
 # ------------------------------------------------------------------------------ the interpreter
@@ -285,22 +287,3 @@ def bwrap_flags() -> tuple[str, ...] | None:
 def can_drop_uid() -> bool:
     """Whether this process may switch a child to another uid (root, or CAP_SETUID)."""
     return os.geteuid() == 0
-
-
-@functools.lru_cache(maxsize=1)
-def cgroup_note() -> str:
-    """Whether cgroup v2 memory/pids/cpu limits could be set per call: only where this process's
-    cgroup delegates those controllers to a child group it may create."""
-    try:
-        with open("/proc/self/cgroup") as f:
-            rel = next((ln.split("::", 1)[1].strip() for ln in f if ln.startswith("0::")), None)
-        mounts = [ln.split() for ln in open("/proc/self/mountinfo")]
-        mount = next((m[4] for m in mounts if "cgroup2" in m[m.index("-") + 1:][:1]), None)
-        if rel is None or mount is None:
-            return "no cgroup v2 hierarchy"
-        with open(os.path.join(mount + rel, "cgroup.subtree_control")) as f:
-            have = set(f.read().split()) & {"memory", "pids", "cpu"}
-    except (OSError, StopIteration, ValueError):
-        return "cgroup v2 not readable"
-    return (f"controllers {', '.join(sorted(have))} delegated, not used yet" if have else
-            "no memory/pids/cpu controller delegated to this process's cgroup")
