@@ -22,7 +22,6 @@ from conftest import REPO
 
 from test_gpu_check import recipe_config
 
-pytestmark = pytest.mark.unit
 
 RECIPES = [  # (recipe, device it is written for, stand-in model config)
     ("qwen3_8b_math_16gpu", "cuda", "qwen3_8b"),
@@ -80,6 +79,7 @@ def test_moe_on_npu_passes_veomni_but_is_refused_at_config_time(tmp_path, veomni
     assert "parallel.device='npu'" in err and "128 experts" in err and "vllm-ascend 0.26.0rc1 or newer" in err
 
 
+@pytest.mark.unit
 def test_veomni_refuses_the_old_bare_names_on_npu(veomni_device):
     """The names the trainer used to pass: VeOmni's validation refuses them on Ascend."""
     from veomni.arguments.arguments_types import OpsImplementationConfig
@@ -97,12 +97,14 @@ def test_veomni_refuses_the_old_bare_names_on_npu(veomni_device):
     ("npu", 128, "fused_npu"), ("triton", 128, "fused_triton"), ("quack", 8, "fused_quack"),
     ("npu", 0, "eager"), ("triton", 0, "eager"), ("torch_ep", 8, "eager"), ("eager", 8, "eager"),
 ])
+@pytest.mark.unit
 def test_project_names_map_to_veomnis(impl, experts, expected):
     from rlcore.engine.moe import veomni_moe_implementation
 
     assert veomni_moe_implementation(impl, experts) == expected
 
 
+@pytest.mark.unit
 def test_fused_kernels_per_device_and_what_the_start_up_line_says(veomni_device):
     """cuda: liger-kernel's RMSNorm / SwiGLU / RoPE when VeOmni finds it, else eager; npu: VeOmni's
     torch_npu RMSNorm and RoPE (text and vision); cpu: eager. Each set passes VeOmni's validation

@@ -135,7 +135,6 @@ def test_qwen3_delta_rebuilds_the_templates_own_rendering(chatml_model):
     assert r.turn_end == "\n"
 
 
-@pytest.mark.unit
 def test_vllm_parser_reads_calls_and_counts_malformed_ones(tool_model):
     from transformers import AutoTokenizer
 
@@ -214,7 +213,6 @@ SANDBOX_CASES = {
 }
 
 
-@pytest.mark.unit
 @pytest.mark.parametrize("case", list(SANDBOX_CASES))
 def test_python_tool_failure_is_a_tool_error_not_a_trainer_error(case, monkeypatch):
     from rlcore.agent.sandbox import Limits
@@ -235,7 +233,7 @@ def test_python_tool_failure_is_a_tool_error_not_a_trainer_error(case, monkeypat
         assert result.timed_out
 
 
-@pytest.mark.unit
+@pytest.mark.serial
 def test_python_tool_runs_code_in_an_empty_directory_and_calls_run_concurrently():
     from rlcore.agent.sandbox import Limits
     from rlcore.agent.tools import ToolRunner, load_tools
@@ -262,7 +260,6 @@ def _hang(seconds: float) -> str:
     return "done"
 
 
-@pytest.mark.unit
 def test_tools_calculator_user_function_errors_and_hangs():
     from rlcore.agent.sandbox import Limits
     from rlcore.agent.tools import Tool, ToolRunner, calculator, load_tools, tool_schema
@@ -297,7 +294,6 @@ def test_tool_schema_must_match_the_signature(tmp_path):
 # --------------------------------------------------------------------------- bad configs
 
 
-@pytest.mark.unit
 @pytest.mark.parametrize("extra,expected", [
     (["--rollout.tool_parser", "hermes2"], "rollout.tool_parser='hermes2' is not one of vLLM's tool parsers"),
     (["--tools", '["no_such_file.py:f"]'], "file no_such_file.py does not exist"),

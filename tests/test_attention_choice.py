@@ -75,7 +75,6 @@ def choose(paths: list[str], *cases: tuple) -> list[dict]:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.unit
 def test_the_real_flash_attn_4_wheel_never_selects_flash_attention_2(site):
     """Before the entry-point probe, ``import flash_attn`` succeeded here and auto returned
     flash_attention_2, whose first forward failed on every CUDA recipe."""
@@ -89,7 +88,6 @@ def test_the_real_flash_attn_4_wheel_never_selects_flash_attention_2(site):
     assert "flash-attn-4 with nvidia-cutlass-dsl" in fa4["error"], fa4
 
 
-@pytest.mark.unit
 @pytest.mark.parametrize("kernels, expected", [
     ("fa2", "flash_attention_2"), ("fa3", "flash_attention_3"), ("fa4", "flash_attention_4"),
     ("fa2+fa3", "flash_attention_2"),
@@ -100,13 +98,11 @@ def test_auto_on_cuda_takes_the_first_flash_entry_point_that_imports(site, kerne
     assert not auto["warned"]
 
 
-@pytest.mark.unit
 def test_auto_on_cpu_is_sdpa_even_with_flash_installed(site):
     (auto,) = choose(site["fa2+fa3"], ("auto", "cpu", None))[:1]
     assert auto["impl"] == "sdpa" and "cpu" in auto["reason"] and not auto["warned"]  # no fallback on CPU
 
 
-@pytest.mark.unit
 def test_auto_without_flash_or_in_float32_falls_back_to_sdpa_with_a_warning(site):
     none, fp32 = choose(site["none"], ("auto", "cuda", "bfloat16"), ("auto", "cuda", "float32"))[:2]
     assert none["impl"] == "sdpa" and "L*L bytes" in none["reason"] and "install flash-attn-4" in none["reason"]
@@ -115,13 +111,11 @@ def test_auto_without_flash_or_in_float32_falls_back_to_sdpa_with_a_warning(site
     assert fp32["impl"] == fp32_fa2["impl"] == "sdpa" and "float32" in fp32_fa2["reason"] and fp32_fa2["warned"]
 
 
-@pytest.mark.unit
 def test_auto_on_npu_uses_the_npu_fusion_attention_path(site):
     (auto,) = choose(site["none"], ("auto", "npu", "bfloat16"))[:1]  # transformers routes FA2 to torch_npu
     assert auto["impl"] == "flash_attention_2" and "npu_fusion_attention" in auto["reason"]
 
 
-@pytest.mark.unit
 def test_explicit_choices_check_device_package_and_dtype(site):
     results = choose(site["fa2"], ("flash_attention_2", "cpu", None), ("flash_attention_4", "cpu", None),
                      ("flash_attention_2", "cuda", "bfloat16"), ("flash_attention_2", "cuda", None),
@@ -135,7 +129,6 @@ def test_explicit_choices_check_device_package_and_dtype(site):
     assert "install flash-attn-3" in fa3_missing["error"]
 
 
-@pytest.mark.unit
 def test_explicit_sdpa_and_eager_run_everywhere_and_say_what_they_cost(site):
     cases = [(name, device, "bfloat16") for device in ("cpu", "cuda", "npu") for name in ("sdpa", "eager")]
     results = choose(site["none"], *cases, ("sdpa", "cuda", None), ("eager", "npu", None))
@@ -144,7 +137,6 @@ def test_explicit_sdpa_and_eager_run_everywhere_and_say_what_they_cost(site):
     assert "L*L bytes" in results[len(cases)]["reason"] and "L*L*itemsize bytes" in results[len(cases) + 1]["reason"]
 
 
-@pytest.mark.unit
 def test_unknown_names_and_devices(site):
     name, device = choose(site["none"], ("flash_attn", "cuda", None), ("auto", "tpu", None))[:2]
     assert "unknown attention implementation" in name["error"] and "flash_attention_4" in name["error"]

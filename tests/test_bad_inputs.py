@@ -297,7 +297,6 @@ def fill(args: list[str], env: dict) -> list[str]:
     return [a.format(**env) for a in args]
 
 
-@pytest.mark.unit
 @pytest.mark.parametrize("case_id,extra,expected,world", CASES, ids=[c[0] for c in CASES])
 def test_bad_input_exits_2_before_any_model(env, capsys, case_id, extra, expected, world):
     code = checks_exit_code(base_args(env) + fill(extra, env), world)

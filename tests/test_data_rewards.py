@@ -45,7 +45,6 @@ def write_parquet(path, rows):
 ROWS = [{"q": "d 1 2 pick 1st =", "meta": {"gt": "1"}}, {"q": "d 3 4 pick 2nd =", "meta": {"gt": "4"}}]
 
 
-@pytest.mark.unit
 def test_jsonl_and_parquet_give_the_same_prompts(tok, tmp_path):
     from rlcore.config import DataConfig
     from rlcore.task.prompts import load_prompts
@@ -202,7 +201,7 @@ def test_custom_reward_by_module_and_file_and_batched(custom_module):
     assert totals == pytest.approx([0.5 * 0.3, 0.5 * 0.1 + 1.0], abs=1e-12)
 
 
-@pytest.mark.unit
+@pytest.mark.serial
 def test_failing_custom_reward_gives_error_value_and_counts(custom_module, capfd):
     from rlcore.task import rewards
 

@@ -9,7 +9,6 @@ import sys
 
 import pytest
 
-pytestmark = pytest.mark.unit  # plain subprocesses: no torchrun, no vLLM, no model build
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -52,7 +52,6 @@ def test_gpu_check_refuses_without_an_accelerator(tmp_path):
     assert proc.returncode == 2 and "DEVICE=tpu" in proc.stderr
 
 
-@pytest.mark.unit
 def test_gpu_check_refuses_when_torch_sees_no_gpu(tmp_path):
     """nvidia-smi is there (a stand-in) but torch.cuda.is_available() is False (this CPU build)."""
     import torch
@@ -104,7 +103,6 @@ def printed_config(part: str, device: str, out: str, tmp_path, **env) -> tuple[d
     return yaml.safe_load(proc.stdout), str(path)
 
 
-@pytest.mark.unit
 @pytest.mark.parametrize("device", ["cuda", "npu"])
 def test_gpu_check_overrides_are_valid_trainer_config(device, check_out, tmp_path, capsys):
     """Each part's train_grpo.py arguments parse against the current config (PRINT_CONFIG=PART skips
@@ -153,7 +151,6 @@ def test_gpu_check_overrides_are_valid_trainer_config(device, check_out, tmp_pat
             assert resolved.reward.judges()[0].kind == "discriminative"
 
 
-@pytest.mark.unit
 def test_gpu_check_knobs_reach_every_part(check_out, tmp_path):
     """NPROC, WEIGHT_LOAD, ENFORCE_EAGER, STEPS and extra arguments reach each part (moe_r3 reloads
     whatever WEIGHT_LOAD says: a direct load is refused for MoE); extra arguments come last and win."""

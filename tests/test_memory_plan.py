@@ -92,7 +92,6 @@ def test_lora_trains_the_adapters_only():
     assert train["trainer_params"] == full["trainer_params"]  # the frozen base keeps its fp32 shards
 
 
-@pytest.mark.unit
 def test_script_train_phase_matches_hand_computation(recipe):
     proc = run_script(recipe, "--nproc", "8", "--nnodes", "2", "--json")
     assert proc.returncode == 0, proc.stderr
@@ -125,7 +124,6 @@ def test_generate_phase_and_kv_cache_by_hand(recipe):
     assert plan.kv["batch_sequences"] == 128 // 8 * 8
 
 
-@pytest.mark.unit
 def test_judges_get_a_judging_phase_by_hand(recipe, tmp_path):
     """reward.models: a judging phase (the judges' whole budgets, the policy asleep as for training,
     the trainer state not offloaded), their overhead while asleep, their host memory at level 1,
@@ -162,7 +160,6 @@ def test_judges_get_a_judging_phase_by_hand(recipe, tmp_path):
         check_memory(big)
 
 
-@pytest.mark.unit
 def test_json_last_line_has_every_phase_and_component(recipe):
     proc = run_script(recipe, "--nproc", "8", "--nnodes", "2", "--json")
     plan = last_json(proc)
@@ -175,7 +172,6 @@ def test_json_last_line_has_every_phase_and_component(recipe):
     assert "component" in proc.stdout and "verdict: fits" in proc.stdout
 
 
-@pytest.mark.unit
 def test_too_small_device_does_not_fit_and_names_a_setting(recipe):
     proc = run_script(recipe, "--nproc", "8", "--nnodes", "1", "--device-gb", "40", "--json", "--",
                       "--model.gradient_checkpointing", "false")
@@ -186,7 +182,6 @@ def test_too_small_device_does_not_fit_and_names_a_setting(recipe):
     assert any("model.gradient_checkpointing=true" in s for s in plan["suggestions"]), plan["suggestions"]
 
 
-@pytest.mark.unit
 def test_64gb_npu_plan(recipe):
     proc = run_script(recipe, "--nproc", "16", "--nnodes", "1", "--device", "npu", "--device-gb", "64", "--json")
     plan = last_json(proc)

@@ -175,7 +175,6 @@ def test_a_second_run_on_a_live_output_dir_exits_2_naming_the_holder(tiny_model,
         reap(pids, timeout=20)
 
 
-@pytest.mark.unit
 def test_lock_is_exclusive_names_its_holder_and_dies_with_it(tmp_path):
     from rlcore.run import ownership
 
@@ -195,7 +194,7 @@ def test_lock_is_exclusive_names_its_holder_and_dies_with_it(tmp_path):
     assert ownership.lock_output_dir(out) is None  # held by this process already
 
 
-@pytest.mark.unit
+@pytest.mark.serial
 def test_a_rank_stops_when_its_parent_dies(tmp_path):
     """tie_to_launcher on a plain process: its parent is SIGKILLed, the process exits 77 (through
     the main thread's exit path: its atexit handler ran) well within the poll + grace time."""

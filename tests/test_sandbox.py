@@ -72,7 +72,6 @@ def _results(backend: str, python: str | None, tmp_path_factory) -> dict:
     return _RESULTS[backend]
 
 
-@pytest.mark.unit
 @pytest.mark.parametrize("backend", LOCAL)
 @pytest.mark.parametrize("case", HOSTILE)
 def test_hostile_code_stays_inside(case, backend, tmp_path, tmp_path_factory):
@@ -96,7 +95,6 @@ def _python_tool():
     return Tool("python", python, {"type": "function", "function": {"name": "python"}}, sandboxed=True)
 
 
-@pytest.mark.unit
 @pytest.mark.parametrize("backend", [*LOCAL, "process"])
 @pytest.mark.parametrize("case", list(SANDBOX_CASES))
 def test_honest_failures_under_every_backend(case, backend, monkeypatch):
@@ -114,7 +112,7 @@ def test_honest_failures_under_every_backend(case, backend, monkeypatch):
     assert not os.path.exists("/tmp/rlcore_sandbox_escape.txt")
 
 
-@pytest.mark.unit
+@pytest.mark.serial
 @pytest.mark.parametrize("backend", LOCAL)
 def test_concurrent_calls_each_have_their_own_sandbox(backend):
     """Calls of a turn run side by side in the pool; one call's cleanup (under uid: kill everything
@@ -172,7 +170,6 @@ def fusion_url():
     server.server_close()
 
 
-@pytest.mark.unit
 def test_remote_backend_speaks_sandbox_fusion(fusion_url):
     from rlcore.agent.sandbox import Limits, run_python
     from rlcore.agent.tools import run_call
@@ -254,7 +251,6 @@ def test_bad_sandbox_config_exits_2_before_any_model(extra, expected, tmp_path, 
     assert expected in err, err
 
 
-@pytest.mark.unit
 def test_per_call_uids_differ_between_processes():
     """The 8 or 16 ranks of a node each run tool calls: one process's cleanup (kill every process of
     its call's uid) must never reach another process's call (a run of the suite with two pytest

@@ -91,7 +91,6 @@ def test_without_a_group_the_same_bomb_gets_out_as_root():
     assert not _alive(token)
 
 
-@pytest.mark.unit
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_children_together_cannot_pass_the_calls_memory(backend):
     """Four fresh interpreters of 150 MiB each (each under its own 256 MiB address-space rlimit):
@@ -108,7 +107,6 @@ def test_children_together_cannot_pass_the_calls_memory(backend):
     assert result.error == "memory_limit", result
 
 
-@pytest.mark.unit
 @pytest.mark.parametrize("backend", ["bwrap", "process"])
 def test_the_calls_cpu_quota(backend):
     """cpus: 0.2 -> a busy loop of 1.5 s wall gets about 0.3 s of CPU (unbounded: about 1.5)."""

@@ -128,7 +128,6 @@ def test_generate_refuses_garbage_weights_until_a_full_sync(run2):
 # ----------------------------------------------------------------------------- in-process
 
 
-@pytest.mark.unit
 def test_config_offload_defaults_and_errors(capsys):
     from rlcore.config import Config, OffloadConfig, resolve
     from rlcore.config.cli import parse_config

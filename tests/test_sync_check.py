@@ -10,9 +10,9 @@ import torch
 from rlcore.rollout.cpu_repack import cpu_repack_on_reload, cpu_tied_linears
 from rlcore.step import sync_check
 
-pytestmark = pytest.mark.unit
 
 
+@pytest.mark.unit
 def test_probe_sequences_skip_vision_tokens_short_prompts_and_cut_to_length():
     prompts = [[1, 2], [5, 99, 6, 7, 8], [9, 10, 11, 12, 13, 14], [20, 21, 22, 23]]
     # [1, 2] is too short; [5, 99, 6, 7, 8] keeps 4 tokens once 99 is removed, so it counts
@@ -21,12 +21,14 @@ def test_probe_sequences_skip_vision_tokens_short_prompts_and_cut_to_length():
     assert sync_check.probe_sequences([[1, 2, 3]], n=2) == []
 
 
+@pytest.mark.unit
 def test_probe_batch_scores_the_second_half_as_a_response():
     b = sync_check.probe_batch([[1, 2, 3, 4, 5], [6, 7, 8, 9]])
     assert b.prompt_ids == [[1, 2], [6, 7]] and b.response_ids == [[3, 4, 5], [8, 9]]
     assert b.response_mask().tolist() == [[1, 1, 1], [1, 1, 0]]
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("name, group", [
     ("model.embed_tokens", "embedding"), ("model.layers.0", "layer 0"), ("model.layers.11", "layer 11"),
     ("model.norm", "final norm"), ("language_model.model.layers.3", "layer 3"),
@@ -42,6 +44,7 @@ def _groups(values: dict[str, float]) -> dict[str, torch.Tensor]:
     return {k: torch.full((3, 4), v) for k, v in values.items()}
 
 
+@pytest.mark.unit
 def test_first_differing_group_is_the_first_in_forward_order():
     trainer = _groups({"embedding": 1.0, "layer 0": 2.0, "layer 1": 3.0, "layer 10": 4.0, "final norm": 5.0})
     # layer 10 sorts after layer 1 numerically, not as text; a 1e-3 relative error in layer 1
@@ -50,6 +53,7 @@ def test_first_differing_group_is_the_first_in_forward_order():
     assert group == "layer 1" and "9.99e-04" in detail  # 0.003 / 3.003 and "layer 0 and all before it agree" in detail
 
 
+@pytest.mark.unit
 def test_every_hidden_group_agreeing_points_at_the_lm_head():
     trainer = _groups({"embedding": 1.0, "layer 0": 2.0, "final norm": 5.0})
     engine = _groups({"embedding": 1.0, "layer 0": 2.0 + 1e-6, "final norm": 5.0})
@@ -57,6 +61,7 @@ def test_every_hidden_group_agreeing_points_at_the_lm_head():
     assert sync_check.first_differing_group(trainer, {}, rtol=1e-4, tokens=3)[0] == "unknown"
 
 
+@pytest.mark.unit
 def test_only_the_compared_tokens_count():
     """vLLM may hold more rows (padding, a sampled token); the trainer's packed row holds the next
     sequence after the first: only the first ``tokens`` rows are compared."""
@@ -65,6 +70,7 @@ def test_only_the_compared_tokens_count():
     assert sync_check.first_differing_group({"embedding": a}, {"embedding": b}, 1e-4, tokens=4)[0] == "lm_head"
 
 
+@pytest.mark.unit
 def test_capture_groups_sums_vllm_layer_pairs_and_takes_the_normed_output():
     class Layer(torch.nn.Module):  # vLLM's decoder layer returns (hidden, residual)
         def forward(self, x):
@@ -94,6 +100,7 @@ def test_capture_groups_sums_vllm_layer_pairs_and_takes_the_normed_output():
     assert not root.model.layers[0]._forward_hooks  # removed after the block
 
 
+@pytest.mark.unit
 def test_sync_check_modes_and_tolerances():
     assert sync_check.SyncCheck("warn", "float32", [[1, 2, 3, 4]], "cpu").tol == 1e-3
     assert sync_check.SyncCheck("strict", "bfloat16", [[1, 2, 3, 4]], "cpu").tol == 0.1
@@ -104,6 +111,7 @@ def test_sync_check_modes_and_tolerances():
         sync_check.SyncCheck("loud", "float32", [[1, 2, 3, 4]], "cpu")
 
 
+@pytest.mark.unit
 def test_check_sync_config_errors_name_the_key():
     from rlcore.config import ConfigError, RolloutConfig
 
@@ -139,6 +147,7 @@ def _tied_pair():
     return model
 
 
+@pytest.mark.unit
 def test_tied_linears_are_found_by_shared_parameter_identity():
     model = _tied_pair()
     assert cpu_tied_linears(model) == [model.embed, model.head]
@@ -185,6 +194,7 @@ class _Rollout:
         return torch.nn.Identity()
 
 
+@pytest.mark.unit
 def test_agreeing_engine_passes_and_a_breach_warns_or_raises(caplog):
     probe = [[1, 2, 3, 4, 5, 6], [7, 8, 9, 10]]
     check = sync_check.SyncCheck("warn", "float32", probe, "cpu")
@@ -202,6 +212,7 @@ def test_agreeing_engine_passes_and_a_breach_warns_or_raises(caplog):
         strict.after_sync(_Rollout(0.01))
 
 
+@pytest.mark.unit
 def test_check_sync_every_checks_the_first_sync_and_every_nth():
     check = sync_check.SyncCheck("warn", "float32", [[1, 2, 3, 4]], "cpu", every=3)
     rollout, done = _Rollout(0.0), []

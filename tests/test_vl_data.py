@@ -15,7 +15,6 @@ import torch
 
 from tests.conftest import REPO
 
-pytestmark = pytest.mark.unit
 
 
 def test_torchvision_imports_on_this_cpu_host_through_the_shim():
@@ -55,6 +54,7 @@ def _two_image_ids(tokenizer):
     return text, tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("family", ["qwen3_vl", "qwen2_5_vl"])
 def test_expansion_pixels_and_mrope_positions_equal_transformers(family, request):
     """Independent computation: the HF processor's expanded ids and pixel values, and
@@ -104,6 +104,7 @@ def _vl_data_cfg(**kw):
     return DataConfig(**{"image_key": "images", "apply_chat_template": True, "max_prompt_length": 64, **kw})
 
 
+@pytest.mark.unit
 def test_image_rows_load_from_jsonl_paths_and_parquet_bytes(tiny_vl_model, tmp_path):
     from rlcore.demo.vl import make_shapes_data
     from rlcore.run.preflight import load_tokenizer
@@ -135,6 +136,7 @@ def test_image_rows_load_from_jsonl_paths_and_parquet_bytes(tiny_vl_model, tmp_p
         assert shorter == 0
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("case,row,expected", [
     ("missing_file", {"prompt": "<image> q", "images": ["nope.png"], "answer": "1"}, "nope.png does not exist"),
     ("undecodable", {"prompt": "<image> q", "images": ["garbage.png"], "answer": "1"}, "cannot be decoded"),
@@ -172,6 +174,7 @@ def _vision_inputs(n_tokens: int, tag: float, next_position: int):
                         positions=torch.arange(3 * (n_tokens + 2)).view(3, -1), next_position=next_position)
 
 
+@pytest.mark.unit
 def test_pack_with_images_lays_out_positions_pixels_and_runs():
     """Unshared: every sample carries its prompt's pixels and M-RoPE block, text row restarting at 0.
     Shared: a run's images once. Equal ids with different images are different runs."""
@@ -203,6 +206,7 @@ def test_pack_with_images_lays_out_positions_pixels_and_runs():
     assert text_only["position_ids"].shape == (1, 18) and text_only["mm"] is None
 
 
+@pytest.mark.unit
 def test_batches_keep_each_samples_images_through_select_and_concat():
     from rlcore.algo.batch import RolloutBatch, concat
 
@@ -214,6 +218,7 @@ def test_batches_keep_each_samples_images_through_select_and_concat():
     assert concat([text, text]).vision is None
 
 
+@pytest.mark.unit
 def test_shapes_answers_are_exact():
     """The drawn image really holds what the answer says (count from the pixels' colours)."""
     import random

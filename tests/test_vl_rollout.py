@@ -240,7 +240,6 @@ def test_prompt_images_checked():
         rc.check_prompt_images([[1]], [[im]], None)
 
 
-@pytest.mark.unit
 def test_registry_subprocess_runs_the_shim_first(tmp_path):
     import subprocess
 

@@ -39,6 +39,8 @@ NAMES = [
     ("vllm.v1.core.sched.scheduler", "Scheduler.shutdown", "ColocateRollout.shutdown"),
     ("vllm.v1.engine.llm_engine", "LLMEngine.reset_encoder_cache", "ColocateRollout._reset_encoder_cache (image prompts)"),
     ("vllm.model_executor.models.registry", "_SUBPROCESS_COMMAND", "rollout.checks.registry_subprocess_with_shim"),
+    ("vllm.distributed.device_communicators.cpu_communicator", "_CPUSHMDistributed.make_group_name",
+     "rollout.cpu_kv.scope_cpu_shm_names (CPU, tp > 1)"),
 ]
 
 # Every keyword ColocateRollout may pass to LLM(...): rlcore/rollout/engine.py _build_engine,
@@ -58,7 +60,6 @@ def _resolve(module: str, path: str):
     return obj
 
 
-@pytest.mark.unit
 @pytest.mark.parametrize("module,path,used_by", NAMES, ids=[f"{m}:{p}" for m, p, _ in NAMES])
 def test_name_exists(module, path, used_by):
     try:
@@ -139,3 +140,30 @@ def test_attribute_chain_on_a_real_engine(ranks):
     for r in ranks:
         assert not r["missing_chain"], "vLLM attribute chain broken on rank %d:\n  %s" % (
             r["rank"], "\n  ".join(r["missing_chain"]))
+
+
+@pytest.mark.unit
+def test_cpu_shm_names_are_scoped_to_the_launch(monkeypatch):
+    """Two live tp > 1 runs on one host: vLLM would give both the same shm group name (the
+    ident of ``env://`` is the same for every torchrun launch); scoped by MASTER_PORT they differ,
+    and the stale-file cleanup's pattern still matches them."""
+    import fnmatch
+    import types
+
+    from vllm.distributed.device_communicators import cpu_communicator as cc
+
+    from rlcore.rollout.cpu_kv import scope_cpu_shm_names
+
+    original = cc._CPUSHMDistributed.make_group_name
+    monkeypatch.setattr(cc._CPUSHMDistributed, "make_group_name", original)  # put back after the test
+    monkeypatch.setenv("VLLM_DIST_IDENT", "//")  # what cpu_worker.py:147-152 derives from env://
+    comm = types.SimpleNamespace(unique_name="tp:0", ranks=[0, 1])
+    plain = cc._CPUSHMDistributed.make_group_name(comm)
+    assert plain == "//-tp:0-[0-1]-cpushm"  # the same for every launch: what collides
+    monkeypatch.setenv("MASTER_PORT", "29513")
+    assert scope_cpu_shm_names() == "29513"
+    first = cc._CPUSHMDistributed.make_group_name(comm)
+    assert scope_cpu_shm_names("40007") == "40007"  # idempotent: re-scoped, not scoped twice
+    second = cc._CPUSHMDistributed.make_group_name(comm)
+    assert first == "//-tp:0-[0-1]-run29513-cpushm" and second == "//-tp:0-[0-1]-run40007-cpushm"
+    assert fnmatch.fnmatch(first + "_0", "*cpushm*")  # rlcore.rollout.cpu_kv.remove_stale_cpu_shm's glob

@@ -75,8 +75,8 @@ def _madvise(addr: int, length: int, advice: int) -> bool:
 
 
 def remove_stale_cpu_shm() -> list[str]:
-    """vLLM's CPU tensor-parallel communicator maps /dev/shm files with fixed names
-    ("-tp:0-[0-1]-cpushm_N"); a run killed mid-way (kill -9, OOM) leaves them behind, and the next
+    """vLLM's CPU tensor-parallel communicator maps /dev/shm files (``-tp:0-[0-1]-run<port>-cpushm_N``
+    with ``scope_cpu_shm_names``); a run killed mid-way (kill -9, OOM) leaves them behind, and the next
     tp > 1 engine on the host then fails with "create shm in SHMManager failed. errno: 17". Remove
     those no live process maps (another job's live ones stay); returns the removed paths."""
     import glob
@@ -98,6 +98,33 @@ def remove_stale_cpu_shm() -> list[str]:
         except OSError:
             pass
     return removed
+
+
+def scope_cpu_shm_names(token: str | None = None) -> str | None:
+    """Name this launch's CPU tensor-parallel shm files after it. vLLM names them from
+    ``VLLM_DIST_IDENT``, which the CPU worker derives from the distributed init method (vllm 0.32.0
+    v1/worker/cpu_worker.py:147-152): under torchrun (external_launcher, ``env://``) every launch
+    on a host gets the same one, so two live runs with tp > 1 on one host open each other's files
+    and the second fails ("errno: 17"). The group name (distributed/device_communicators/
+    cpu_communicator.py:236-243, ``_CPUSHMDistributed.make_group_name``) gets ``token`` (default:
+    torchrun's MASTER_PORT, equal on a launch's ranks and distinct between live launches) before
+    ``-cpushm``. Idempotent; returns the token in effect (None: nothing to scope by)."""
+    import os
+
+    from vllm.distributed.device_communicators import cpu_communicator as cc
+
+    token = token or os.environ.get("MASTER_PORT")
+    make = cc._CPUSHMDistributed.make_group_name
+    original = getattr(make, "_rlcore_original", make)
+    if token is None:
+        return None
+
+    def make_group_name(communicator) -> str:
+        return original(communicator).replace("-cpushm", f"-run{token}-cpushm")
+
+    make_group_name._rlcore_original = original
+    cc._CPUSHMDistributed.make_group_name = staticmethod(make_group_name)
+    return token
 
 
 def clear_stale_cpu_shm(info) -> None:

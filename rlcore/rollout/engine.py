@@ -44,7 +44,7 @@ from rlcore.rollout.checks import (
     reset_prefix_cache, require_all_loaded, unseeded_call_seed,
 )
 from rlcore.rollout.cpu_kv import (
-    clear_stale_cpu_shm, release_cpu_kv as _release_cpu_kv, resume_cpu_kv as _resume_cpu_kv,
+    clear_stale_cpu_shm, release_cpu_kv as _release_cpu_kv, resume_cpu_kv as _resume_cpu_kv, scope_cpu_shm_names,
 )
 from rlcore.rollout.cpu_repack import cpu_repack_on_reload
 from rlcore.rollout.process_state import ProcessState, get_torch_rng, set_torch_rng
@@ -138,6 +138,7 @@ class ColocateRollout:
         multimodal_guess = is_multimodal_config(config_or_empty(model_path))
 
         if info.device_type == "cpu" and tp_size > 1:  # a killed run's shm files would fail this engine
+            scope_cpu_shm_names()  # and another live run's would be opened as this one's
             clear_stale_cpu_shm(info)
         saved = ProcessState.capture(info.device_type)  # before llm_kwargs edits the env
         engine_kwargs = llm_kwargs(

@@ -71,6 +71,9 @@ def under_torchrun(environ=os.environ) -> bool:
     return "TORCHELASTIC_RUN_ID" in environ
 
 
+_launcher = [0]  # the parent this rank was tied to (tie_to_launcher)
+
+
 def set_parent_death_signal(signum: int) -> bool:
     """Linux: ask the kernel for ``signum`` when the parent exits. False where unavailable."""
     if not sys.platform.startswith("linux"):
@@ -88,7 +91,7 @@ def tie_to_launcher(rank: int, *, force: bool = False, poll_s: float = POLL_S,
     Returns False (and does nothing) outside torchrun unless ``force``."""
     if not (force or under_torchrun()):
         return False
-    launcher = os.getppid()
+    launcher = _launcher[0] = os.getppid()
     signal.signal(WAKE_SIGNAL, _raise_launcher_gone)
     if ORPHAN_SIGNAL is not None:
         # A thread started before this call (a library's) does not block it: should the kernel
@@ -104,14 +107,19 @@ def tie_to_launcher(rank: int, *, force: bool = False, poll_s: float = POLL_S,
 
 
 def _raise_launcher_gone(signum, frame) -> None:
+    if signum == ORPHAN_SIGNAL and os.getppid() == _launcher[0]:  # a thread of a live launcher ended
+        return
     raise LauncherGone()
 
 
 def _launcher_gone(launcher: int, poll_s: float) -> bool:
-    """Block up to ``poll_s``: True once the parent-death signal came or the parent changed."""
+    """Block up to ``poll_s`` (or until the parent-death signal comes): True once the parent changed.
+    The signal alone is not proof: the kernel sends it when the *thread* that forked this process
+    exits (prctl(2), PR_SET_PDEATHSIG), which a live launcher may do; when the launcher itself
+    dies, this process is re-parented before the signal is sent (kernel/exit.c, forget_original_parent),
+    so ``getppid()`` already tells."""
     if ORPHAN_SIGNAL is not None:
-        if signal.sigtimedwait({ORPHAN_SIGNAL}, poll_s) is not None:
-            return True
+        signal.sigtimedwait({ORPHAN_SIGNAL}, poll_s)
     else:
         time.sleep(poll_s)
     return os.getppid() != launcher
