@@ -113,6 +113,11 @@ def num_experts(model_config: dict) -> int:
     return int(cfg.get("num_experts") or cfg.get("num_local_experts") or cfg.get("n_routed_experts") or 0)
 
 
+def model_num_experts(path: str) -> int:
+    """Routed experts in the config.json at ``path`` (0: dense, or no readable config there)."""
+    return num_experts(config_or_empty(path))
+
+
 def adapter_rank(path: str) -> int:
     """The LoRA rank ``r`` of the PEFT adapter folder ``path`` (its adapter_config.json)."""
     with open(os.path.join(path, "adapter_config.json")) as f:

@@ -44,7 +44,7 @@ def veomni_device(monkeypatch):
 
 
 def build_ops(cfg, device):
-    from rlcore.config import model_num_experts
+    from rlcore.hf_folder import model_num_experts
     from rlcore.engine.kernels import ops_config
 
     m = cfg.model

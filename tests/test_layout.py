@@ -129,17 +129,16 @@ def test_nothing_imports_the_run_wing():
     assert not bad, bad
 
 
-@pytest.mark.unit
-def test_no_import_circle_among_rlcores_modules():
-    graph = {m: {i for i in imps if i in MODULES and i != m} for m, imps in IMPORTS.items()}
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one node (Tarjan): the import circles."""
     index, low, stack, on, cycles, counter = {}, {}, [], set(), [], itertools.count()
     sys.setrecursionlimit(max(sys.getrecursionlimit(), 10_000))
 
-    def visit(v):  # Tarjan's strongly connected components
+    def visit(v):
         index[v] = low[v] = next(counter)
         stack.append(v)
         on.add(v)
-        for w in graph[v]:
+        for w in graph.get(v, ()):
             if w not in index:
                 visit(w)
                 low[v] = min(low[v], low[w])
@@ -156,10 +155,29 @@ def test_no_import_circle_among_rlcores_modules():
             if len(comp) > 1:
                 cycles.append(sorted(comp))
 
-    for v in graph:
+    for v in list(graph):
         if v not in index:
             visit(v)
+    return cycles
+
+
+@pytest.mark.unit
+def test_no_import_circle_among_rlcores_modules():
+    graph = {m: {i for i in imps if i in MODULES and i != m} for m, imps in IMPORTS.items()}
+    cycles = _cycles(graph)
     assert not cycles, f"import circles (imports inside functions included): {cycles}"
+
+
+@pytest.mark.unit
+def test_the_wings_stack_without_an_arrow_up():
+    """Between wings too: no two wings import each other, directly or around a circle (engine
+    and rollout take configs as arguments; config asks them for device choices)."""
+    wing = lambda m: _wing(m) or "ground"  # noqa: E731
+    graph: dict[str, set[str]] = {}
+    for m, imps in IMPORTS.items():
+        graph.setdefault(wing(m), set()).update(wing(i) for i in imps if i in MODULES and wing(i) != wing(m))
+    cycles = _cycles(graph)
+    assert not cycles, f"wings that import each other: {cycles}; move the shared piece down a floor"
 
 
 @pytest.mark.unit

@@ -14,12 +14,13 @@ registries of rlcore.algo; the engines' device choices only inside ``resolve``.
 
 from rlcore.config.algo import AlgorithmConfig, ExplorationConfig, RolloutCorrectionConfig
 from rlcore.config.lora import LoraConfig
-from rlcore.config.resolve import model_num_experts, resolve
+from rlcore.config.resolve import resolve
 from rlcore.config.sections import (
     CheckpointConfig, Config, DataConfig, LoggingConfig, ModelConfig, OffloadConfig, OptimConfig, ParallelConfig,
     RewardConfig, RolloutConfig, TrainerConfig, ValConfig,
 )
 from rlcore.errors import ConfigError, check, fail
+from rlcore.hf_folder import model_num_experts
 
 __all__ = [
     "AlgorithmConfig", "CheckpointConfig", "Config", "ConfigError", "DataConfig", "ExplorationConfig", "LoggingConfig",

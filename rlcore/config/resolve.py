@@ -12,14 +12,9 @@ from rlcore.agent.config import check_agent
 from rlcore.config.lora import check_lora
 from rlcore.config.sections import Config
 from rlcore.errors import ConfigError
+from rlcore.hf_folder import model_num_experts
 from rlcore.judge.config import check_judges
 
-
-def model_num_experts(path: str) -> int:
-    """Routed experts in the config.json at ``path`` (0: dense, or no readable config there)."""
-    from rlcore.hf_folder import config_or_empty, num_experts
-
-    return num_experts(config_or_empty(path))
 
 
 def _lora_sleep_level(cfg: Config, level: int) -> int:

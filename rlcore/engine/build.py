@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from rlcore.config import model_num_experts
+from rlcore.hf_folder import model_num_experts
 from rlcore.dist import DistInfo
 from rlcore.engine import moe as engine_moe, vl as engine_vl
 from rlcore.engine.kernels import ops_config

@@ -13,6 +13,6 @@
     vllm_globals.py   vLLM's module-level singletons, kept per engine
     dry_check.py      the dry run's engine-config validation by vLLM, for a device this machine lacks
 
-May import: vLLM, torch, transformers, rlcore.config and the ground floor. Never VeOmni: weights
+May import: vLLM, torch, transformers and the ground floor (configs arrive as arguments). Never VeOmni: weights
 arrive as (name, tensor) pairs from the policy engine (rlcore.engine) through the phase switch.
 """

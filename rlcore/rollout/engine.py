@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 from rlcore import hf_folder, torchvision_shim
-from rlcore.config import model_num_experts
+from rlcore.hf_folder import model_num_experts
 from rlcore.dist import DistInfo
 from rlcore.hf_folder import config_or_empty
 from rlcore.rollout import cpu_sleep, lora as rollout_lora, vllm_globals

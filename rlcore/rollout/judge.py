@@ -24,8 +24,12 @@ v1/kv_cache_interface.py:1586): its ``KVBlockZeroer`` precomputes the blocks' ab
 
 from __future__ import annotations
 
-from rlcore.judge.config import JudgeConfig
+from typing import TYPE_CHECKING
+
 from rlcore.rollout.checks import kv_zeroing_needed
+
+if TYPE_CHECKING:  # annotations only: the judge wing builds this engine, not the reverse
+    from rlcore.judge.config import JudgeConfig
 
 
 def default_offload(device_type: str, emulate_sleep: bool = False) -> str:

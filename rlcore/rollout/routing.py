@@ -19,7 +19,12 @@ vLLM refuses R3 there; R2 (rlcore.engine.replay's recording) works everywhere.
 
 from __future__ import annotations
 
-from rlcore.config import Config, ConfigError
+from typing import TYPE_CHECKING
+
+from rlcore.errors import ConfigError
+
+if TYPE_CHECKING:  # annotations only
+    from rlcore.config import Config
 
 
 def vllm_verdict(engine_kwargs: dict, device_type: str) -> str | None:

@@ -65,7 +65,7 @@ def check_config(argv: list[str], device: str) -> tuple[Config | None, list[Chec
     raw, problem = _quiet(_parse, argv)
     if problem:
         return None, [Check("config", FAIL, problem)]
-    from rlcore.config import model_num_experts
+    from rlcore.hf_folder import model_num_experts
 
     with warnings.catch_warnings():  # the attention check reports its fallback warning itself
         warnings.simplefilter("ignore")
@@ -101,7 +101,7 @@ def check_attention(cfg: Config, device: str) -> Check:
 
 
 def check_veomni_ops(cfg: Config, device: str) -> Check:
-    from rlcore.config import model_num_experts
+    from rlcore.hf_folder import model_num_experts
     from rlcore.engine.kernels import ops_config, veomni_sees
 
     m = cfg.model

@@ -193,7 +193,7 @@ def validate_against_world(cfg: Config, world_size: int) -> None:
 
 
 def _check_experts(cfg: Config, world_size: int) -> None:
-    from rlcore.config import model_num_experts
+    from rlcore.hf_folder import model_num_experts
 
     ep, experts = cfg.parallel.ep_size, model_num_experts(cfg.model.path)
     check(world_size % ep == 0, "parallel.ep_size", ep, f"it must divide the world size {world_size}")
