@@ -13,7 +13,7 @@ quiet.install()  # offline, quiet environment and warning filters: before the he
 import sys  # noqa: E402
 import time  # noqa: E402
 
-from rlcore import agent, judge  # noqa: E402
+from rlcore import agent, distill, judge  # noqa: E402
 from rlcore.algo import grpo  # noqa: E402
 from rlcore.algo.batch import advantages_for, rollout_metrics  # noqa: E402
 from rlcore.algo.exploration import EntropyControl, clip_cov_options  # noqa: E402
@@ -66,6 +66,7 @@ def loop(run: Run) -> None:
         with watchdog.phase("generate"):
             batch, scores, reward_metrics = run.sampler.sample(state.step)  # prompts -> generate -> score
             adv = advantages_for(batch, scores, cfg.algorithm, e.rollout.tp_size)  # (N, T)
+            adv, distill_metrics = distill.advantages(e.teacher, batch, adv)  # the teacher scores every token
         if stop.agreed():  # phase boundary, collective: drop this step's samples, keep step - 1
             stop_preempted(run, at_start)
         batch, adv, scores = shard_for_training(e.rollout, batch, adv, scores)
@@ -82,7 +83,7 @@ def loop(run: Run) -> None:
             saved = write_due_checkpoint(run)  # still in the train phase: vLLM asleep
         with watchdog.phase("weight_sync"):
             e.switch.to_generation()
-        log_step(run, rollout_metrics(batch, scores, adv, {**reward_metrics, **train_metrics},
+        log_step(run, rollout_metrics(batch, scores, adv, {**reward_metrics, **distill_metrics, **train_metrics},
                                     run.info.world_size, e.rollout.tp_size), step_start)
         commit_checkpoint(run, saved)  # after its metrics row
         stop_if_diverged(run)
@@ -105,7 +106,8 @@ def build(cfg: Config, info: DistInfo, stop, watchdog) -> Run:
         described = [engines.policy, engines.ref, engines.rollout, engines.switch]
         print(*(x.describe() for x in described if x is not None), grpo.describe_train_phase(cfg.algorithm),
               *([agent.describe(tool_agent)] if tool_agent else []),
-              *([judge.describe(engines.judges)] if engines.judges else []), sep="\n", flush=True)
+              *([judge.describe(engines.judges)] if engines.judges else []),
+              *([distill.describe(engines.teacher)] if engines.teacher else []), sep="\n", flush=True)
     t = cfg.trainer
     sampler = StepSampler(engines.rollout, PromptSampler(prompts, cfg.data.seed, cfg.data.shuffle), tokenizer, scorer,
                           cfg.rollout, cfg.algorithm, t.prompts_per_step, t.seed, timer, processor, tool_agent,

@@ -74,6 +74,22 @@ def judge_recipe(tmp_path, name: str = "judge", **judge_settings) -> list[str]:
     return ["--config", str(path), *stand_in(tmp_path, f"{name}_j", "qwen3_8b")]
 
 
+def opd_recipe(tmp_path, tokenizer_from: str) -> list[str]:
+    """configs/qwen3_1_7b_from_8b_opd_16gpu.yaml on stand-in Qwen3-1.7B (student) and Qwen3-8B (teacher)
+    folders that share one tokenizer (the tiny model's: the check compares the two)."""
+    student_args = stand_in(tmp_path, "opd_student", "qwen3_1_7b")
+    teacher = tmp_path / "opd_teacher"
+    teacher.mkdir()
+    shutil.copy(os.path.join(REPO, "tests", "fixtures", "qwen3_8b", "config.json"), teacher)
+    empty_safetensors(teacher / "model.safetensors")
+    for folder in (tmp_path / "opd_student", teacher):
+        for f in os.listdir(tokenizer_from):
+            if f.startswith(("tokenizer", "special_tokens", "vocab", "merges", "chat_template")):
+                shutil.copy(os.path.join(tokenizer_from, f), folder)
+    return ["--config", os.path.join(REPO, "configs", "qwen3_1_7b_from_8b_opd_16gpu.yaml"), *student_args,
+            "--distill.teacher", str(teacher)]
+
+
 def gpu_check_config(tmp_path, model_args: list[str]) -> str:
     """What scripts/gpu_check.sh would run, as a YAML file (its PRINT_CONFIG mode)."""
     env = {**os.environ, "PRINT_CONFIG": "1", "DEVICE": "cuda", "PYTHON": sys.executable, "NPROC": "2",
@@ -100,6 +116,7 @@ def results(tmp_path_factory, tiny_model, toy_data) -> dict[str, dict[str, list]
         "qwen3_8b_lora_math_8gpu": (["--config", cfg("qwen3_8b_lora_math_8gpu"), *stand_in(tmp, "l", "qwen3_8b")],
                                     "cuda", 8, 1),
         "qwen3_8b_judge_16gpu": (judge_recipe(tmp), "cuda", 8, 2),
+        "qwen3_1_7b_from_8b_opd_16gpu": (opd_recipe(tmp, tiny_model), "cuda", 8, 2),
         "qwen3_30b_a3b_math_16gpu": (["--config", cfg("qwen3_30b_a3b_math_16gpu"),
                                       *stand_in(tmp, "b", "qwen3_30b_a3b")], "cuda", 8, 2),
         "qwen3_vl_8b_geo3k_16gpu": (["--config", cfg("qwen3_vl_8b_geo3k_16gpu"), *stand_in(tmp, "c", "qwen3_vl_8b")],
@@ -136,7 +153,7 @@ def results(tmp_path_factory, tiny_model, toy_data) -> dict[str, dict[str, list]
 
 
 CUDA = ["qwen3_8b_math_16gpu", "qwen3_8b_tool_math_16gpu", "qwen3_8b_lora_math_8gpu", "qwen3_30b_a3b_math_16gpu",
-        "qwen3_vl_8b_geo3k_16gpu", "qwen3_8b_judge_16gpu", "gpu_check"]
+        "qwen3_vl_8b_geo3k_16gpu", "qwen3_8b_judge_16gpu", "qwen3_1_7b_from_8b_opd_16gpu", "gpu_check"]
 
 
 @pytest.mark.parametrize("name", CUDA + ["qwen3_8b_math_16npu"])
@@ -171,6 +188,13 @@ def test_the_judge_recipe_plans_its_judging_phase(results):
     checks = results["qwen3_8b_judge_16gpu"]
     assert "and those of judge(s) clarity and builds each engine's config" in checks["vllm_engine_args"][1]
     assert " judge " in checks["memory"][1] and checks["memory"][0] == "ok", checks["memory"]
+
+
+def test_the_distillation_recipe_plans_its_teacher_phase(results):
+    """The teacher's engine keywords go through vLLM's create_engine_config; the plan has a teacher phase that fits."""
+    checks = results["qwen3_1_7b_from_8b_opd_16gpu"]
+    assert "and the distillation teacher's and builds each engine's config" in checks["vllm_engine_args"][1]
+    assert " teacher " in checks["memory"][1] and checks["memory"][0] == "ok", checks["memory"]
 
 
 def test_vllm_builds_every_engine_config_and_says_what_stays_advisory(results):

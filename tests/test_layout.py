@@ -18,7 +18,7 @@ ROOT = os.path.join(REPO, "rlcore")
 # rlcore/ itself: only the ground floor, which every wing may use and which imports no wing.
 GROUND = {"rlcore", "rlcore.dist", "rlcore.errors", "rlcore.hf_folder", "rlcore.metrics", "rlcore.protocols",
           "rlcore.quiet", "rlcore.torchvision_shim"}
-WINGS = ("agent", "algo", "config", "demo", "engine", "judge", "plan", "rollout", "run", "step", "task")
+WINGS = ("agent", "algo", "config", "demo", "distill", "engine", "judge", "plan", "rollout", "run", "step", "task")
 MAX_LINES = 600
 
 

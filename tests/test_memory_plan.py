@@ -160,6 +160,42 @@ def test_judges_get_a_judging_phase_by_hand(recipe, tmp_path):
         check_memory(big)
 
 
+def test_a_distillation_teacher_gets_its_own_phase_by_hand(recipe, tmp_path):
+    """distill.teacher: a teacher phase (its whole budget, the judges asleep, the policy's engine asleep
+    as for training), its overhead while asleep in every other phase (the judging one included), its
+    host memory at level 1; too large a teacher is an exit-2 error naming distill.gpu_memory_utilization."""
+    import dataclasses
+    import shutil
+
+    from rlcore.config import ConfigError
+    from rlcore.config.cli import parse_config
+    from rlcore.plan.judges import JudgePlan, check_judging_fits
+    from rlcore.plan.memory import build_plan
+    from rlcore.plan.model_shape import ModelShape
+
+    folder = tmp_path / "teacher"
+    folder.mkdir()
+    shutil.copy(os.path.join(REPO, "tests", "fixtures", "qwen3_1_7b", "config.json"), folder)
+    (folder / "tokenizer_config.json").write_text("{}")
+    models = "[{name: clarity, path: %s, template: '{{ response }}', gpu_memory_utilization: 0.25}]" % folder
+    cfg = parse_config(["--config", recipe, "--reward.components", "{math: 1.0, clarity: 1.0}",
+                        "--reward.models", models], device_type="cuda")
+    judged = plan_from_config(cfg, world_size=16, device_gb=80, device_type="cuda")
+    teacher = JudgePlan(ModelShape.from_path(str(folder)), 0.3, sleep_level=1, c=2)
+    plan = build_plan(dataclasses.replace(judged.inputs, teacher=teacher))
+    assert sorted(plan.phases) == sorted(["train", "checkpoint", "sync", "generate", "judge", "teacher"])
+    t = plan.phases["teacher"]
+    assert t["teacher"] == int(0.3 * 80 * GB) and t["judges"] == 0 and t["judges_asleep"] == GB // 2
+    assert plan.total("teacher") == plan.total("judge") - int(0.25 * 80 * GB) + int(0.3 * 80 * GB)
+    assert all(plan.phases[ph]["teacher_asleep"] == GB // 2 for ph in ("train", "checkpoint", "sync", "generate", "judge"))
+    check_judging_fits(plan)  # fits
+    params_1_7b = 151936 * 2048 + 28 * (2048 * 2048 * 2 + 2048 * 1024 * 2 + 256 + 4096 + 3 * 2048 * 6144) + 2048
+    assert f"teacher asleep: {2 * params_1_7b / 2 / GB:.2f} GB host memory per rank" in format_plan(plan)
+    big = build_plan(dataclasses.replace(judged.inputs, teacher=dataclasses.replace(teacher, gpu_memory_utilization=0.97)))
+    with pytest.raises(ConfigError, match=r"distill.gpu_memory_utilization=0.97: the teacher's phase needs"):
+        check_judging_fits(big)
+
+
 def test_json_last_line_has_every_phase_and_component(recipe):
     proc = run_script(recipe, "--nproc", "8", "--nnodes", "2", "--json")
     plan = last_json(proc)

@@ -13,7 +13,9 @@ Four launches share one module fixture (8 training prompts, 4 per step: an epoch
 Exactness means equal, not close: every metrics.jsonl value but wall-clock ones (timing/, memory/,
 perf/), and every bit of the final model and optimizer state (DCP checkpoints of step 6).
 A judge is in the loop (rlcore/judge: a tiny reward model on its own in-process vLLM engine, half
-of the reward), so resuming with model-based rewards is covered by the same launches.
+of the reward), and so is a distillation teacher (rlcore/distill: another tiny Qwen3 on a third
+engine, its reverse-KL advantage beside the reward's), so resuming with model-based rewards and
+with on-policy distillation is covered by the same launches.
 """
 
 from __future__ import annotations
@@ -32,11 +34,13 @@ STEPS = 6
 PROBE = os.path.join(REPO, "tests", "workers", "trainer_probe.py")
 
 
-def judge_args(rm: str) -> list[str]:
+def judge_args(rm: str, teacher: str) -> list[str]:
     judge = {"name": "high_digit", "path": rm, "kind": "discriminative", "activation": "sigmoid",
              "pass_threshold": 0.5, "template": "{{ response.split()[0] if response.split() else '?' }}",
              "max_model_len": 32, "kv_cache_gb": 0.0625}
-    return ["--reward.models", json.dumps([judge]), "--reward.components", '{"first_word_match": 1.0, "high_digit": 0.5}']
+    return ["--reward.models", json.dumps([judge]), "--reward.components", '{"first_word_match": 1.0, "high_digit": 0.5}',
+            "--distill.teacher", teacher, "--distill.reward_weight", "1.0", "--distill.coef", "0.5",
+            "--distill.kv_cache_gb", "0.0625"]
 
 
 def args(model, data, out, *extra):
@@ -54,11 +58,12 @@ def args(model, data, out, *extra):
 @pytest.fixture(scope="module")
 def runs(tiny_model, toy_data, tmp_path_factory):
     from rlcore import quiet
-    from rlcore.demo.toy import DEMO_RM_PREFERRED, make_tiny_reward_model
+    from rlcore.demo.toy import DEMO_RM_PREFERRED, make_tiny_model, make_tiny_reward_model
 
     root = tmp_path_factory.mktemp("resume")
     with quiet.filtered_output():
-        judge = judge_args(make_tiny_reward_model(str(root / "rm"), preferred=DEMO_RM_PREFERRED))
+        judge = judge_args(make_tiny_reward_model(str(root / "rm"), preferred=DEMO_RM_PREFERRED),
+                           make_tiny_model(str(root / "teacher"), seed=1, num_layers=3))
     a, b = str(root / "a"), str(root / "b")
     data = os.path.join(a, "train8.jsonl")  # next to A's output: a later test resumes A
     os.makedirs(a)
@@ -118,8 +123,13 @@ def test_kill9_and_preemption_then_resume_is_exact(runs, tmp_path):
     # the judge scored every step: half the reward, its KV cache held only while it scored
     assert all(r["reward/mean"] == pytest.approx(r["reward/first_word_match"] + 0.5 * r["reward/high_digit"], abs=1e-6)
                and r["reward/high_digit_parse_fail_frac"] == 0 and r["timing/judge_s"] > 0 for r in b_rows)
-    assert all(r["memory/wake_judges_judge_kv_gb"] == 0.0625 and r["memory/train_judge_kv_gb"] == 0.0
-               for r in a_rows)
+    # (the judge's then the teacher's wake-up write this key: the teacher's last, its 0.0625 GiB less a
+    # part block)
+    assert all(r["memory/wake_judges_judge_kv_gb"] == pytest.approx(0.0625, abs=1e-4)
+               and r["memory/train_judge_kv_gb"] == 0.0 for r in a_rows)
+    # the teacher scored every step (its metrics resumed exactly above), awake only while it scored
+    assert all(r["distill/reverse_kl"] > 0 and r["timing/teacher_s"] > 0 and r["memory/teacher_judge_kv_gb"] == pytest.approx(0.0625, abs=1e-4)
+               for r in b_rows)
     assert all(r["actor/clip_cov_frac"] > 0 for r in b_rows)
     sa = dcp_state(os.path.join(runs["a"], "checkpoints", "step_6"), tmp_path)
     sb = dcp_state(os.path.join(runs["b"], "checkpoints", "step_6"), tmp_path)

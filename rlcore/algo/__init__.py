@@ -7,6 +7,7 @@
     advantage.py           advantage estimators, KL penalties, loss aggregation, policy losses
     rollout_correction.py  importance weights and rejection between vLLM's and the trainer's log-probs
     exploration.py         entropy control and clip-cov options
+    distill.py             on-policy distillation's per-token advantage (reverse KL) and its sums
 
 May import: torch, numpy, rlcore.dist (the collective sums of metrics). Not vLLM, not VeOmni, and
 no config at run time (``AlgorithmConfig`` only for annotations): the policy arrives as the

@@ -6,9 +6,9 @@
     resolve.py   dependent defaults (device, model folder), filled in once after parsing
     cli.py       the command line: YAML + ``--section.key value``, ``--help``, ``--print_config``
 
-The multi-turn and judge sections live with their wings (``rlcore.agent.config``,
-``rlcore.judge.config``) and are checked from here. Everything a caller needs is importable from
-``rlcore.config``. May import: the ground floor, the sections of agent/ and judge/, the pure
+The multi-turn, judge and distillation sections live with their wings (``rlcore.agent.config``,
+``rlcore.judge.config``, ``rlcore.distill.config``) and are checked from here. Everything a caller needs is importable from
+``rlcore.config``. May import: the ground floor, the sections of agent/, judge/ and distill/, the pure
 registries of rlcore.algo; the engines' device choices only inside ``resolve``.
 """
 

@@ -11,6 +11,7 @@ import dataclasses
 from rlcore.agent.config import check_agent
 from rlcore.config.lora import check_lora
 from rlcore.config.sections import Config
+from rlcore.distill.config import check_distill
 from rlcore.errors import ConfigError
 from rlcore.hf_folder import model_num_experts
 from rlcore.judge.config import check_judges
@@ -109,6 +110,7 @@ def resolve(cfg: Config, device_type: str) -> Config:
     check_lora(cfg.lora, m.path, experts, vision=_has_vision(m.path))
     check_agent(cfg)
     check_judges(cfg)
+    check_distill(cfg)
     if cfg.algorithm.use_rollout_logprobs and cfg.rollout_correction.options() is not None:
         raise ConfigError("rollout_correction.is_level/rs compare the trainer's old log-probs with vLLM's, but "
                           "algorithm.use_rollout_logprobs=true replaces the former with the latter (every ratio 1): "
@@ -133,4 +135,6 @@ def resolve(cfg: Config, device_type: str) -> Config:
                                     ref=params if o.ref is None else o.ref),
         reward=dataclasses.replace(cfg.reward, components=cfg.reward.effective_components()),
         val=dataclasses.replace(cfg.val, max_response_length=cfg.val.max_response_length or r.max_response_length),
+        distill=dataclasses.replace(cfg.distill, temperature=cfg.distill.temperature or r.temperature,
+                                    max_model_len=cfg.distill.max_model_len or r.max_model_len + 1),
     )

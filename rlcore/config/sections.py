@@ -18,6 +18,7 @@ from typing import Any, Literal, Optional
 from rlcore.agent.config import EnvConfig, MultiTurnConfig
 from rlcore.config.algo import AlgorithmConfig, ExplorationConfig, RolloutCorrectionConfig
 from rlcore.config.lora import LoraConfig
+from rlcore.distill.config import DistillConfig
 from rlcore.errors import check, check_positive
 
 
@@ -420,3 +421,4 @@ class Config:
     "package.module:function" (schema from type hints + Google docstring), or {fn: ..., schema: {...}}."""
     env: EnvConfig = field(default_factory=EnvConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)
+    distill: DistillConfig = field(default_factory=DistillConfig)

@@ -1,5 +1,5 @@
-"""The judges' part of the memory plan: each judge engine's shape and share, and the judging
-phase's verdict (a config error when it cannot fit: the judges' budgets are the user's own)."""
+"""The judges' part of the memory plan (and the distillation teacher's, the same kind of engine):
+each engine's shape and share, and the scoring phases' verdict (a config error when it cannot fit: the judges' budgets are the user's own)."""
 
 from __future__ import annotations
 
@@ -23,13 +23,33 @@ class JudgePlan:
         return self.c * self.shape.params // tp if self.sleep_level == 1 else 0
 
 
+def teacher_plan(cfg, dtype_bytes: dict) -> JudgePlan | None:
+    """distill.teacher's engine (a judge engine, rlcore.rollout.teacher) as the plan sees it; None without one."""
+    from rlcore.plan.model_shape import ModelShape
+
+    d = cfg.distill
+    if not d.enabled:
+        return None
+    return JudgePlan(ModelShape.from_path(d.teacher), d.gpu_memory_utilization, d.sleep_level or 1,
+                     dtype_bytes[d.dtype or cfg.rollout.dtype or cfg.model.dtype])
+
+
 def check_judging_fits(plan) -> None:
-    """Accelerators, on every rank before anything loads (this plan): the judging phase must
-    fit. The plan's other phases are only printed, as without judges; the judges' budgets are set
-    by the user and known exactly, so a judging phase over the limit is a config error."""
+    """Accelerators, on every rank before anything loads (this plan): the judging phase and the
+    distillation teacher's must fit. The plan's other phases are only printed, as without them; the
+    scoring engines' budgets are set by the user and known exactly, so a scoring phase over the
+    limit is a config error."""
+    gb = 2**30
+    if "teacher" in plan.phases and plan.total("teacher") > plan.limit:
+        t = plan.phases["teacher"]["teacher"]
+        raise ConfigError(
+            f"distill.gpu_memory_utilization={plan.inputs.teacher.gpu_memory_utilization:g}: the teacher's phase "
+            f"needs {plan.total('teacher') / gb:.1f} GB per rank (the teacher awake {t / gb:.1f} GB, plus "
+            f"{(plan.total('teacher') - t) / gb:.1f} GB the trainer and the sleeping engines keep) but the limit is "
+            f"{plan.limit / gb:.1f} GB: lower it, offload the trainer (offload.params / offload.optimizer: true), "
+            "or use rollout.sleep_level 1 or 2")
     if "judge" not in plan.phases or plan.total("judge") <= plan.limit:
         return
-    gb = 2**30
     parts = plan.phases["judge"]
     raise ConfigError(
         f"reward.models: the judging phase needs {plan.total('judge') / gb:.1f} GB per rank (judges awake "

@@ -30,6 +30,8 @@ Phases, in the order a run meets them (the steps are rlcore/step/switch.py's); e
               activations: gpu_memory_utilization x device), the policy's engine asleep as for
               training, the trainer state not offloaded; asleep, a judge keeps its overhead
               (judges are built while the policy's engine sleeps: this phase bounds their start-up too)
+    teacher   (distill.teacher only) the same for the distillation teacher, which wakes after the
+              judges went back to sleep (rlcore/distill): its whole vLLM budget, the judges asleep
 A phase fits when its total <= device - RESERVE_GB (CUDA/CANN context and kernels ~1 GB, the
 trainer's NCCL/HCCL communicators ~1 GB, allocator fragmentation ~1 GB).
 """
@@ -39,7 +41,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 
-from rlcore.plan.judges import JudgePlan
+from rlcore.plan.judges import JudgePlan, teacher_plan
 from rlcore.plan.model_shape import ModelShape
 
 GB = 2**30
@@ -48,6 +50,7 @@ PHASES = ("train", "checkpoint", "sync", "generate")  # the order a run goes thr
 COMPONENTS = ("trainer_params", "gradients", "optimizer", "reference", "activations", "fsdp_gathered",
               "vllm_weights", "kv_cache", "vllm_activations", "vllm_overhead", "sync_buckets")
 JUDGE_COMPONENTS = ("judges", "judges_asleep")  # only in plans with reward.models
+TEACHER_COMPONENTS = ("teacher", "teacher_asleep")  # only in plans with distill.teacher
 RESERVE_GB = {"cuda": 3.0, "npu": 3.0}  # other devices (cpu): 0
 VLLM_OVERHEAD_GB = 0.5  # non-torch memory vLLM keeps: TP communicator, cuBLAS/ACL workspaces
 # CUDA/ACL graph pool (rollout.enforce_eager false), kept across sleep/wake. A rough allowance:
@@ -95,14 +98,15 @@ class PlanInputs:
 
     lora_rank: int = 0  # lora.rank: only adapters on every decoder linear layer train
     judges: tuple = ()  # JudgePlan of each reward.models entry
+    teacher: JudgePlan | None = None  # distill.teacher's engine (a judge engine that returns log-probs)
 
     @property
     def phase_names(self) -> tuple[str, ...]:
-        return PHASES + ("judge",) * bool(self.judges)
+        return PHASES + ("judge",) * bool(self.judges) + ("teacher",) * bool(self.teacher)
 
     @property
     def components(self) -> tuple[str, ...]:
-        return COMPONENTS + JUDGE_COMPONENTS * bool(self.judges)
+        return COMPONENTS + JUDGE_COMPONENTS * bool(self.judges) + TEACHER_COMPONENTS * bool(self.teacher)
 
     @property
     def trainable(self) -> int:
@@ -309,6 +313,9 @@ def component_bytes(p: PlanInputs) -> dict[str, int]:
     sizes["fsdp_gathered"] = fsdp_gathered_bytes(p, sizes["activations"])
     sizes["judges"] = sum(int(j.gpu_memory_utilization * p.device_gb * GB) for j in p.judges)  # all awake at once
     sizes["judges_asleep"] = len(p.judges) * int(VLLM_OVERHEAD_GB * GB)  # eager: no graph pool
+    if p.teacher:
+        sizes["teacher"] = int(p.teacher.gpu_memory_utilization * p.device_gb * GB)
+        sizes["teacher_asleep"] = int(VLLM_OVERHEAD_GB * GB)
     sizes["kv_cache"] = vllm_budget - sizes["vllm_weights"] - sizes["vllm_activations"] - sizes["vllm_overhead"]
     return sizes
 
@@ -319,7 +326,7 @@ def resident(p: PlanInputs) -> dict[str, tuple[str, ...]]:
     vllm = ("vllm_weights", "kv_cache", "vllm_activations", "vllm_overhead")
     weights_kept = not p.free_kv_cache or p.sleep_level == 0 or p.device_type == "cpu"
     train_vllm = ("vllm_weights",) * weights_kept + ("kv_cache",) * (not p.free_kv_cache)
-    asleep = ("judges_asleep",) * bool(p.judges)
+    asleep = ("judges_asleep",) * bool(p.judges) + ("teacher_asleep",) * bool(p.teacher)
     phases = {
         "generate": ("trainer_params",) * (not p.offload_params) + ("optimizer",) * (not p.offload_optimizer)
         + ref + vllm + asleep,
@@ -329,10 +336,15 @@ def resident(p: PlanInputs) -> dict[str, tuple[str, ...]]:
         + train_vllm + ("vllm_overhead",),
         "checkpoint": ("trainer_params", "optimizer") + ref + train_vllm + ("vllm_overhead",),
     }
-    phases = {ph: held + asleep for ph, held in phases.items()} if p.judges else phases
-    if p.judges:  # generate -> the policy's engine sleeps -> the judges wake (rlcore/step/switch.py judging)
-        phases["judge"] = (("trainer_params",) * (not p.offload_params) + ("optimizer",) * (not p.offload_optimizer)
-                           + ref + train_vllm + ("vllm_overhead", "judges"))
+    phases = {ph: held + asleep for ph, held in phases.items()}
+    # generate -> the policy's engine sleeps -> the judges wake, score, sleep -> the teacher does
+    # (rlcore/step/switch.py judging, rlcore/distill/teacher.py)
+    scoring = (("trainer_params",) * (not p.offload_params) + ("optimizer",) * (not p.offload_optimizer)
+               + ref + train_vllm + ("vllm_overhead",))
+    if p.judges:
+        phases["judge"] = scoring + ("judges",) + ("teacher_asleep",) * bool(p.teacher)
+    if p.teacher:
+        phases["teacher"] = scoring + ("teacher",) + ("judges_asleep",) * bool(p.judges)
     return phases
 
 
@@ -537,7 +549,8 @@ def plan_from_config(cfg, world_size: int, device_gb: float, device_type: str = 
         vllm_images=None if r.limit_mm_per_prompt is None else r.limit_mm_per_prompt.get("image", 0),
         lora_rank=cfg.lora.rank if cfg.lora.enabled else 0,
         judges=tuple(JudgePlan(ModelShape.from_path(j.path), j.gpu_memory_utilization, j.sleep_level or 1,
-                               DTYPE_BYTES[j.dtype or r.dtype or cfg.model.dtype]) for j in cfg.reward.judges()))
+                               DTYPE_BYTES[j.dtype or r.dtype or cfg.model.dtype]) for j in cfg.reward.judges()),
+        teacher=teacher_plan(cfg, DTYPE_BYTES))
     return build_plan(p)
 
 
@@ -569,6 +582,9 @@ def format_plan(plan: MemoryPlan) -> str:
     if p.judges:
         host = sum(j.host_bytes(p.tp) for j in p.judges)
         lines.append(f"judges asleep: {host / GB:.2f} GB host memory per rank (weights kept at sleep level 1)")
+    if p.teacher:
+        lines.append(f"teacher asleep: {p.teacher.host_bytes(p.tp) / GB:.2f} GB host memory per rank "
+                     "(weights kept at sleep level 1)")
     lines.append(f"limit {plan.limit / GB:.2f} GB = {p.device_gb:g} - {plan.reserve_gb:g} reserve (device context, "
                  f"communicators, fragmentation)")
     kv = plan.kv

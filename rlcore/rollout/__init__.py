@@ -3,6 +3,8 @@
     engine.py         ColocateRollout: the policy's in-process vLLM engine per rank; generation
                       (text and image prompts), in-place weight loading, sleep and wake-up
     judge.py          JudgeEngine: a reward model's engine beside it (rlcore.judge scores with it)
+    teacher.py        TeacherEngine: a distillation teacher's (a judge engine returning teacher-forced
+                      log-probs at a temperature; rlcore.distill scores with it)
     settings.py       every keyword handed to ``vllm.LLM``, decided without building anything
     checks.py         the pure per-device choices (``pick_*``) and post-build checks against vLLM
     lora.py           the adapter push into vLLM's LoRA; routing.py: routed experts (R3)

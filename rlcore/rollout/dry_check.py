@@ -60,7 +60,7 @@ def check_engines(cfg, device: str, quiet) -> tuple[bool | None, str]:
 
 
 def _check_engines(cfg, device: str, quiet) -> tuple[bool | None, str]:
-    """Every engine (the policy's, each judge's) through vLLM: its keywords against ``EngineArgs``'
+    """Every engine (the policy's, each judge's, the distillation teacher's) through vLLM: its keywords against ``EngineArgs``'
     fields, then ``EngineArgs.create_engine_config()``, which runs all of vLLM's config validation
     without loading anything (architecture, max_model_len against the model, heads against TP,
     the pooling runner of a reward model, LoRA, multimodal limits, the scheduler, R3's
@@ -88,6 +88,11 @@ def _check_engines(cfg, device: str, quiet) -> tuple[bool | None, str]:
         engines.append((f", judge {j.name!r}", judge_llm_kwargs(
             j, device, seed=cfg.trainer.seed, dtype=j.dtype or r.dtype or cfg.model.dtype,
             tp_size=j.tensor_parallel_size or r.tensor_parallel_size)))
+    if cfg.distill.enabled:  # the distillation teacher's engine, a judge engine (rlcore.rollout.teacher)
+        d = cfg.distill
+        engines.append((", teacher", judge_llm_kwargs(d, device, seed=cfg.trainer.seed,
+                                                      dtype=d.dtype or r.dtype or cfg.model.dtype,
+                                                      tp_size=r.tensor_parallel_size)))
     dropped = sorted({k for _, kw in engines for k in kw if k in DEVICE_ONLY_KWARGS}) if not native else []
     for who, kw in engines:
         checked = {k: v for k, v in kw.items() if k not in dropped}
@@ -106,8 +111,9 @@ def _check_engines(cfg, device: str, quiet) -> tuple[bool | None, str]:
     pin = {"npu": "0.23.0", "cuda": "0.32.0"}.get(device)
     note = "" if pin in (None, vllm.__version__) else f" (the {device} pin is vLLM {pin}: install the cluster's set here)"
     names = f" and those of judge(s) {', '.join(j.name for j in judges)}" if judges else ""
+    names += " and the distillation teacher's" if cfg.distill.enabled else ""
     detail = (f"vLLM {vllm.__version__} accepts all {len(engines[0][1])} LLM keywords{names} and builds "
-              f"{'each engine' if judges else 'the engine'}'s config{' with r3' if r3 else ''}")
+              f"{'each engine' if len(engines) > 1 else 'the engine'}'s config{' with r3' if r3 else ''}")
     if not native:  # what this platform's config hook decides for itself, and what it never sees
         platform = current_platform.device_name or current_platform.device_type or "this"
         how = [f"create_engine_config on this machine's {platform} platform"]

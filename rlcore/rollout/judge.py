@@ -95,6 +95,13 @@ class JudgeEngine:
         gb = sum(r.nbytes for r in self._released) / 2**30
         return f"{self.cfg.name}: {gb:.2f} GiB freed (weights {'to host' if keep else 'discarded'}, KV cache)"
 
+    def require_awake(self, what: str) -> None:
+        """Refuse a call while asleep, before it reaches vLLM: in storage mode the engine's own
+        ``released`` set stays empty (the storages are freed under it), and a request run on freed
+        storages fails inside the engine and leaves it holding blocks."""
+        if self.asleep:
+            raise RuntimeError(f"{self.cfg.name}: {what}() while the engine is asleep; call wake() first")
+
     def wake(self) -> str:
         if not self.asleep:
             return f"{self.cfg.name}: awake"
@@ -127,6 +134,7 @@ class JudgeEngine:
     def generate(self, prompts: list[list[int]], seed: int) -> list[list[int]]:
         """The judge's answer (token ids) to each prompt."""
         c = self.cfg
+        self.require_awake("generate")
         out = self.rollout.generate(prompts, n=1, temperature=c.temperature, max_tokens=c.max_tokens, seed=seed)
         return [samples[0].response_ids for samples in out]
 
@@ -139,6 +147,7 @@ class JudgeEngine:
         from vllm.inputs import TokensPrompt
 
         ro = self.rollout
+        self.require_awake("classify")
         ro._require_awake("classify", {"weights", "kv_cache"})
         params = PoolingParams(use_activation=self.cfg.activation == "sigmoid")
         prompts = [TokensPrompt(prompt_token_ids=[int(t) for t in s]) for s in sequences]

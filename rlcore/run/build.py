@@ -12,6 +12,7 @@ import torch
 from rlcore import quiet
 from rlcore.config import Config, ModelConfig, OffloadConfig, OptimConfig, RolloutConfig
 from rlcore.dist import DistInfo
+from rlcore.distill import build_teacher
 from rlcore.judge import build_judges
 from rlcore.metrics import Timer
 from rlcore.protocols import Policy, Rollout
@@ -25,6 +26,7 @@ class Engines:
     rollout: Rollout
     switch: object  # rlcore.step.switch.PhaseSwitcher
     judges: dict = field(default_factory=dict)  # reward.models: name -> rlcore.judge.scorer.Judge
+    teacher: object = None  # distill.teacher: rlcore.distill.teacher.Teacher, else None
 
 
 def build_policy(model: ModelConfig, optim: OptimConfig, info: DistInfo, total_optim_steps: int,
@@ -95,8 +97,9 @@ def build_switch(policy: Policy, rollout: Rollout, model: ModelConfig, r: Rollou
 
 
 def build_engines(cfg: Config, info: DistInfo, timer: Timer, probe_prompts: list[list[int]] | None = None) -> Engines:
-    """The policy, the reference (when the KL loss is on), the vLLM engine and the phase switch,
-    for a resolved config (``rlcore.config.resolve``); third-party start-up noise filtered.
+    """The policy, the reference (when the KL loss is on), the vLLM engine, the phase switch, and
+    the judges and the distillation teacher when configured, for a resolved config
+    (``rlcore.config.resolve``); third-party start-up noise filtered.
     ``probe_prompts``: token ids for the sync check (``build_switch``)."""
     torch.manual_seed(cfg.trainer.seed)
     if info.device_type != "cpu":  # before anything large lands on the device
@@ -127,6 +130,8 @@ def build_engines(cfg: Config, info: DistInfo, timer: Timer, probe_prompts: list
                                 routed_experts=cfg.algorithm.routing_replay == "r3", lora_rank=config_lora_rank(cfg))
         judges = build_judges(cfg, info, rollout)  # after the policy's engine: they share its vLLM groups
     switch = build_switch(policy, rollout, cfg.model, cfg.rollout, cfg.offload, info, timer, probe_prompts)
+    with quiet.filtered_output():
+        teacher = build_teacher(cfg, info, rollout, switch, timer)  # after the judges, like them
     if cfg.logging.switch_trace:
         switch.trace_to_stderr()
-    return Engines(policy, ref, rollout, switch, judges)
+    return Engines(policy, ref, rollout, switch, judges, teacher)

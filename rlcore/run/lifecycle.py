@@ -8,7 +8,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 
-from rlcore import judge
+from rlcore import distill, judge
 from rlcore.algo.exploration import EntropyControl
 from rlcore.config import Config
 from rlcore.dist import DistInfo, exit_process
@@ -199,6 +199,7 @@ def teardown(run: Run) -> None:
         run.watchdog.close()
     run.logger.close()
     judge.shutdown(run.engines.judges)  # before the policy's engine: theirs share its vLLM groups
+    distill.shutdown(run.engines.teacher)
     run.engines.rollout.shutdown()
     if dist.is_initialized():
         dist.barrier()

@@ -254,6 +254,10 @@ class PhaseSwitcher:
 
     # ------------------------------------------------------------------------- metrics
 
+    def record_memory(self, phase: str) -> None:
+        """Memory now, as ``memory/{phase}_*`` (e.g. ``teacher``: the distillation teacher awake)."""
+        self._record_memory(phase)
+
     def _record_memory(self, phase: str) -> None:
         for key, value in memory_stats(self.device_type).items():
             self.memory[f"memory/{phase}_{key}"] = value

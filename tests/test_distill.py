@@ -1,0 +1,251 @@
+"""On-policy distillation (rlcore/distill, rlcore/algo/distill.py, rlcore/rollout/teacher.py).
+
+The math against plain-PyTorch references (unit); the config checks on real folders (unit); the
+teacher's engine beside the policy's under torchrun (tests/workers/distill_worker.py): its
+log-probs against the teacher run alone in a plain ``vllm.LLM`` (within 1e-6, fp32) and against
+transformers' forward (within 1e-4, temperature 1 and 0.7), the loop's advantage recomputed by
+hand, what each engine holds while the teacher scores, and the device's sleep discipline.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conftest import QUIET_ENV, REPO, run_torchrun
+
+WORKER = os.path.join(REPO, "tests", "workers", "distill_worker.py")
+ALONE = os.path.join(REPO, "tests", "workers", "teacher_alone.py")
+
+
+# ----------------------------------------------------------------------------- the math (unit)
+
+
+@pytest.mark.unit
+def test_reverse_kl_advantage_and_combination_equal_a_hand_computation():
+    from rlcore.algo.distill import combine, distill_advantage, distill_sums
+
+    student = torch.tensor([[-1.0, -2.0, -0.5], [-3.0, -0.1, 0.0]])  # (N=2, T=3)
+    teacher = torch.tensor([[-1.5, -1.0, -0.5], [-2.0, -0.3, -9.0]])
+    mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])  # the second response has 2 tokens
+    adv = distill_advantage("reverse_kl", student, teacher, mask)
+    assert torch.allclose(adv, torch.tensor([[-0.5, 1.0, 0.0], [1.0, -0.2, 0.0]]), atol=1e-7)
+    reward = torch.tensor([[0.7, 0.7, 0.7], [-0.7, -0.7, 0.0]])
+    assert torch.allclose(combine(reward, adv, coef=2.0, reward_weight=0.5),
+                          torch.tensor([[-0.65, 2.35, 0.35], [1.65, -0.75, 0.0]]), atol=1e-6)
+    nan_reward = torch.full_like(reward, float("nan"))  # reward_weight 0: the reward's advantage never enters
+    assert torch.equal(combine(nan_reward, adv, coef=1.0, reward_weight=0.0), adv)
+    sums = distill_sums(student, teacher, mask)
+    assert sums["tokens"] == 5.0 and abs(sums["kl"] - (0.5 - 1.0 + 0.0 - 1.0 + 0.2)) < 1e-6
+    with pytest.raises(ValueError, match="valid: reverse_kl"):
+        distill_advantage("forward_kl", student, teacher, mask)
+
+
+@pytest.mark.unit
+def test_the_loss_gradient_is_the_reverse_kl_objectives_gradient():
+    """With reward_weight 0, the GRPO loss (vanilla clip, token-mean, on-policy) fed the distillation
+    advantage has the gradient of the reference objective mean_t sg(log ps - log pt) * log ps, i.e.
+    the per-token score-function gradient of KL(student || teacher) on the sampled tokens."""
+    from rlcore.algo import advantage
+    from rlcore.algo.distill import combine, distill_advantage
+
+    g = torch.Generator().manual_seed(0)
+    n, t, v = 3, 5, 11
+    logits = torch.randn(n, t, v, generator=g, dtype=torch.float64, requires_grad=True)
+    tokens = torch.randint(0, v, (n, t), generator=g)
+    teacher = torch.log_softmax(torch.randn(n, t, v, generator=g, dtype=torch.float64), -1).gather(
+        -1, tokens[..., None])[..., 0]  # (N, T)
+    mask = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0], [1, 0, 0, 0, 0]], dtype=torch.float64)
+
+    def logp():
+        return torch.log_softmax(logits, -1).gather(-1, tokens[..., None])[..., 0]  # (N, T)
+
+    student = logp().detach()
+    adv = combine(torch.zeros_like(student), distill_advantage("reverse_kl", student, teacher, mask), 1.0, 0.0)
+    loss, _ = advantage.policy_loss("vanilla", logp(), student, adv, mask, agg_mode="token-mean")
+    (grad,) = torch.autograd.grad(loss, logits)
+    lp = logp()
+    reference = ((lp.detach() - teacher) * lp * mask).sum() / mask.sum()  # plain PyTorch, written out
+    (ref_grad,) = torch.autograd.grad(reference, logits)
+    assert (grad - ref_grad).abs().max().item() < 1e-6
+    assert ref_grad.abs().max().item() > 1e-3  # a gradient that means something
+
+
+# ----------------------------------------------------------------------------- the config (unit)
+
+
+@pytest.fixture(scope="module")
+def teacher_dirs(tiny_model, tmp_path_factory):
+    """A teacher of the tiny model's family (another seed, 3 layers) and two that are not: one more
+    vocabulary token, another chat template."""
+    from transformers import AutoTokenizer
+
+    from rlcore import quiet
+    from rlcore.demo.toy import make_tiny_model
+
+    d = tmp_path_factory.mktemp("teachers")
+    with quiet.filtered_output():
+        teacher = make_tiny_model(str(d / "teacher"), seed=1, num_layers=3)
+        extra = make_tiny_model(str(d / "extra_token"), seed=2)
+        tok = AutoTokenizer.from_pretrained(extra)
+        tok.add_tokens(["<zz_extra>"])
+        tok.save_pretrained(extra)
+        chat = make_tiny_model(str(d / "other_chat"), seed=3)
+        tok = AutoTokenizer.from_pretrained(chat)
+        tok.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+        tok.save_pretrained(chat)
+    return {"teacher": teacher, "extra": extra, "chat": chat}
+
+
+def _config(model, teacher, **distill):
+    from rlcore.config import AlgorithmConfig, Config, ModelConfig
+    from rlcore.distill.config import DistillConfig
+
+    algo = distill.pop("algorithm", {})
+    return Config(model=ModelConfig(path=model), algorithm=AlgorithmConfig(**algo),
+                  distill=DistillConfig(teacher=teacher, **distill))
+
+
+@pytest.mark.unit
+def test_bad_distill_settings_name_the_field_and_the_fix(tiny_model, teacher_dirs, tmp_path):
+    from rlcore.distill.config import DistillConfig, check_distill
+    from rlcore.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"distill\.mode.*choose one of reverse_kl"):
+        DistillConfig(teacher="t", mode="topk_jsd")
+    with pytest.raises(ConfigError, match=r"distill\.coef.*unset distill\.teacher"):
+        DistillConfig(teacher="t", coef=0.0)
+    with pytest.raises(ConfigError, match=r"distill\.teacher=.*not a model folder"):
+        check_distill(_config(tiny_model, str(tmp_path / "missing")))
+    with pytest.raises(ConfigError, match=r"algorithm\.dynamic_sampling.*reward_weight"):
+        check_distill(_config(tiny_model, teacher_dirs["teacher"], algorithm={"dynamic_sampling": True}))
+    check_distill(_config(tiny_model, teacher_dirs["teacher"], reward_weight=1.0,
+                          algorithm={"dynamic_sampling": True}))  # beside a reward it keeps its meaning
+    check_distill(_config(tiny_model, teacher_dirs["teacher"]))  # the same tokenizer: accepted
+
+
+@pytest.mark.unit
+def test_a_teacher_with_another_tokenizer_exits_2_naming_the_first_difference(tiny_model, teacher_dirs):
+    from rlcore.distill.config import check_distill
+    from rlcore.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"vocabulary of \d+ tokens, the student's has \d+.*same token ids"):
+        check_distill(_config(tiny_model, teacher_dirs["extra"]))
+    with pytest.raises(ConfigError, match="chat templates differ.*SFT on teacher samples"):
+        check_distill(_config(tiny_model, teacher_dirs["chat"]))
+
+
+@pytest.mark.unit
+def test_resolve_fills_the_teachers_temperature_and_context(tiny_model, teacher_dirs):
+    import dataclasses
+
+    from rlcore.config import RolloutConfig, resolve
+
+    cfg = _config(tiny_model, teacher_dirs["teacher"])
+    cfg = dataclasses.replace(cfg, rollout=RolloutConfig(temperature=0.8, max_model_len=96))
+    d = resolve(cfg, "cpu").distill
+    assert (d.temperature, d.max_model_len) == (0.8, 97)  # the student's sampling temperature; room for 1 token
+    d = resolve(dataclasses.replace(cfg, distill=dataclasses.replace(cfg.distill, temperature=0.5,
+                                                                     max_model_len=200)), "cpu").distill
+    assert (d.temperature, d.max_model_len) == (0.5, 200)
+
+
+# ----------------------------------------------------------------------------- the teacher's engine (torchrun)
+
+
+@pytest.fixture(scope="module")
+def distilled(tiny_model, teacher_dirs, tmp_path_factory):
+    out = str(tmp_path_factory.mktemp("distill") / "out.json")
+    run_torchrun(WORKER, 1, tiny_model, teacher_dirs["teacher"], out, timeout=600)
+    with open(out) as f:
+        return json.load(f)
+
+
+def _sequences(m):
+    return [p + r for p, r in zip(m["prompts"], m["responses"])]
+
+
+def test_teacher_logprobs_in_the_loop_equal_the_teacher_run_alone(distilled, teacher_dirs, tmp_path):
+    """Each response token's teacher log-prob (Teacher.logprobs, inside the phase switch) equals a
+    plain vllm.LLM of the teacher on the same ids within 1e-6 (fp32)."""
+    m = distilled
+    seqs = _sequences(m)
+    in_path, out_path = str(tmp_path / "in.json"), str(tmp_path / "alone.json")
+    with open(in_path, "w") as f:
+        json.dump(seqs, f)
+    env = {**os.environ, **QUIET_ENV, "PYTHONPATH": REPO}
+    proc = subprocess.run([sys.executable, ALONE, teacher_dirs["teacher"], in_path, out_path], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    with open(out_path) as f:
+        alone = json.load(f)
+    diffs = [abs(a - b) for i, (p, r) in enumerate(zip(m["prompts"], m["responses"]))
+             for a, b in zip(m["teacher_logp"][i][: len(r)], alone[i][len(p) - 1:])]
+    assert len(diffs) == sum(len(r) for r in m["responses"])
+    assert max(diffs) <= 1e-6, max(diffs)
+    assert all(row[len(r):] == [0.0] * (len(row) - len(r)) for row, r in zip(m["teacher_logp"], m["responses"]))
+
+
+def test_teacher_logprobs_equal_transformers_at_temperature_1_and_07(distilled, teacher_dirs):
+    from transformers import AutoModelForCausalLM
+
+    m = distilled
+    model = AutoModelForCausalLM.from_pretrained(teacher_dirs["teacher"], dtype=torch.float32)
+    worst = {}
+    for key, temp in (("teacher_logp", 1.0), ("teacher_logp_t07", 0.7)):
+        diffs = []
+        for i, (p, r) in enumerate(zip(m["prompts"], m["responses"])):
+            ids = torch.tensor([p + r])
+            with torch.no_grad():
+                logits = model(ids).logits[0, :-1].float() / temp  # (L - 1, V): position k predicts token k + 1
+            ref = torch.log_softmax(logits, -1).gather(-1, ids[0, 1:, None])[:, 0][len(p) - 1:]
+            diffs += (torch.tensor(m[key][i][: len(r)]) - ref).abs().tolist()
+        worst[key] = max(diffs)
+    assert worst["teacher_logp"] < 1e-4 and worst["teacher_logp_t07"] < 1e-4, worst
+    t1, t07 = torch.tensor(m["teacher_logp"]), torch.tensor(m["teacher_logp_t07"])
+    assert (t1 - t07).abs().max() > 0.05  # the temperature changed them: the comparison means something
+
+
+def test_the_loops_advantage_and_metrics_equal_a_hand_computation(distilled):
+    """reward_weight 0.5, coef 2: A = 0.5 * A_reward - 2 * (log p_vllm - log p_teacher) on the response tokens."""
+    m = distilled
+    teacher, reward = torch.tensor(m["teacher_logp"]), torch.tensor(m["reward_adv"])
+    expected, tokens, kl = torch.zeros_like(teacher), 0, 0.0
+    for i, (r, lp) in enumerate(zip(m["responses"], m["rollout_logp"])):
+        student = torch.tensor(lp)
+        expected[i, : len(r)] = 0.5 * reward[i, : len(r)] - 2.0 * (student - teacher[i, : len(r)])
+        tokens, kl = tokens + len(r), kl + (student - teacher[i, : len(r)]).sum().item()
+    assert torch.allclose(torch.tensor(m["adv"]), expected, atol=1e-6)
+    assert abs(m["metrics"]["distill/reverse_kl"] - kl / tokens) < 1e-6
+    assert m["metrics"]["distill/distinct_frac"] == pytest.approx(9 / 11)  # the two repeats: one request each
+    assert m["counts"] == {"sequences": 9.0, "samples": 11.0, "tokens": float(sum(len(s) for s in _sequences(m)[:9])),
+                           "seconds": m["counts"]["seconds"]}
+    assert m["metrics"]["perf/teacher_tokens_per_s"] > 0 and m["timing"]["timing/teacher_s"] > 0
+
+
+def test_engines_hold_what_the_phase_needs(distilled):
+    """Built asleep; while the teacher scores the policy's engine has released its KV cache and the
+    teacher's is allocated; after, the teacher's is freed again; the policy's samples are unchanged
+    once ensure_generation woke it."""
+    m = distilled
+    assert m["teacher_kv_gb_built"] == 0.0 and m["policy_released_built"] == []
+    assert m["inside"]["policy_released"] == ["kv_cache"] and m["inside"]["teacher_kv_gb"] > 0.03
+    assert m["after_teacher_kv_gb"] == 0.0
+    assert [t[1] for t in m["trace"]] == ["release_judges"]
+    assert m["memory"]["memory/teacher_judge_kv_gb"] > 0.03 and "memory/teacher_rss_gb" in m["memory"]
+    assert m["policy_same_after"]
+
+
+def test_the_devices_sleep_discipline_on_a_real_teacher_engine(distilled):
+    """Sleep level 2 in storage mode (what a GPU teacher does): weights freed and marked invalid,
+    scoring refused before it reaches vLLM, reloaded from the folder at wake-up, same log-probs."""
+    m = distilled
+    assert m["storage_params_freed"] and m["storage_weights_invalid"] and m["storage_kv_gb_asleep"] == 0.0
+    assert m["storage_refused_asleep"]
+    assert "weights reloaded from" in m["storage_wake"]
+    assert m["storage_same_after_reload"]
