@@ -117,7 +117,8 @@ def build(cfg: Config, info: DistInfo, stop, watchdog) -> Run:
     return Run(cfg, info, engines, sampler, logger, timer, stop, watchdog, resume_from=resume_from,
                val_prompts=val_prompts, entropy=EntropyControl(cfg.algorithm, cfg.exploration),
                loss_options={"tis_cap": cfg.rollout_correction.tis_cap, "clip_cov": clip_cov_options(cfg.exploration),
-                             "correction": cfg.rollout_correction.options()})
+                             "correction": cfg.rollout_correction.options(),
+                             "distill": cfg.distill.loss_options()})
 
 
 def log_step(run: Run, metrics: dict, step_start: float) -> None:

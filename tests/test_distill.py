@@ -76,6 +76,113 @@ def test_the_loss_gradient_is_the_reverse_kl_objectives_gradient():
     assert ref_grad.abs().max().item() > 1e-3  # a gradient that means something
 
 
+def _categorical_topk(logits: torch.Tensor, ids: torch.Tensor) -> torch.distributions.Categorical:
+    """The (k + 1)-bin distribution of ``logits`` (..., V) on ``ids`` (..., k) plus the rest, written
+    independently of rlcore (softmax over the full vocabulary, then the bins summed)."""
+    p = torch.softmax(logits, -1)
+    inside = p.gather(-1, ids)
+    return torch.distributions.Categorical(probs=torch.cat([inside, 1 - inside.sum(-1, keepdim=True)], -1))
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("kind", ["forward_kl", "reverse_kl", "jsd"])
+def test_topk_divergences_equal_a_plain_pytorch_reference(kind):
+    """Teacher and student distributions over a 9-token vocabulary; the top-k divergence (k = 3 + the
+    tail) equals torch.distributions' KL of the same coarsened distributions, GKD's JSD(beta) built from it."""
+    from rlcore.algo.distill import topk_divergence
+
+    g = torch.Generator().manual_seed(3)
+    t_logits = torch.randn(2, 4, 9, generator=g, dtype=torch.float64) * 2  # (N, T, V)
+    s_logits = torch.randn(2, 4, 9, generator=g, dtype=torch.float64)
+    ids = t_logits.topk(3, -1).indices  # (N, T, k): the teacher's top 3
+    t_top = torch.log_softmax(t_logits, -1).gather(-1, ids)
+    s_top = torch.log_softmax(s_logits, -1).gather(-1, ids)
+    p, q = _categorical_topk(t_logits, ids), _categorical_topk(s_logits, ids)
+    kl = torch.distributions.kl_divergence
+    if kind == "forward_kl":
+        ref = kl(p, q)
+    elif kind == "reverse_kl":
+        ref = kl(q, p)
+    else:
+        beta = 0.3
+        m = torch.distributions.Categorical(probs=beta * p.probs + (1 - beta) * q.probs)
+        ref = beta * kl(p, m) + (1 - beta) * kl(q, m)
+    got = topk_divergence(kind, t_top, s_top, beta=0.3)
+    assert (got - ref).abs().max().item() < 1e-10
+    assert ref.abs().min().item() > 1e-3  # not a trivially zero comparison
+    full = kl(torch.distributions.Categorical(logits=t_logits), torch.distributions.Categorical(logits=s_logits))
+    if kind == "forward_kl":  # coarsening never increases a divergence (data processing)
+        assert (got <= full + 1e-12).all()
+    assert topk_divergence(kind, t_top, t_top).abs().max().item() < 1e-12
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("share_prompt, response_only", [(True, True), (False, True), (False, False)])
+def test_topk_student_logprobs_from_one_forward_equal_each_sequence_alone(share_prompt, response_only):
+    """logprob_matrix(topk_ids=...) gathers the k extra tokens' log-probs in the same forward (positions
+    repeated through the LM head); each equals the plain forward of that sequence alone."""
+    from test_grpo_options import FakePolicy, make_batch
+
+    from rlcore.algo import grpo
+
+    policy, batch = FakePolicy(), make_batch()
+    mask = batch.response_mask()
+    g = torch.Generator().manual_seed(5)
+    ids = torch.randint(0, 12, (*mask.shape, 4), generator=g)  # (N, T, k)
+    logp, _, topk = grpo.logprob_matrix(policy, batch, 1.3, grad=False, with_entropy=False, device="cpu",
+                                        share_prompt=share_prompt, response_only=response_only, topk_ids=ids)
+    plain, _ = grpo.logprob_matrix(policy, batch, 1.3, grad=False, with_entropy=False, device="cpu")
+    assert torch.equal(logp, plain)
+    for i, (p, r) in enumerate(zip(batch.prompt_ids, batch.response_ids)):
+        seq = torch.tensor([p + r])
+        with torch.no_grad():
+            h = torch.tanh(policy.emb[seq] + policy.pos[torch.arange(seq.shape[1])[None]])
+            logp_all = torch.log_softmax((h @ policy.head) / 1.3, -1)[0]  # (L, V)
+        for j in range(len(r)):
+            expected = logp_all[len(p) - 1 + j, ids[i, j]]  # position predicting response token j
+            assert torch.allclose(topk[i, j], expected, atol=1e-6), (i, j)
+        assert (topk[i, len(r):] == 0).all()
+
+
+@pytest.mark.unit
+def test_the_topk_loss_gradient_is_the_reference_objectives_gradient():
+    """distill.mode topk, reward_weight 0: one update's gradient equals the gradient of
+    coef x the token-mean JSD written out with torch.distributions, within 1e-6."""
+    import copy
+
+    from test_grpo_options import FakePolicy, make_batch
+
+    from rlcore.algo import grpo
+    from rlcore.config import AlgorithmConfig
+
+    policy, batch = FakePolicy(), make_batch()
+    reference_policy = copy.deepcopy(policy)
+    mask = batch.response_mask()
+    g = torch.Generator().manual_seed(7)
+    t_logits = torch.randn(*mask.shape, 12, generator=g) * 2  # the teacher's, (N, T, V)
+    ids = t_logits.topk(3, -1).indices
+    t_top = torch.log_softmax(t_logits, -1).gather(-1, ids)
+    batch.teacher_topk = [(ids[i, : len(r)], t_top[i, : len(r)]) for i, r in enumerate(batch.response_ids)]
+    cfg = AlgorithmConfig(micro_batch_size=3, kl_loss_coef=0.0)
+    metrics = grpo.ppo_update(policy, batch, torch.zeros_like(mask), None, None, cfg, 1.0, world_size=1,
+                              device="cpu", norm_len=6, distill={"divergence": "jsd", "beta": 0.5, "coef": 2.0})
+    total, tokens = 0.0, mask.sum()
+    p_ = reference_policy
+    for i, (p, r) in enumerate(zip(batch.prompt_ids, batch.response_ids)):
+        seq = torch.tensor([p + r])
+        h = torch.tanh(p_.emb[seq] + p_.pos[torch.arange(seq.shape[1])[None]])
+        s_logits = (h @ p_.head)[0, len(p) - 1: len(p) - 1 + len(r)]  # (R, V)
+        pd, qd = _categorical_topk(t_logits[i, : len(r)], ids[i, : len(r)]), _categorical_topk(s_logits, ids[i, : len(r)])
+        m = torch.distributions.Categorical(probs=0.5 * pd.probs + 0.5 * qd.probs)
+        jsd = 0.5 * torch.distributions.kl_divergence(pd, m) + 0.5 * torch.distributions.kl_divergence(qd, m)
+        total = total + (jsd * mask[i, : len(r)]).sum()
+    (2.0 * total / tokens).backward()
+    ref_grad = torch.cat([q.grad.flatten() for q in p_.parameters()])
+    assert (policy.grads[0] - ref_grad).abs().max().item() < 1e-6
+    assert ref_grad.abs().max().item() > 1e-4
+    assert metrics["distill/topk_divergence"] == pytest.approx((total / tokens).item(), rel=1e-5)
+
+
 # ----------------------------------------------------------------------------- the config (unit)
 
 
@@ -116,8 +223,17 @@ def test_bad_distill_settings_name_the_field_and_the_fix(tiny_model, teacher_dir
     from rlcore.distill.config import DistillConfig, check_distill
     from rlcore.errors import ConfigError
 
-    with pytest.raises(ConfigError, match=r"distill\.mode.*choose one of reverse_kl"):
+    with pytest.raises(ConfigError, match=r"distill\.mode.*choose one of reverse_kl, topk"):
         DistillConfig(teacher="t", mode="topk_jsd")
+    with pytest.raises(ConfigError, match=r"distill\.topk.*max_logprobs = 20"):
+        DistillConfig(teacher="t", mode="topk", topk=32)
+    with pytest.raises(ConfigError, match=r"distill\.divergence.*forward_kl, jsd, reverse_kl"):
+        DistillConfig(teacher="t", mode="topk", divergence="tvd")
+    with pytest.raises(ConfigError, match=r"distill\.beta"):
+        DistillConfig(teacher="t", mode="topk", beta=1.0)
+    assert DistillConfig(teacher="t").loss_options() is None  # reverse_kl: an advantage, no loss term
+    assert DistillConfig(teacher="t", mode="topk", coef=2.0).loss_options() == {"divergence": "jsd", "beta": 0.5,
+                                                                              "coef": 2.0}
     with pytest.raises(ConfigError, match=r"distill\.coef.*unset distill\.teacher"):
         DistillConfig(teacher="t", coef=0.0)
     with pytest.raises(ConfigError, match=r"distill\.teacher=.*not a model folder"):
@@ -127,6 +243,12 @@ def test_bad_distill_settings_name_the_field_and_the_fix(tiny_model, teacher_dir
     check_distill(_config(tiny_model, teacher_dirs["teacher"], reward_weight=1.0,
                           algorithm={"dynamic_sampling": True}))  # beside a reward it keeps its meaning
     check_distill(_config(tiny_model, teacher_dirs["teacher"]))  # the same tokenizer: accepted
+    from rlcore.config import DataConfig
+
+    cfg = _config(tiny_model, teacher_dirs["teacher"])
+    cfg.data = DataConfig(image_key="images")
+    with pytest.raises(ConfigError, match=r"prompts carry images.*text-only teacher cannot read them"):
+        check_distill(cfg)
 
 
 @pytest.mark.unit
@@ -179,15 +301,23 @@ def test_teacher_logprobs_in_the_loop_equal_the_teacher_run_alone(distilled, tea
     with open(in_path, "w") as f:
         json.dump(seqs, f)
     env = {**os.environ, **QUIET_ENV, "PYTHONPATH": REPO}
-    proc = subprocess.run([sys.executable, ALONE, teacher_dirs["teacher"], in_path, out_path], env=env,
+    proc = subprocess.run([sys.executable, ALONE, teacher_dirs["teacher"], in_path, out_path, "5"], env=env,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
     with open(out_path) as f:
         alone = json.load(f)
     diffs = [abs(a - b) for i, (p, r) in enumerate(zip(m["prompts"], m["responses"]))
-             for a, b in zip(m["teacher_logp"][i][: len(r)], alone[i][len(p) - 1:])]
+             for a, b in zip(m["teacher_logp"][i][: len(r)], alone["own"][i][len(p) - 1:])]
     assert len(diffs) == sum(len(r) for r in m["responses"])
     assert max(diffs) <= 1e-6, max(diffs)
+    # top-k mode: the same 5 tokens in the same order at every response position, their log-probs within 1e-6
+    top_diffs = []
+    for i, (p, r) in enumerate(zip(m["prompts"], m["responses"])):
+        for j in range(len(r)):
+            ids, lps = alone["top"][i][len(p) - 1 + j]
+            assert m["topk_ids"][i][j] == ids, (i, j)
+            top_diffs += [abs(a - b) for a, b in zip(m["topk_logp"][i][j], lps)]
+    assert max(top_diffs) <= 1e-6, max(top_diffs)
     assert all(row[len(r):] == [0.0] * (len(row) - len(r)) for row, r in zip(m["teacher_logp"], m["responses"]))
 
 
@@ -207,6 +337,15 @@ def test_teacher_logprobs_equal_transformers_at_temperature_1_and_07(distilled, 
             diffs += (torch.tensor(m[key][i][: len(r)]) - ref).abs().tolist()
         worst[key] = max(diffs)
     assert worst["teacher_logp"] < 1e-4 and worst["teacher_logp_t07"] < 1e-4, worst
+    mass = []  # top-k mode: transformers' own 5 best tokens, and the teacher's mass in them
+    for i, (p, r) in enumerate(zip(m["prompts"], m["responses"])):
+        with torch.no_grad():
+            logp = torch.log_softmax(model(torch.tensor([p + r])).logits[0, len(p) - 1: len(p) - 1 + len(r)].float(), -1)
+        ref = logp.topk(5, -1)
+        assert m["topk_ids"][i] == ref.indices.tolist(), i
+        assert (torch.tensor(m["topk_logp"][i]) - ref.values).abs().max() < 1e-4
+        mass += ref.values.exp().sum(-1).tolist()
+    assert m["topk_metrics"]["distill/topk_mass"] == pytest.approx(sum(mass) / len(mass), abs=1e-4)
     t1, t07 = torch.tensor(m["teacher_logp"]), torch.tensor(m["teacher_logp_t07"])
     assert (t1 - t07).abs().max() > 0.05  # the temperature changed them: the comparison means something
 
@@ -226,6 +365,19 @@ def test_the_loops_advantage_and_metrics_equal_a_hand_computation(distilled):
     assert m["counts"] == {"sequences": 9.0, "samples": 11.0, "tokens": float(sum(len(s) for s in _sequences(m)[:9])),
                            "seconds": m["counts"]["seconds"]}
     assert m["metrics"]["perf/teacher_tokens_per_s"] > 0 and m["timing"]["timing/teacher_s"] > 0
+
+
+def test_environment_tokens_get_no_distillation_signal(distilled):
+    """Multi-turn: the tokens a tool or environment wrote (env_mask 0) are off the loss mask, so their
+    advantage is 0; the model's own tokens keep theirs."""
+    m = distilled
+    for i, r in enumerate(m["responses"]):
+        for j in range(len(r)):
+            if j in (1, 2):
+                assert m["env_adv"][i][j] == 0.0
+            else:
+                assert m["env_adv"][i][j] == pytest.approx(2.0 * (m["teacher_logp"][i][j] - m["rollout_logp"][i][j]),
+                                                           abs=1e-6)
 
 
 def test_engines_hold_what_the_phase_needs(distilled):

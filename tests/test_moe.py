@@ -59,16 +59,19 @@ def moe_args(model, data, out, *extra):
 def test_expert_parallel_end_to_end_resume_and_export(tiny_moe, toy_data, tmp_path):
     """4 steps with EP=2 on 2 ranks (policy and reference), against the same run killed (-9) after
     step 2's checkpoint and resumed: equal metric rows and final weights; the HF export loads in
-    transformers (per-expert names) and in vLLM; the sync kept vLLM on the trainer's weights."""
+    transformers (per-expert names) and in vLLM; the sync kept vLLM on the trainer's weights. The MoE
+    student distils from its starting model (an MoE teacher on its own engine, reverse-KL advantage
+    beside the reward): step 1's teacher log-probs equal vLLM's sampling ones, resume included."""
     from workers.launch import TRAIN, comparable, kill9_when, read_rows
 
     a, b = str(tmp_path / "a"), str(tmp_path / "b")
-    proc = run_torchrun(TRAIN, 2, *moe_args(tiny_moe, toy_data[0], a))
+    teacher = ("--distill.teacher", tiny_moe, "--distill.reward_weight", "1.0", "--distill.kv_cache_gb", "0.0625")
+    proc = run_torchrun(TRAIN, 2, *moe_args(tiny_moe, toy_data[0], a, *teacher))
     assert "experts: torch_ep kernel, expert parallel 2" in proc.stdout
     kill9_when(2, moe_args(tiny_moe, toy_data[0], b, "--checkpoint.save_every", "2", "--checkpoint.resume", "auto",
-                           "--checkpoint.save_hf_final", "false"), r"saved checkpoint .*step_2$", r"^step +3/")
+                           "--checkpoint.save_hf_final", "false", *teacher), r"saved checkpoint .*step_2$", r"^step +3/")
     run_torchrun(TRAIN, 2, *moe_args(tiny_moe, toy_data[0], b, "--checkpoint.save_every", "2",
-                                     "--checkpoint.resume", "auto"))
+                                     "--checkpoint.resume", "auto", *teacher))
     rows_a, rows_b = read_rows(a), read_rows(b)
     assert [r["step"] for r in rows_b] == [1, 2, 3, 4]
     for ra, rb in zip(rows_a, rows_b):
@@ -76,6 +79,7 @@ def test_expert_parallel_end_to_end_resume_and_export(tiny_moe, toy_data, tmp_pa
     for r in rows_a:  # fp32, right after a sync: vLLM samples from the trainer's weights, experts included
         assert r["rollout/mismatch_max"] < 1e-4 and r["rollout/mismatch_kl"] < 1e-6, r
         assert r["actor/moe_load_max"] >= 1.0 and r["actor/moe_aux_loss"] > 0
+    assert abs(rows_a[0]["distill/reverse_kl"]) < 1e-5 and rows_a[-1]["timing/teacher_s"] > 0, rows_a[0]
     from safetensors.torch import load_file
 
     wa, wb = load_file(os.path.join(a, "hf_final", "model.safetensors")), load_file(

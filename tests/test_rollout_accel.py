@@ -118,7 +118,8 @@ class FakeLLMWithoutKVRelease:
             prompt_lp = [None] + [{t: NS(logprob=-0.5)} for t in x["prompt_token_ids"][1:]]  # prompt_logprobs=0
             outs.append(NS(outputs=[NS(token_ids=[seed % 97 + i], logprobs=[{seed % 97 + i: NS(logprob=-1.0)}],
                                        finish_reason="length") for i in range(getattr(p, "n", 1))],
-                           prompt_logprobs=prompt_lp))
+                           prompt_logprobs=prompt_lp,
+                           prompt_token_ids=list(x["prompt_token_ids"])))  # RequestOutput's (vllm 0.32.0 outputs.py)
         return outs
 
     def collective_rpc(self, method, kwargs=None):

@@ -84,12 +84,25 @@ def test_kill9_then_resume_with_images_is_exact(runs, tmp_path):
 
 
 def test_one_rank_image_training_agrees_with_vllm(tiny_vl_model, shapes_data, tmp_path):
-    """The same agreement on a single rank (one FSDP2 shard, one vLLM engine)."""
+    """The same agreement on a single rank (one FSDP2 shard, one vLLM engine), with on-policy
+    distillation in top-k mode from a vision-language teacher that is the student's starting model:
+    its engine reads each image prompt as the policy's did, so at step 1 (student = teacher) the
+    teacher's log-prob of every sampled token equals vLLM's sampling one (reverse KL ~0) and the
+    top-k divergence in the trainer is ~0; a teacher that missed the images, or read them at other
+    positions, would be far off. Step 2's student has moved away: both grow."""
     out = str(tmp_path / "one")
-    run_torchrun(TRAIN, 1, *args(tiny_vl_model, shapes_data[0], out, "--trainer.total_steps", "2"))
+    run_torchrun(TRAIN, 1, *args(tiny_vl_model, shapes_data[0], out, "--trainer.total_steps", "2",
+                                 "--distill.teacher", tiny_vl_model, "--distill.mode", "topk", "--distill.topk", "4",
+                                 "--distill.reward_weight", "1.0", "--distill.kv_cache_gb", "0.0625",
+                                 "--optim.lr", "0.02"))
     rows = read_rows(out)
     assert [r["step"] for r in rows] == [1, 2]
     assert all(r["rollout/mismatch_max"] < 1e-4 for r in rows), [r["rollout/mismatch_max"] for r in rows]
+    first, second = rows
+    assert abs(first["distill/reverse_kl"]) < 1e-5 and first["distill/topk_divergence"] < 1e-6, first
+    assert abs(first["distill/teacher_logprob_mean"] - first["distill/student_logprob_mean"]) < 1e-5
+    assert 0 < first["distill/topk_mass"] <= 1 and first["timing/teacher_s"] > 0
+    assert abs(second["distill/reverse_kl"]) > 1e-4 and second["distill/topk_divergence"] > 1e-6, second
 
 
 def test_lora_on_a_vision_language_policy(tiny_vl_model, shapes_data, tmp_path):
@@ -97,7 +110,9 @@ def test_lora_on_a_vision_language_policy(tiny_vl_model, shapes_data, tmp_path):
     tower frozen; vLLM serves the pushed adapter on image prompts. The adapter matters (the trainer's
     KL to its adapter-off self grows past 1e-3) while vLLM's log-probs stay within 1e-4 of the
     trainer's every step: a vLLM that ignored the adapter would be that KL's size off. The merged
-    export holds every base tensor, the vision tower's bit-identical to the base model's."""
+    export holds every base tensor, the vision tower's bit-identical to the base model's. A LoRA student
+    distils from the base model as teacher (reverse-KL advantage beside the reward): at step 1 the
+    adapter is zero, so the teacher's log-probs equal vLLM's sampling ones; later they part."""
     import glob
 
     from safetensors import safe_open
@@ -109,12 +124,16 @@ def test_lora_on_a_vision_language_policy(tiny_vl_model, shapes_data, tmp_path):
             dst.writelines(src.readlines()[:16])
     proc = run_torchrun(TRAIN, 2, *args(tiny_vl_model, data, out, "--trainer.total_steps", "4", "--lora.rank", "8",
                                          "--optim.lr", "0.02", "--algorithm.kl_loss_coef", "0.001",
-                                         "--checkpoint.save_hf_final", "true", "--checkpoint.merge_lora", "true"))
+                                         "--checkpoint.save_hf_final", "true", "--checkpoint.merge_lora", "true",
+                                         "--distill.teacher", tiny_vl_model, "--distill.reward_weight", "1.0",
+                                         "--distill.coef", "0.5", "--distill.kv_cache_gb", "0.0625"))
     assert "vision tower frozen" in proc.stdout
     rows = read_rows(out)
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
     assert all(r["rollout/mismatch_max"] < 1e-4 for r in rows), [r["rollout/mismatch_max"] for r in rows]
     assert rows[-1]["actor/kl"] > 1e-3, rows[-1]["actor/kl"]
+    assert abs(rows[0]["distill/reverse_kl"]) < 1e-5 and abs(rows[-1]["distill/reverse_kl"]) > 1e-4, \
+        [r["distill/reverse_kl"] for r in rows]
 
     def tensors(folder):
         out = {}

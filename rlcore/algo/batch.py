@@ -46,6 +46,14 @@ class RolloutBatch:
     # uint8/uint16 rows for every token it ran a forward for (rlcore.rollout.routing). None: off.
     routed_experts: list | None = None
     rows: list[dict] | None = None  # each sample's data row (model-based rewards read its fields)
+    # distill.mode topk: per sample the teacher's k best tokens at each response position, (ids (R, k)
+    # int64, log-probs (R, k) float32) (rlcore.distill.teacher). None: off.
+    teacher_topk: list | None = None
+    # Image prompts: each sample's prompt as vLLM got it (ids before the image-token expansion) and its
+    # decoded images (one list object per prompt, shared by its group), for a distillation teacher
+    # that reads them as the policy's engine did. None: a text-only batch.
+    engine_prompt_ids: list[list[int]] | None = None
+    images: list | None = None
 
     def __post_init__(self):
         if self.keep is None:
@@ -115,7 +123,8 @@ def informative_groups(scores: torch.Tensor, group_size: int) -> list[int]:
 
 # RolloutBatch's per-sample lists, carried by select() and concat() (uids/gids are renumbered by concat)
 _PER_SAMPLE = ("prompt_ids", "response_ids", "rollout_logp", "answers", "finish_reasons", "keep", "vision", "uids",
-               "gids", "env_mask", "final_ids", "env_rewards", "conversations", "routed_experts", "rows")
+               "gids", "env_mask", "final_ids", "env_rewards", "conversations", "routed_experts", "rows", "teacher_topk",
+               "engine_prompt_ids", "images")
 
 
 def concat(batches: list[RolloutBatch]) -> RolloutBatch:

@@ -11,7 +11,17 @@ as a per-token advantage (Agarwal et al. 2024, GKD; the on-policy distillation o
 Machines' Tinker cookbook and of verl/slime). Beside a reward, the two advantages are summed:
 ``reward_weight * A_reward + coef * A_distill``.
 
-Modes are a registry (``name -> function``) whose error lists the valid names.
+``topk`` mode (GKD's generalised divergences on a support the teacher chooses): at every response
+position the teacher's top-k tokens, plus one "tail" bin holding the rest of each distribution's
+mass, form a (k + 1)-way distribution for both models; the per-token divergence between them is a
+differentiable loss term (its gradient reaches the student through its k log-probs), weighted by
+``coef`` beside the policy-gradient loss. Coarsening to k + 1 bins never increases a divergence (the
+data-processing inequality), so the term is a lower bound of the full-vocabulary one that tightens
+as the teacher's top-k mass (``distill/topk_mass``) approaches 1 (the tail bin, as in DistillKit and
+the top-k variants of verl/slime's distillation losses; renormalising over the k tokens would instead
+drop the mass the student puts elsewhere).
+
+Modes and divergences are registries (``name -> function``) whose errors list the valid names.
 """
 
 from __future__ import annotations
@@ -38,14 +48,61 @@ def reverse_kl_advantage(student_logp: torch.Tensor, teacher_logp: torch.Tensor,
     return -(student_logp - teacher_logp) * mask
 
 
-MODES = tuple(sorted(_MODES))
+MODES = tuple(sorted([*_MODES, "topk"]))  # topk: a loss term (topk_divergence), not an advantage
 
 
 def distill_advantage(mode: str, student_logp: torch.Tensor, teacher_logp: torch.Tensor,
                       mask: torch.Tensor) -> torch.Tensor:
+    """(N, T) the distillation advantage; 0 in topk mode (its signal is the loss term)."""
+    if mode == "topk":
+        return torch.zeros_like(mask)
     if mode not in _MODES:
         raise ValueError(f"unknown distillation mode {mode!r}; valid: {', '.join(MODES)}")
     return _MODES[mode](student_logp, teacher_logp, mask)
+
+
+# ----------------------------------------------------------------------------- top-k divergences
+
+_EPS = 1e-12
+
+
+def with_tail(logp: torch.Tensor) -> torch.Tensor:
+    """(..., k) log-probs of k tokens -> (..., k + 1) probabilities, the last bin the rest of the mass."""
+    p = logp.exp()
+    tail = (1.0 - p.sum(-1, keepdim=True)).clamp(min=0.0)
+    return torch.cat([p, tail], -1)
+
+
+def _kl(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """(...,) sum_i p_i log(p_i / q_i) over the last dim; 0 log 0 = 0."""
+    return (p * (torch.log(p.clamp(min=_EPS)) - torch.log(q.clamp(min=_EPS)))).sum(-1)
+
+
+def _forward_kl(p, q, beta):  # KL(teacher || student): mode-covering
+    return _kl(p, q)
+
+
+def _reverse_kl(p, q, beta):  # KL(student || teacher): mode-seeking
+    return _kl(q, p)
+
+
+def _jsd(p, q, beta):
+    """GKD's generalised JSD(beta) = beta KL(p || m) + (1 - beta) KL(q || m), m = beta p + (1 - beta) q
+    (Agarwal et al. 2024, eq. 3; beta 0.5 the usual JSD; TRL's generalized_jsd_loss)."""
+    m = beta * p + (1 - beta) * q
+    return beta * _kl(p, m) + (1 - beta) * _kl(q, m)
+
+
+DIVERGENCES = {"forward_kl": _forward_kl, "reverse_kl": _reverse_kl, "jsd": _jsd}
+
+
+def topk_divergence(kind: str, teacher_topk_logp: torch.Tensor, student_topk_logp: torch.Tensor,
+                    beta: float = 0.5) -> torch.Tensor:
+    """(N, T) per-token divergence between teacher (p) and student (q) on the teacher's top-k tokens
+    plus the tail bin; inputs (N, T, k) log-probs of the same token ids. Differentiable in the student."""
+    if kind not in DIVERGENCES:
+        raise ValueError(f"unknown top-k divergence {kind!r}; valid: {', '.join(sorted(DIVERGENCES))}")
+    return DIVERGENCES[kind](with_tail(teacher_topk_logp), with_tail(student_topk_logp), beta)
 
 
 def combine(reward_adv: torch.Tensor, distill_adv: torch.Tensor, coef: float, reward_weight: float) -> torch.Tensor:

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from rlcore.algo import advantage, rollout_correction
+from rlcore.algo.distill import topk_divergence
 from rlcore.algo.batch import RolloutBatch
 from rlcore.algo.packing import micro_batches, pack, rollout_routing, split_micro, token_keys
 from rlcore.dist import all_rank_sums, all_reduce_max, all_reduce_sum
@@ -23,21 +24,44 @@ if TYPE_CHECKING:  # annotations only: pure math imports no config at run time
 
 
 def logprob_matrix(policy, batch: RolloutBatch, temperature: float, *, grad: bool, with_entropy: bool,
-                   device, share_prompt: bool = False, response_only: bool = True, routing_keys: bool = False
-                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Per-token log-probs (and entropy) of the response tokens as (N, T) matrices, 0 where masked."""
+                   device, share_prompt: bool = False, response_only: bool = True, routing_keys: bool = False,
+                   topk_ids: torch.Tensor | None = None):
+    """Per-token log-probs (and entropy) of the response tokens as (N, T) matrices, 0 where masked.
+
+    ``topk_ids`` (N, T, k): also the log-probs of these tokens at each response position, returned
+    third as (N, T, k). They come from the same forward: each position's hidden state goes through
+    the LM head once per extra token (``forward_logprobs``' ``select`` may repeat positions)."""
     packed = pack(batch.prompt_ids, batch.response_ids, device, share_prompt=share_prompt,
                   response_only=response_only, vision=batch.vision)
     extra = {"mm": packed["mm"]} if batch.vision is not None else {}  # text policies take no mm argument
     if routing_keys:
         extra["token_keys"] = token_keys(batch, device, share_prompt)
-    logp, ent = policy.forward_logprobs(packed["input_ids"], packed["position_ids"], packed["labels"],
-                                        temperature=temperature, with_entropy=with_entropy, grad=grad,
-                                        select=packed["select"], attention_mask=packed["attention_mask"], **extra)
     mask = batch.response_mask().to(device)
+    select, labels, n_own = packed["select"], packed["labels"], packed["labels"].shape[1]
+    if topk_ids is not None:
+        select, labels = _with_topk(packed, mask, topk_ids.to(device))
+    logp, ent = policy.forward_logprobs(packed["input_ids"], packed["position_ids"], labels,
+                                        temperature=temperature, with_entropy=with_entropy, grad=grad,
+                                        select=select, attention_mask=packed["attention_mask"], **extra)
     logp_mat = logp[0][packed["gather"]] * mask  # (N, T)
     ent_mat = ent[0][packed["gather"]] * mask if ent is not None else None
-    return logp_mat, ent_mat
+    if topk_ids is None:
+        return logp_mat, ent_mat
+    topk = torch.zeros(topk_ids.shape, dtype=logp.dtype, device=device)  # (N, T, k)
+    topk[mask > 0] = logp[0][n_own:].reshape(-1, topk_ids.shape[-1])
+    return logp_mat, ent_mat, topk
+
+
+def _with_topk(packed: dict, mask: torch.Tensor, topk_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The packed row's ``select`` and ``labels`` followed by each loss position repeated k times
+    with the k token ids as labels (in the order of ``mask > 0``: row-major over (N, T))."""
+    select = packed["select"]
+    if select is None:  # every position through the LM head: name them, so extra ones can follow
+        select = torch.arange(packed["labels"].shape[1], device=mask.device)
+    where = select[packed["gather"]][mask > 0]  # (M,) packed position of each loss token
+    k = topk_ids.shape[-1]
+    return (torch.cat([select, where.repeat_interleave(k)]),
+            torch.cat([packed["labels"][0], topk_ids[mask > 0].reshape(-1)])[None])
 
 
 def describe_train_phase(cfg: AlgorithmConfig) -> str:
@@ -89,13 +113,14 @@ class UpdateInputs:
     tis_cap: float | None = None  # truncated importance sampling (rollout_correction.tis_cap)
     clip_cov: dict | None = None  # Clip-Cov's ratio, low, high (exploration.clip_cov_*); None = off
     is_weights: torch.Tensor | None = None  # (N, T) rollout-correction weights; None = 1
+    distill: dict | None = None  # the top-k distillation term's divergence, beta, coef (distill.mode topk)
 
 
 def ppo_update(policy, batch: RolloutBatch, adv: torch.Tensor, old_logp: torch.Tensor | None,
                ref_logp: torch.Tensor | None, cfg: AlgorithmConfig, temperature: float,
                world_size: int, device, norm_len: int | None = None, tis_cap: float | None = None,
-               clip_cov: dict | None = None, correction: rollout_correction.Correction | None = None
-               ) -> dict[str, float]:
+               clip_cov: dict | None = None, correction: rollout_correction.Correction | None = None,
+               distill: dict | None = None) -> dict[str, float]:
     """ppo_epochs x mini_batches optimizer steps on this rank's samples.
 
     Each micro-batch loss is normalised by the global mini-batch's token (or sequence) count and
@@ -104,12 +129,14 @@ def ppo_update(policy, batch: RolloutBatch, adv: torch.Tensor, old_logp: torch.T
     (one epoch, one mini-batch): the ratio's denominator is the current log-prob, detached.
     ``norm_len`` (the max response length) fixes seq-mean-token-sum-norm's divisor, which would
     otherwise be each micro-batch's own padded length. ``correction``: rollout correction's
-    weights and the tokens it keeps (the others leave the loss and its normaliser).
+    weights and the tokens it keeps (the others leave the loss and its normaliser). ``distill``:
+    the top-k distillation term's options (the batch carries the teacher's top k).
     """
     mask = batch.response_mask().to(device)
     inp = UpdateInputs(adv.to(device), old_logp, ref_logp, batch.rollout_logp_matrix().to(device),
                        mask if correction is None else mask * correction.keep.to(device), temperature, world_size,
-                       norm_len, tis_cap, clip_cov, None if correction is None else correction.weights)
+                       norm_len, tis_cap, clip_cov, None if correction is None else correction.weights,
+                       distill if batch.teacher_topk is not None else None)
     sums: dict[str, float] = {}
     step_metrics: list[dict] = []
     # The trainer's log-probs before any update, to compare with vLLM's: old_logp, or recorded by
@@ -152,8 +179,10 @@ def accumulate_gradients(policy, batch: RolloutBatch, mini: list[int], inp: Upda
 def _micro_step(policy, batch: RolloutBatch, idx: list[int], inp: UpdateInputs, cfg: AlgorithmConfig,
                 agg: dict, sums: dict, record: torch.Tensor | None) -> None:
     sub = batch.select(idx)
-    logp, ent = logprob_matrix(policy, sub, inp.temperature, grad=True, with_entropy=True,
-                               device=inp.mask.device, **_pack_options(cfg))  # (n, t) each
+    teacher = _teacher_topk(sub, inp.mask.device) if inp.distill is not None else None  # (n, t, k) ids, log-probs
+    out = logprob_matrix(policy, sub, inp.temperature, grad=True, with_entropy=True, device=inp.mask.device,
+                         topk_ids=None if teacher is None else teacher[0], **_pack_options(cfg))
+    logp, ent = out[0], out[1]  # (n, t) each
     t = logp.shape[1]
     if record is not None:
         record[idx, :t] = logp.detach()
@@ -171,12 +200,27 @@ def _micro_step(policy, batch: RolloutBatch, idx: list[int], inp: UpdateInputs, 
         kl = advantage.kl_penalty(logp, inp.ref_logp[idx, :t], cfg.kl_loss_type)
         loss = loss + cfg.kl_loss_coef * advantage.aggregate_loss(kl, mask, cfg.loss_agg_mode, **agg)
         _add(sums, "actor/kl", (kl.detach() * mask).sum().item())
+    if teacher is not None:  # GKD's divergence on the teacher's top k (+ tail) at every loss position
+        d = inp.distill
+        div = topk_divergence(d["divergence"], teacher[1], out[2], d["beta"])  # (n, t)
+        loss = loss + d["coef"] * advantage.aggregate_loss(div, mask, cfg.loss_agg_mode, **agg)
+        _add(sums, "distill/topk_divergence", (div.detach() * mask).sum().item())
     policy.backward(loss)
     _add(sums, "actor/pg_loss", pg_loss.item())
     _add(sums, "actor/entropy", (ent.detach() * mask).sum().item())
     _add(sums, "tokens", ntok)
     for k, v in pg_metrics.items():  # masked means over this micro-batch -> token-weighted sums
         _add(sums, k, v * ntok)
+
+
+def _teacher_topk(sub: RolloutBatch, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The micro-batch's teacher top k as (n, t, k) ids and log-probs (padding: id 0, log-prob -inf)."""
+    n, t = len(sub), sub.response_mask().shape[1]
+    k = sub.teacher_topk[0][0].shape[1]
+    ids, logp = torch.zeros(n, t, k, dtype=torch.int64), torch.full((n, t, k), float("-inf"))
+    for i, (a, b) in enumerate(sub.teacher_topk):
+        ids[i, : a.shape[0]], logp[i, : b.shape[0]] = a, b
+    return ids.to(device), logp.to(device)
 
 
 def _token_weights(logp, old, idx: list[int], adv, mask, inp: UpdateInputs, cfg: AlgorithmConfig, sums: dict
@@ -223,10 +267,12 @@ def _reduce_update_metrics(sums: dict, step_metrics: list[dict], world_size: int
 
 def train_on_batch(policy, ref, batch: RolloutBatch, adv: torch.Tensor, cfg: AlgorithmConfig, temperature: float,
                    world_size: int, device, norm_len: int, tis_cap: float | None = None,
-                   clip_cov: dict | None = None, correction: dict | None = None) -> dict[str, float]:
+                   clip_cov: dict | None = None, correction: dict | None = None, distill: dict | None = None
+                   ) -> dict[str, float]:
     """The train phase of one step: old and reference log-probs when needed, then the update
     (``tis_cap``: rollout_correction.tis_cap; ``clip_cov``: advantage.clip_cov_weights' ratio, low,
-    high; ``correction``: RolloutCorrectionConfig.options(), which needs the old log-probs first).
+    high; ``correction``: RolloutCorrectionConfig.options(), which needs the old log-probs first;
+    ``distill``: DistillConfig.loss_options(), the top-k term when the batch carries the teacher's top k).
     With ``algorithm.routing_replay: r2`` the old log-prob forward records each token's experts
     and every forward of the update replays them; with r3 every forward replays vLLM's."""
     on_policy = cfg.ppo_epochs == 1 and cfg.mini_batches == 1
@@ -252,7 +298,8 @@ def train_on_batch(policy, ref, batch: RolloutBatch, adv: torch.Tensor, cfg: Alg
         extra = rollout_correction.summarise(all_rank_sums(sums), w_max)
     with _routing(policy, replay and "replay", rows):
         metrics = ppo_update(policy, batch, adv.to(device), old, ref_logp, cfg, temperature, world_size, device,
-                             norm_len=norm_len, tis_cap=tis_cap, clip_cov=clip_cov, correction=corr)
+                             norm_len=norm_len, tis_cap=tis_cap, clip_cov=clip_cov, correction=corr,
+                             distill=distill)
     if replay:
         extra.update(policy.routing_metrics())
     return {**metrics, **extra}

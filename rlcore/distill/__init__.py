@@ -28,7 +28,9 @@ def build_teacher(cfg, info, policy_rollout, switch, timer):
     policy_rollout.release_memory()
     engine = TeacherEngine(d, info, seed=cfg.trainer.seed, dtype=d.dtype or cfg.rollout.dtype or cfg.model.dtype,
                            device_type=info.device_type, tp_size=cfg.rollout.tensor_parallel_size,
-                           offload=default_offload(info.device_type, cfg.rollout.emulate_sleep))
+                           offload=default_offload(info.device_type, cfg.rollout.emulate_sleep),
+                           **({"limit_mm_per_prompt": cfg.rollout.limit_mm_per_prompt}  # image prompts: as the policy's
+                              if cfg.rollout.limit_mm_per_prompt is not None else {}))
     engine.sleep()
     if policy_rollout.weights_valid:
         policy_rollout.resume_memory()

@@ -8,9 +8,9 @@ import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional
 
-from rlcore.algo.distill import MODES
+from rlcore.algo.distill import DIVERGENCES, MODES
 from rlcore.errors import ConfigError, check
-from rlcore.hf_folder import read_config
+from rlcore.hf_folder import config_or_empty, read_config
 
 if TYPE_CHECKING:  # annotations only: the config package imports this section
     from rlcore.config import Config
@@ -24,7 +24,15 @@ class DistillConfig:
     teacher: Optional[str] = None
     """Local HF folder of the teacher model (same tokenizer as model.path); null = no distillation."""
     mode: str = "reverse_kl"
-    """reverse_kl: per-token advantage -(log p_student(y_t) - log p_teacher(y_t)) on the sampled tokens."""
+    """reverse_kl: per-token advantage -(log p_student(y_t) - log p_teacher(y_t)) on the sampled tokens;
+    topk: a divergence over the teacher's top-k tokens (plus a tail bin) at every response position,
+    added to the loss (GKD)."""
+    topk: int = 16
+    """topk mode: k, the teacher's most likely tokens per position (at most 20: vLLM's max_logprobs)."""
+    divergence: str = "jsd"
+    """topk mode: forward_kl (teacher || student), reverse_kl (student || teacher) or jsd (GKD's, with beta)."""
+    beta: float = 0.5
+    """topk mode, jsd: the mixture weight of the teacher (GKD's beta; 0.5 = the symmetric JSD)."""
     coef: float = 1.0
     """Weight of the distillation advantage."""
     reward_weight: float = 0.0
@@ -47,6 +55,11 @@ class DistillConfig:
 
     def __post_init__(self):
         check(self.mode in MODES, "distill.mode", self.mode, f"choose one of {', '.join(MODES)}")
+        check(1 <= self.topk <= 20, "distill.topk", self.topk,
+              "it must be in [1, 20] (vLLM returns at most max_logprobs = 20 log-probs per position)")
+        check(self.divergence in DIVERGENCES, "distill.divergence", self.divergence,
+              f"choose one of {', '.join(sorted(DIVERGENCES))}")
+        check(0 < self.beta < 1, "distill.beta", self.beta, "it must be in (0, 1), e.g. 0.5")
         check(self.coef > 0, "distill.coef", self.coef, "it must be > 0 (to turn distillation off, unset distill.teacher)")
         check(self.reward_weight >= 0, "distill.reward_weight", self.reward_weight,
               "it must be >= 0 (0 = distillation alone)")
@@ -65,6 +78,12 @@ class DistillConfig:
     @property
     def enabled(self) -> bool:
         return self.teacher is not None
+
+    def loss_options(self) -> dict | None:
+        """What the train phase needs for the top-k loss term (rlcore.algo.grpo), or None."""
+        if not self.enabled or self.mode != "topk":
+            return None
+        return {"divergence": self.divergence, "beta": self.beta, "coef": self.coef}
 
     # what rlcore.rollout.judge.JudgeEngine reads of an engine's section
     name = "teacher"
@@ -85,9 +104,13 @@ def check_distill(cfg: Config) -> None:
         check(not cfg.algorithm.dynamic_sampling, "algorithm.dynamic_sampling", True,
               "it keeps the groups whose rewards differ, but distill.reward_weight=0 trains on the teacher's signal "
               "alone, which every sample has: set algorithm.dynamic_sampling: false, or distill.reward_weight > 0")
-    check(cfg.data.image_key is None, "distill.teacher", d.teacher,
-          "distillation of image prompts (a vision-language teacher) is not supported yet: unset data.image_key "
-          "or distill.teacher")
+    if cfg.data.image_key is not None:
+        from rlcore.rollout.settings import is_multimodal_config
+
+        check(is_multimodal_config(config_or_empty(d.teacher)), "distill.teacher", d.teacher,
+              f"the prompts carry images (data.image_key={cfg.data.image_key!r}) but the teacher's config.json has "
+              "no vision config: a text-only teacher cannot read them; use a vision-language teacher of the "
+              "student's family")
     mismatch = tokenizer_difference(cfg.model.path, d.teacher)
     if mismatch:
         raise ConfigError(f"distill.teacher={d.teacher!r} does not share model.path's tokenizer: {mismatch}. "

@@ -283,23 +283,52 @@ class ColocateRollout:
             results = [[_copy_sample(r[0]) for _ in range(n)] for r in results]
         return results
 
-    def score(self, sequences: list[list[int]]) -> list[list[float]]:
+    def score(self, sequences: list[list[int]], images: list | None = None) -> list[list[float]]:
         """Teacher-forced log-probs: for each sequence, the log-prob of every token after the
         first given the tokens before it (vLLM's ``prompt_logprobs``: raw log-softmax whatever the
         logprobs mode, gpu_model_runner.py:5383-5391 in vllm 0.32; temperature 1 on the trainer's
-        side). Text tokens only. Used by rlcore.step.sync_check.
+        side). Used by rlcore.step.sync_check and the distillation teacher. ``images``: per sequence
+        its images or None; vLLM then scores the ids with the image tokens expanded (its
+        ``prompt_token_ids``), whose last tokens are still the sequence's own last ones."""
+        return [[d[t].logprob for t, d in zip(ids[1:], pl[1:])]
+                for ids, pl in self._prompt_logprobs(sequences, 0, images)]
+
+    def score_topk(self, sequences: list[list[int]], k: int, images: list | None = None
+                   ) -> list[tuple[list[float], list[tuple[list, list]]]]:
+        """``score`` plus, at every position after the first, the k most likely tokens: per sequence
+        (log-probs of its tokens, [(k token ids, their k log-probs)] per position, best first).
+        vLLM gathers the own token then the top k (v1/sample/sampler.py:312-351 ``gather_logprobs``,
+        vllm 0.32.0) into one dict per position with ranks (own rank, 1..k) (logprobs.py:178-208
+        ``append_logprobs_for_next_position``): an own token among the top k is stored once, under
+        its top-k rank; one outside them is the (k+1)-th entry and is dropped here."""
+        out = []
+        for ids, pl in self._prompt_logprobs(sequences, k, images):
+            own, top = [], []
+            for t, d in zip(ids[1:], pl[1:]):
+                own.append(d[t].logprob)
+                entries = dict(d)
+                if len(entries) > k:  # the sequence's token, outside the top k
+                    entries.pop(t)
+                best = sorted(entries.items(), key=lambda kv: (kv[1].rank, -kv[1].logprob))
+                top.append(([tok for tok, _ in best], [lp.logprob for _, lp in best]))
+            out.append((own, top))
+        return out
+
+    def _prompt_logprobs(self, sequences: list[list[int]], k: int, images: list | None = None) -> list[tuple]:
+        """(the ids vLLM scored, its prompt log-probs: the top ``k`` plus the own token at each
+        position) per sequence.
 
         Seeded although greedy: vllm 0.32's V2 runner seeds an unseeded request from numpy's global
         RNG, the trainer's (v1/worker/gpu/sample/states.py:54-57; rollout.checks.unseeded_call_seed)."""
         from vllm import SamplingParams
 
         self._require_awake("score", {"weights", "kv_cache"})
-        params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0, detokenize=False,
+        params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=k, detokenize=False,
                                 seed=_request_seed("score", self.dp_rank, 0))
+        inputs = [_prompt_input(s, images[i] if images is not None else None) for i, s in enumerate(sequences)]
         with self._engine_rng_scope(), self._compile_stance():
-            outputs = self.llm.generate([_prompt_input(s, None) for s in sequences], params, use_tqdm=False,
-                                        **self._adapter())
-        return [[d[t].logprob for t, d in zip(s[1:], out.prompt_logprobs[1:])] for s, out in zip(sequences, outputs)]
+            outputs = self.llm.generate(inputs, params, use_tqdm=False, **self._adapter())
+        return [(list(out.prompt_token_ids), out.prompt_logprobs) for out in outputs]
 
     def probe_module(self):
         """vLLM's model on this rank (for rlcore.step.sync_check's hooks)."""

@@ -51,8 +51,9 @@ def judge_llm_kwargs(cfg: JudgeConfig, device_type: str, *, seed: int, dtype: st
 
 class JudgeEngine:
     def __init__(self, cfg: JudgeConfig, info, *, seed: int, dtype: str, device_type: str, tp_size: int = 1,
-                 offload: str | None = None):
-        """``tp_size``: the policy engine's (the only one an in-process engine can have; judge.config)."""
+                 offload: str | None = None, **engine_kwargs):
+        """``tp_size``: the policy engine's (the only one an in-process engine can have; judge.config).
+        ``engine_kwargs``: more ColocateRollout keywords (a vision-language teacher's image limit)."""
         from rlcore.rollout.engine import ColocateRollout
 
         self.cfg, self.device_type = cfg, device_type
@@ -63,7 +64,7 @@ class JudgeEngine:
             cfg.path, info, tp_size=tp_size, seed=seed, max_model_len=cfg.max_model_len,
             dtype=dtype, kv_cache_gb=cfg.kv_cache_gb, gpu_memory_utilization=cfg.gpu_memory_utilization,
             sleep_level=1 if device_type != "cpu" else None, enforce_eager=True,
-            runner="generate" if cfg.generative else "pooling", sleep_mode=False)
+            runner="generate" if cfg.generative else "pooling", sleep_mode=False, **engine_kwargs)
         if self.offload == "storage" and kv_zeroing_needed(self.rollout.llm):
             self.rollout.shutdown()
             raise ValueError(f"reward.models[{cfg.name!r}]: {cfg.path} needs its KV-cache blocks zeroed before use "

@@ -15,6 +15,7 @@ reads the prefix cache (sampling_params.py:622-629): each sequence's every posit
 
 from __future__ import annotations
 
+import contextlib
 from contextlib import contextmanager
 
 from rlcore.rollout.judge import JudgeEngine
@@ -39,13 +40,25 @@ def logit_scale(model, factor: float):
 
 
 class TeacherEngine(JudgeEngine):
-    """``token_logprobs(sequences, temperature)``: per sequence, log p_teacher(x_t | x_<t) for t >= 1,
-    from log_softmax(logits / temperature)."""
+    """Teacher-forced log-probs of whole sequences at a temperature: per sequence, log p_teacher(x_t |
+    x_<t) for t >= 1 from log_softmax(logits / temperature), and in top-k mode the k best tokens there."""
 
-    def token_logprobs(self, sequences: list[list[int]], temperature: float = 1.0) -> list[list[float]]:
-        ro = self.rollout
+    def token_logprobs(self, sequences: list[list[int]], temperature: float = 1.0,
+                       images: list | None = None) -> list[list[float]]:
+        """``images``: per sequence its images or None (a vision-language teacher); the log-probs then
+        follow the ids with the image tokens expanded, ending with the sequence's own last tokens."""
         self.require_awake("token_logprobs")
+        with self._temperature(temperature):
+            return self.rollout.score(sequences, images)
+
+    def token_logprobs_topk(self, sequences: list[list[int]], k: int, temperature: float = 1.0,
+                            images: list | None = None) -> list[tuple]:
+        """Per sequence (its tokens' log-probs, [(k ids, k log-probs)] per position), as ColocateRollout.score_topk."""
+        self.require_awake("token_logprobs_topk")
+        with self._temperature(temperature):
+            return self.rollout.score_topk(sequences, k, images)
+
+    def _temperature(self, temperature: float):
         if temperature == 1.0:
-            return ro.score(sequences)
-        with logit_scale(ro.probe_module(), 1.0 / temperature):
-            return ro.score(sequences)
+            return contextlib.nullcontext()
+        return logit_scale(self.rollout.probe_module(), 1.0 / temperature)

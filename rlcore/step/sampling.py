@@ -179,7 +179,9 @@ class StepSampler:
             finish_reasons=[s.finish_reason for _, _, s in flat], group_size=r.n,
             vision=[v for _, (_, v), _ in flat] if images else None, rows=[p.row for p, _, _ in flat],
             routed_experts=[s.routed_experts for _, _, s in flat] if flat and flat[0][2].routed_experts is not None
-            else None)
+            else None,
+            engine_prompt_ids=[p.ids for p, _, _ in flat] if images else None,
+            images=[im for im, samples in zip(images, out) for _ in samples] if images else None)
 
     def score(self, batch: rollout_batch.RolloutBatch) -> tuple[torch.Tensor, dict]:
         """Rule-based rewards (N,), then DAPO overlong shaping / truncation masking when configured."""

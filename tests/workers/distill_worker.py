@@ -8,6 +8,9 @@ alone and with transformers:
   0.7, the advantage and distill/* metrics with reward_weight 0.5 beside a given reward advantage;
 - what each engine holds while the teacher scores and after (the policy's engine released, the
   teacher's KV cache back to 0), and the policy's samples before and after (woken by ensure_generation);
+- top-k mode: the teacher's 5 best tokens and their log-probs at each response position, and the
+  distill/topk_mass metric;
+- multi-turn: with an environment mask, tokens the environment wrote get no distillation signal;
 - the device's sleep discipline on a second, bfloat16 teacher (offload "storage", sleep level 2: its
   weights' storages freed and discarded, scoring refused while asleep, reloaded from its folder at
   wake-up, the same log-probs after).
@@ -100,6 +103,16 @@ def main() -> None:
     m.update(prompts=batch.prompt_ids, responses=batch.response_ids, rollout_logp=batch.rollout_logp,
              teacher_logp=logp1.tolist(), teacher_logp_t07=logp07.tolist(), reward_adv=reward_adv.tolist(),
              adv=adv.tolist(), metrics=metrics, memory=switch.pop_metrics(), timing=timer.pop_metrics())
+    topk_cfg = dataclasses.replace(teacher.cfg, mode="topk", topk=5)
+    teacher.cfg, plain_cfg = topk_cfg, teacher.cfg
+    _, topk_metrics = teacher.advantages(batch, torch.zeros_like(reward_adv))
+    m.update(topk_ids=[a.tolist() for a, _ in batch.teacher_topk], topk_logp=[b.tolist() for _, b in batch.teacher_topk],
+             topk_metrics=topk_metrics)
+    teacher.cfg = plain_cfg
+    env = batch.select(list(range(len(batch))))  # a copy; tokens 1 and 2 of every response came from a tool
+    env.env_mask = [[0 if j in (1, 2) else 1 for j in range(len(r))] for r in env.response_ids]
+    env_adv, _ = teacher.advantages(env, torch.zeros_like(reward_adv))
+    m["env_adv"] = env_adv.tolist()
     switch.ensure_generation()
     again = batch_of(rollout, seed=11)
     m["policy_same_after"] = (again.response_ids == batch.response_ids and again.rollout_logp == batch.rollout_logp)
