@@ -54,6 +54,9 @@ class RolloutBatch:
     # that reads them as the policy's engine did. None: a text-only batch.
     engine_prompt_ids: list[list[int]] | None = None
     images: list | None = None
+    # Partial rollouts (rlcore.step.partial): per response token, how many policy updates separate the
+    # policy that sampled it from the one training on it (0: sampled this step). None: all 0.
+    staleness: list[list[int]] | None = None
 
     def __post_init__(self):
         if self.keep is None:
@@ -124,7 +127,7 @@ def informative_groups(scores: torch.Tensor, group_size: int) -> list[int]:
 # RolloutBatch's per-sample lists, carried by select() and concat() (uids/gids are renumbered by concat)
 _PER_SAMPLE = ("prompt_ids", "response_ids", "rollout_logp", "answers", "finish_reasons", "keep", "vision", "uids",
                "gids", "env_mask", "final_ids", "env_rewards", "conversations", "routed_experts", "rows", "teacher_topk",
-               "engine_prompt_ids", "images")
+               "engine_prompt_ids", "images", "staleness")
 
 
 def concat(batches: list[RolloutBatch]) -> RolloutBatch:

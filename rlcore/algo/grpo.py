@@ -150,7 +150,19 @@ def ppo_update(policy, batch: RolloutBatch, adv: torch.Tensor, old_logp: torch.T
             step_metrics.append(policy.step())
     metrics = _reduce_update_metrics(sums, step_metrics, world_size)
     metrics.update(mismatch_metrics(pre_update, inp.rollout_logp, mask))  # every sampled token, rejected or not
+    if batch.staleness is not None:  # partial rollouts: tokens sampled this step vs by an older policy
+        stale = _token_matrix(batch.staleness, mask).to(device)  # (N, T)
+        for name, part in (("fresh", stale == 0), ("resumed", stale > 0)):
+            split = mismatch_metrics(pre_update, inp.rollout_logp, mask * part)
+            metrics.update({f"{k}_{name}": v for k, v in split.items()})
     return metrics
+
+
+def _token_matrix(rows: list[list], like: torch.Tensor) -> torch.Tensor:
+    out = torch.zeros(like.shape)  # (N, T)
+    for i, row in enumerate(rows):
+        out[i, : len(row)] = torch.tensor(row, dtype=out.dtype)
+    return out
 
 
 def mismatch_metrics(trainer_logp: torch.Tensor, rollout_logp: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:

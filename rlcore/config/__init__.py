@@ -17,13 +17,13 @@ from rlcore.config.lora import LoraConfig
 from rlcore.config.resolve import resolve
 from rlcore.config.sections import (
     CheckpointConfig, Config, DataConfig, LoggingConfig, ModelConfig, OffloadConfig, OptimConfig, ParallelConfig,
-    RewardConfig, RolloutConfig, TrainerConfig, ValConfig,
+    PartialConfig, RewardConfig, RolloutConfig, TrainerConfig, ValConfig,
 )
 from rlcore.errors import ConfigError, check, fail
 from rlcore.hf_folder import model_num_experts
 
 __all__ = [
     "AlgorithmConfig", "CheckpointConfig", "Config", "ConfigError", "DataConfig", "ExplorationConfig", "LoggingConfig",
-    "LoraConfig", "ModelConfig", "OffloadConfig", "OptimConfig", "ParallelConfig", "RewardConfig", "RolloutConfig",
+    "LoraConfig", "ModelConfig", "OffloadConfig", "OptimConfig", "ParallelConfig", "PartialConfig", "RewardConfig", "RolloutConfig",
     "RolloutCorrectionConfig", "TrainerConfig", "ValConfig", "check", "fail", "model_num_experts", "resolve",
 ]

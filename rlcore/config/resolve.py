@@ -67,6 +67,20 @@ def check_routing_replay(mode: str | None, model_path: str, experts: int) -> Non
                           f"set algorithm.routing_replay: null")
 
 
+def check_partial(cfg: Config) -> None:
+    """rollout.partial against what it supports (single-turn text prompts, one group size)."""
+    if not cfg.rollout.partial.enable:
+        return
+    others = {"rollout.multi_turn.enable": cfg.rollout.multi_turn.enable, "data.image_key": cfg.data.image_key,
+              "algorithm.routing_replay": cfg.algorithm.routing_replay,
+              "algorithm.dynamic_sampling": cfg.algorithm.dynamic_sampling}
+    for key, value in others.items():
+        if value:
+            raise ConfigError(f"rollout.partial.enable=true with {key}={value!r}: partial rollouts support "
+                              f"single-turn text prompts without dynamic sampling or routing replay for now; "
+                              f"turn one of them off")
+
+
 def resolve(cfg: Config, device_type: str) -> Config:
     """A copy of ``cfg`` with every default that depends on another field or on the device filled
     in (the ``null`` / ``auto`` values documented on the fields), checked where the combination
@@ -111,6 +125,7 @@ def resolve(cfg: Config, device_type: str) -> Config:
     check_agent(cfg)
     check_judges(cfg)
     check_distill(cfg)
+    check_partial(cfg)
     if cfg.algorithm.use_rollout_logprobs and cfg.rollout_correction.options() is not None:
         raise ConfigError("rollout_correction.is_level/rs compare the trainer's old log-probs with vLLM's, but "
                           "algorithm.use_rollout_logprobs=true replaces the former with the latter (every ratio 1): "

@@ -86,6 +86,29 @@ class DataConfig:
 
 
 @dataclass
+class PartialConfig:
+    """Partial rollouts (rlcore/step/partial.py): a step generates in chunks and stops once every rank
+    has enough finished groups; the unfinished ones are suspended and continue in the next step."""
+
+    enable: bool = False
+    chunk_tokens: int = 64
+    """Tokens per sequence per generate call; after each call one all-reduce decides whether to stop."""
+    oversample: float = 1.5
+    """Groups in flight per rank / groups trained per step: 1 waits for every group (synchronous, in
+    chunks); above 1 the slowest groups are suspended instead of waited for."""
+    max_staleness: int = 2
+    """A suspended group whose oldest token would be trained more than this many policy versions after
+    it was sampled is dropped (rollout/dropped_stale). Its tokens keep vLLM's log-probs of when they
+    were sampled: rollout_correction corrects them (e.g. is_level: token)."""
+
+    def __post_init__(self):
+        check(self.chunk_tokens > 0, "rollout.partial.chunk_tokens", self.chunk_tokens, "it must be > 0, e.g. 64")
+        check(self.oversample >= 1, "rollout.partial.oversample", self.oversample,
+              "it must be >= 1 (1: wait for every group; 1.5: half as many groups again in flight)")
+        check(self.max_staleness >= 0, "rollout.partial.max_staleness", self.max_staleness, "it must be >= 0")
+
+
+@dataclass
 class RolloutConfig:
     """Generation with the in-process vLLM engine."""
 
@@ -155,6 +178,8 @@ class RolloutConfig:
     1e-3 float32, 0.1 bfloat16, 0.05 float16."""
     multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
     """Multi-turn, tool-using conversations (rlcore/agent/)."""
+    partial: PartialConfig = field(default_factory=PartialConfig)
+    """Partial rollouts with an early stop (rlcore/step/partial.py)."""
     tool_parser: str = "hermes"
     """vLLM tool parser that reads the model's calls (vllm.tool_parsers: hermes for Qwen2.5/Qwen3
     <tool_call> JSON, llama3_json, pythonic, ...); used with multi_turn.enable."""

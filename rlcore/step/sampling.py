@@ -22,20 +22,12 @@ from rlcore.config import AlgorithmConfig, RolloutConfig
 from rlcore.dist import all_reduce_max, all_reduce_sum
 from rlcore.metrics import Timer
 from rlcore.task import images as vision
-from rlcore.task.prompts import PromptSampler, derive_seed
+from rlcore.task.prompts import PromptSampler, derive_seed, generation_seed  # noqa: F401  (generation_seed: re-exported)
 
-_VALIDATION_OFFSET = 500_009  # validation seeds stay apart from the training steps'
 _SELECT_OFFSET = 700_001  # the kept-group draw of a step: apart from the generation seeds
 KEEP_RATE_PRIOR = 0.5  # the first step's guess of the kept fraction, before any measurement
 KEEP_RATE_WEIGHT = 0.5  # weight of the newest step in the running estimate (about 2 steps' memory)
 ALL_REPLICAS_OK = 0.8  # the round is sized so every replica keeps enough with this probability
-
-
-def generation_seed(seed: int, step: int, round_: int = 0, validation: bool = False) -> int:
-    """vLLM seed of one generation call: per step (so a resumed run samples what the uninterrupted
-    one did), per dynamic-sampling round (a round that reused the step's seed would draw the same
-    random stream for its new prompts), and apart for validation."""
-    return derive_seed(seed, step + (_VALIDATION_OFFSET if validation else 0)) + round_ * 2**62
 
 
 def binomial_at_least(m: int, p: float, k: int) -> float:
@@ -85,15 +77,28 @@ class StepSampler:
     agent: object = None  # rlcore.agent.loop.Agent: multi-turn conversations with tools
     keep_rate: float = field(default=KEEP_RATE_PRIOR)  # running estimate of the kept-group fraction
     switch: object = None  # rlcore.step.switch.PhaseSwitcher: wakes the policy's engine after judging
+    partial: object = None  # rlcore.step.partial.PartialRollouts (rollout.partial.enable), made here
+
+    def __post_init__(self):
+        if self.cfg.partial.enable and self.partial is None:
+            from rlcore.step.partial import PartialRollouts
+
+            self.partial = PartialRollouts(self.cfg.partial, self.cfg.n, self.cfg.max_response_length)
 
     def state_dict(self) -> dict:
-        return {"keep_rate": self.keep_rate}
+        return {"keep_rate": self.keep_rate, **({"partial": self.partial.state_dict()} if self.partial else {})}
 
     def load_state_dict(self, state: dict) -> None:
         self.keep_rate = state.get("keep_rate", KEEP_RATE_PRIOR)  # checkpoints before it: the prior
+        if self.partial is not None:
+            self.partial.load_state_dict(state.get("partial", []))
 
     def sample(self, step: int) -> tuple[rollout_batch.RolloutBatch, torch.Tensor, dict]:
         """This replica's samples of ``step``, their shaped rewards (N,) and reward metrics."""
+        if self.partial is not None:  # suspended groups continue; the step stops once enough are done
+            batch, partial_metrics = self.partial.sample(self, step)
+            scores, metrics = self.score(batch)
+            return batch, scores, {**metrics, **partial_metrics}
         if not self.algo.dynamic_sampling:
             batch = self.generate(self.next_prompts(self.per_replica()), step)
             scores, metrics = self.score(batch)

@@ -222,8 +222,18 @@ def load_prompts(files: list[str], cfg: DataConfig, tokenizer, processor=None, c
 
 def derive_seed(seed: int, offset: int) -> int:
     """The one formula for every seed derived from a run's seed: the data order of each epoch,
-    each step's generation, validation (see rlcore.step.sampling.generation_seed)."""
+    each step's generation, validation (see generation_seed)."""
     return seed * 1_000_003 + offset
+
+
+_VALIDATION_OFFSET = 500_009  # validation seeds stay apart from the training steps'
+
+
+def generation_seed(seed: int, step: int, round_: int = 0, validation: bool = False) -> int:
+    """vLLM seed of one generation call: per step (so a resumed run samples what the uninterrupted
+    one did), per dynamic-sampling round or partial-rollout chunk (a round that reused the step's
+    seed would draw the same random stream for its new prompts), and apart for validation."""
+    return derive_seed(seed, step + (_VALIDATION_OFFSET if validation else 0)) + round_ * 2**62
 
 
 class PromptSampler:

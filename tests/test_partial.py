@@ -1,0 +1,189 @@
+"""Partial rollouts (rlcore/step/partial.py): the pool's logic against a scripted engine (unit), the
+correction weights of mixed-version tokens against a plain-PyTorch reference (unit), and the real
+engine under torchrun (tests/workers/partial_worker.py): a resumed sequence's trained ids and
+behaviour log-probs are exactly what vLLM returned in each step. Kill -9 and preemption with
+suspended groups in the checkpoint are in tests/test_resume.py."""
+
+from __future__ import annotations
+
+import json
+import os
+import types
+
+import pytest
+import torch
+
+from conftest import REPO, run_torchrun
+
+WORKER = os.path.join(REPO, "tests", "workers", "partial_worker.py")
+
+
+class ScriptedEngine:
+    """generate() as ColocateRollout's: a prompt [L, a, b] has responses of L tokens (ids 100, 101, ...,
+    the last one EOS-like: finish "stop"), each token's log-prob names the policy version and position;
+    every call is recorded."""
+
+    tp_size, dp_size, dp_rank = 1, 1, 0
+
+    def __init__(self):
+        self.version, self.calls = 0, []
+
+    def generate(self, prompts, *, n, temperature, top_p, top_k, max_tokens, seed):
+        out = []
+        for p in prompts:
+            total, done = p[0], len(p) - 3
+            ids = [100 + done + i for i in range(min(max_tokens, total - done))]
+            lps = [-(self.version + 1) - 0.01 * (done + i) for i in range(len(ids))]
+            finish = "stop" if done + len(ids) == total else "length"
+            out.append([types.SimpleNamespace(response_ids=ids, logprobs=lps, finish_reason=finish)])
+        self.calls.append((self.version, [list(p) for p in prompts], out))
+        return out
+
+
+def sampler(lengths: list[int], target: int, oversample: float, chunk: int, max_staleness: int = 2, n: int = 2):
+    from rlcore.config import PartialConfig, RolloutConfig
+    from rlcore.metrics import Timer
+    from rlcore.step.partial import PartialRollouts
+    from rlcore.task.prompts import Prompt
+
+    queue = [Prompt(ids=[length, 7, 8], text=f"p{i}", answer=str(i), row={"i": i}) for i, length in enumerate(lengths)]
+    cfg = RolloutConfig(n=n, max_response_length=16, max_model_len=64)
+    s = types.SimpleNamespace(per_replica=lambda: target, cfg=cfg, switch=None, timer=Timer(), seed=0,
+                              rollout=ScriptedEngine())
+    s.next_prompts = lambda k: [queue.pop(0) for _ in range(k)]
+    part = PartialRollouts(PartialConfig(enable=True, chunk_tokens=chunk, oversample=oversample,
+                                         max_staleness=max_staleness), n, cfg.max_response_length)
+    return s, part
+
+
+@pytest.mark.unit
+def test_without_oversampling_a_step_waits_for_every_group_in_chunks():
+    s, part = sampler([5, 2, 9, 1], target=2, oversample=1.0, chunk=3)
+    batch, m = part.sample(s, step=1)
+    assert [p[0] for p in batch.prompt_ids[::2]] == [5, 2] and part.pool == []
+    assert batch.response_ids[0] == [100, 101, 102, 103, 104] and m["rollout/chunks"] == 2.0  # 5 tokens: 3 + 2
+    assert m["rollout/partial_frac"] == 0.0 and m["rollout/staleness_max"] == 0.0
+
+
+@pytest.mark.unit
+def test_the_early_stop_suspends_stragglers_and_resumes_them_token_exact():
+    """Target 2 groups of 4 in flight: the short ones train at step 1; the 9-token group continues at
+    step 2 under the next policy version: its ids are the concatenation of what each call returned,
+    each token with the log-prob and the version of the call that sampled it."""
+    s, part = sampler([9, 2, 3, 12, 1, 2, 1, 1], target=2, oversample=2.0, chunk=4)
+    batch, m = part.sample(s, step=1)
+    assert sorted(p[0] for p in batch.prompt_ids[::2]) == [2, 3]  # the first two groups to finish
+    assert m["rollout/suspended_groups"] == 2.0 and m["rollout/partial_len_bias"] < 1.0
+    s.rollout.version = 1  # one update later: the suspended groups grow, two new short ones train
+    batch, m = part.sample(s, step=2)
+    assert sorted(p[0] for p in batch.prompt_ids[::2]) == [1, 2] and m["rollout/partial_frac"] == 0.0
+    s.rollout.version = 2
+    batch, m = part.sample(s, step=3)
+    assert [p[0] for p in batch.prompt_ids[::2]] == [9, 12]  # done with two new ones: the oldest train
+    # 4 tokens sampled at version 0 (step 1's one chunk), 4 at version 1, 1 at version 2
+    i = batch.prompt_ids.index([9, 7, 8])
+    assert batch.response_ids[i] == list(range(100, 109))
+    assert batch.rollout_logp[i] == pytest.approx([-1 - 0.01 * j for j in range(4)] + [-2 - 0.01 * j for j in range(4, 8)]
+                                                  + [-3 - 0.08])
+    assert batch.staleness[i] == [2, 2, 2, 2, 1, 1, 1, 1, 0]
+    continued = [p for _, prompts, _ in s.rollout.calls[1:] for p in prompts if p[0] == 9][::2]  # n = 2: twice
+    assert continued[:2] == [[9, 7, 8, 100, 101, 102, 103], [9, 7, 8, *range(100, 108)]]  # re-prefilled each step
+    assert m["rollout/partial_frac"] == 1.0 and m["rollout/staleness_max"] == 2.0
+
+
+@pytest.mark.unit
+def test_stale_groups_are_dropped_and_counted_and_the_pool_survives_a_checkpoint():
+    s, part = sampler([12, 1, 1, 14, 1, 1, 1, 1], target=2, oversample=2.0, chunk=2, max_staleness=0)
+    part.sample(s, step=1)
+    assert [g.prompt.ids[0] for g in part.pool] == [12, 14]  # suspended with version-0 tokens
+    state = json.loads(json.dumps(part.state_dict()))  # plain data: what the checkpoint holds
+    again = sampler([], 2, 2.0, 2, max_staleness=0)[1]
+    again.load_state_dict(state)
+    assert [(g.prompt.ids, g.start, [x.ids for x in g.seqs]) for g in again.pool] == \
+        [(g.prompt.ids, g.start, [x.ids for x in g.seqs]) for g in part.pool]
+    s.rollout.version = 1
+    _, m = part.sample(s, step=2)  # max_staleness 0: their version-0 tokens would train at version 1
+    assert m["rollout/dropped_stale"] == 2.0 and m["rollout/staleness_max"] == 0.0
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("level", ["token", "sequence"])
+def test_correction_weights_of_mixed_version_tokens_equal_a_hand_computation(level):
+    """A resumed sequence's first tokens were sampled by an older policy: rollout correction weighs each
+    token by exp(old - its own behaviour log-prob), written out here with plain PyTorch."""
+    from rlcore.algo.rollout_correction import correct
+
+    behaviour = torch.tensor([[-1.0, -1.2, -0.7, -0.9], [-0.5, -0.6, 0.0, 0.0]])  # (N, T): 2 old + 2 fresh tokens
+    old = torch.tensor([[-1.3, -1.0, -0.7, -0.95], [-0.5, -0.4, 0.0, 0.0]])  # the trainer's, before the update
+    mask = torch.tensor([[1.0, 1.0, 1.0, 1.0], [1.0, 1.0, 0.0, 0.0]])
+    corr, _ = correct(old, behaviour, mask, is_level=level, is_mode="truncate", is_low=0.0, is_high=2.0,
+                      rs=None, rs_threshold=None, rs_low=None)
+    log_rho = (old - behaviour) * mask
+    if level == "token":
+        ref = torch.exp(log_rho).clamp(max=2.0)
+    else:
+        ref = torch.exp(log_rho.sum(-1, keepdim=True)).clamp(max=2.0).expand_as(log_rho)
+    assert torch.allclose(corr.weights * mask, ref * mask, atol=1e-7)
+    assert corr.weights[0, 0].item() == pytest.approx(float(torch.exp(torch.tensor(-0.3))) if level == "token"
+                                                      else float(torch.exp(torch.tensor(-0.15))), rel=1e-6)
+
+
+@pytest.mark.unit
+def test_partial_rollouts_refuse_what_they_do_not_support():
+    from rlcore.config import AlgorithmConfig, Config, PartialConfig, RolloutConfig
+    from rlcore.config.resolve import check_partial
+    from rlcore.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"rollout\.partial\.oversample.*>= 1"):
+        PartialConfig(enable=True, oversample=0.5)
+    cfg = Config(rollout=RolloutConfig(partial=PartialConfig(enable=True)),
+                 algorithm=AlgorithmConfig(dynamic_sampling=True))
+    with pytest.raises(ConfigError, match=r"algorithm\.dynamic_sampling=True.*single-turn text prompts"):
+        check_partial(cfg)
+
+
+def test_resumed_sequences_are_what_vllm_returned_in_each_step(tiny_model, tmp_path):
+    """The real engine (1 rank): 3 steps of partial rollouts with a weight update between steps (the
+    engine's weights scaled, as a sync would change them); every trained sequence's ids and
+    log-probs equal the concatenation of what vLLM returned for it, call by call."""
+    out = str(tmp_path / "partial.json")
+    run_torchrun(WORKER, 1, tiny_model, out)
+    with open(out) as f:
+        m = json.load(f)
+    assert m["resumed_samples"] > 0, m  # some trained sequence spans two steps
+    assert m["mismatched"] == [], m["mismatched"][:3]
+    assert m["max_staleness_seen"] >= 1
+
+
+def partial_args(model, data, out, *extra):
+    return ["--config", os.path.join(REPO, "configs", "demo_cpu.yaml"), "--model.path", model,
+            "--data.train_files", json.dumps([data]), "--data.val_files", "[]", "--trainer.output_dir", out,
+            "--trainer.total_steps", "4", "--trainer.prompts_per_step", "4", "--rollout.n", "4",
+            "--rollout.max_response_length", "8", "--rollout.partial.enable", "true",
+            "--rollout.partial.chunk_tokens", "3", "--rollout.partial.oversample", "2",
+            "--rollout_correction.is_level", "token",  # resumed tokens weighed by their own behaviour log-probs
+            "--checkpoint.keep_last", "10", "--checkpoint.save_hf_final", "false", *extra]
+
+
+def test_kill9_with_suspended_groups_then_resume_is_exact(tiny_model, toy_data, tmp_path):
+    """2 ranks, 4 steps of partial rollouts (2 groups trained per rank and step, 4 in flight), against
+    the same run killed (-9) after step 2's checkpoint (suspended groups inside it) and step 3's row,
+    then resumed: every metric row equal, including the staleness and the resumed tokens' mismatch."""
+    from workers.launch import TRAIN, comparable, kill9_when, read_rows
+
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    run_torchrun(TRAIN, 2, *partial_args(tiny_model, toy_data[0], a))
+    kill9_when(2, partial_args(tiny_model, toy_data[0], b, "--checkpoint.save_every", "2", "--checkpoint.resume",
+                               "auto"), r"saved checkpoint .*step_2$", r"^step +3/")
+    proc = run_torchrun(TRAIN, 2, *partial_args(tiny_model, toy_data[0], b, "--checkpoint.save_every", "2",
+                                                "--checkpoint.resume", "auto"))
+    assert "resumed from" in proc.stdout
+    rows_a, rows_b = read_rows(a), read_rows(b)
+    assert [r["step"] for r in rows_b] == [1, 2, 3, 4]
+    for ra, rb in zip(rows_a, rows_b):
+        assert comparable(ra) == comparable(rb), ra["step"]
+    state = torch.load(os.path.join(b, "checkpoints", "step_2", "extra_state", "extra_state_rank_0.pt"),
+                       weights_only=True)["user"]["trainer"]["sampling"]["partial"]
+    assert len(state) == 2 and all(len(g["seqs"]) == 4 for g in state)  # 4 in flight - 2 trained, carried over
+    assert any(r["rollout/partial_frac"] > 0 and r["rollout/staleness_max"] >= 1 for r in rows_a), rows_a
+    assert all("rollout/mismatch_kl_resumed" in r and "rollout/mismatch_kl_fresh" in r for r in rows_a[1:])
