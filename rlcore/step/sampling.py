@@ -80,7 +80,8 @@ class StepSampler:
     partial: object = None  # rlcore.step.partial.PartialRollouts (rollout.partial.enable), made here
 
     def __post_init__(self):
-        if self.cfg.partial.enable and self.partial is None:
+        partial = getattr(self.cfg, "partial", None)  # a section without it (tests' stand-ins): off
+        if partial is not None and partial.enable and self.partial is None:
             from rlcore.step.partial import PartialRollouts
 
             self.partial = PartialRollouts(self.cfg.partial, self.cfg.n, self.cfg.max_response_length)
