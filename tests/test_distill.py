@@ -401,3 +401,41 @@ def test_the_devices_sleep_discipline_on_a_real_teacher_engine(distilled):
     assert m["storage_refused_asleep"]
     assert "weights reloaded from" in m["storage_wake"]
     assert m["storage_same_after_reload"]
+
+
+@pytest.mark.unit
+def test_the_topk_term_composes_with_rollout_correction_and_token_budgets():
+    """Rollout correction weighs the policy-gradient term only, micro-batches by token budget split the
+    same samples differently: the top-k term's value is the same in all three updates, and the
+    correction's metrics appear beside it."""
+    import copy
+
+    from test_grpo_options import FakePolicy, make_batch
+
+    from rlcore.algo import grpo
+    from rlcore.config import AlgorithmConfig, RolloutCorrectionConfig
+
+    batch = make_batch()
+    mask = batch.response_mask()
+    g = torch.Generator().manual_seed(11)
+    t_logits = torch.randn(*mask.shape, 12, generator=g)
+    ids = t_logits.topk(4, -1).indices
+    t_top = torch.log_softmax(t_logits, -1).gather(-1, ids)
+    batch.teacher_topk = [(ids[i, : len(r)], t_top[i, : len(r)]) for i, r in enumerate(batch.response_ids)]
+    batch.rollout_logp = [[-2.4 - 0.01 * j for j in range(len(r))] for r in batch.response_ids]  # vLLM's, off by a bit
+    adv = torch.linspace(-1, 1, len(batch))[:, None] * mask
+    distill = {"divergence": "forward_kl", "beta": 0.5, "coef": 1.0}
+    base = FakePolicy()
+    runs = {
+        "plain": (AlgorithmConfig(micro_batch_size=8, kl_loss_coef=0.0), None),
+        "corrected": (AlgorithmConfig(micro_batch_size=8, kl_loss_coef=0.0),
+                      RolloutCorrectionConfig(is_level="token").options()),
+        "token_budget": (AlgorithmConfig(micro_batch_tokens=20, kl_loss_coef=0.0), None),
+    }
+    out = {name: grpo.train_on_batch(copy.deepcopy(base), None, batch, adv, cfg, 1.0, 1, "cpu", norm_len=6,
+                                     correction=corr, distill=distill) for name, (cfg, corr) in runs.items()}
+    div = {name: m["distill/topk_divergence"] for name, m in out.items()}
+    assert div["plain"] > 1e-3 and div["corrected"] == pytest.approx(div["plain"], rel=1e-6)
+    assert div["token_budget"] == pytest.approx(div["plain"], rel=1e-6)
+    assert "rollout_corr/is_weight_mean" in out["corrected"] and out["corrected"]["actor/pg_loss"] != \
+        pytest.approx(out["plain"]["actor/pg_loss"], rel=1e-3)
