@@ -99,6 +99,9 @@ class StepSampler:
         if self.partial is not None:  # suspended groups continue; the step stops once enough are done
             batch, partial_metrics = self.partial.sample(self, step)
             scores, metrics = self.score(batch)
+            groups = max(len(scores) // batch.group_size, 1)
+            informative = len(rollout_batch.informative_groups(scores, batch.group_size))
+            metrics["rollout/zero_variance_groups_frac"] = 1.0 - informative / groups
             return batch, scores, {**metrics, **partial_metrics}
         if not self.algo.dynamic_sampling:
             batch = self.generate(self.next_prompts(self.per_replica()), step)
