@@ -14,8 +14,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from rlcore.algo import advantage, rollout_correction
-from rlcore.algo.distill import topk_divergence
 from rlcore.algo.batch import RolloutBatch
+from rlcore.algo.distill import topk_divergence
 from rlcore.algo.packing import micro_batches, pack, rollout_routing, split_micro, token_keys
 from rlcore.dist import all_rank_sums, all_reduce_max, all_reduce_sum
 
