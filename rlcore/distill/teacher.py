@@ -31,10 +31,6 @@ class Teacher:
         self.cfg, self.engine, self.temperature = cfg, engine, temperature
         self.switch, self.timer, self.tp_size = switch, timer, tp_size
 
-    @property
-    def name(self) -> str:
-        return "teacher"
-
     def logprobs(self, batch: RolloutBatch) -> tuple[torch.Tensor, dict]:
         """(N, T) the teacher's log-prob of each response token (0 past each response), and the
         call's counts. The engine runs once per distinct prompt + response (with its images: the
@@ -43,10 +39,12 @@ class Teacher:
         prompts = batch.engine_prompt_ids or batch.prompt_ids
         images = batch.images or [None] * len(batch)
         seqs = [(tuple(p) + tuple(r), id(im)) for p, r, im in zip(prompts, batch.response_ids, images)]
-        distinct = list(dict.fromkeys(seqs))
-        first = {key: i for i, key in reversed(list(enumerate(seqs)))}  # a sample holding each key's images
+        by_key = {}  # each distinct (ids, images) once, with its images
+        for key, im in zip(seqs, images):
+            by_key.setdefault(key, im)
+        distinct = list(by_key)
         ids = [list(key[0]) for key in distinct]
-        ims = [images[first[key]] for key in distinct] if batch.images is not None else None
+        ims = list(by_key.values()) if batch.images is not None else None
         topk = self.cfg.topk if self.cfg.mode == "topk" else 0
         start = time.perf_counter()
         with self.switch.judging([self]):  # the policy's engine sleeps, the teacher is awake

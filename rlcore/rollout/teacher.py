@@ -16,12 +16,11 @@ reads the prefix cache (sampling_params.py:622-629): each sequence's every posit
 from __future__ import annotations
 
 import contextlib
-from contextlib import contextmanager
 
 from rlcore.rollout.judge import JudgeEngine
 
 
-@contextmanager
+@contextlib.contextmanager
 def logit_scale(model, factor: float):
     """Multiply every ``LogitsProcessor.scale`` of ``model`` by ``factor`` inside the block."""
     from vllm.model_executor.layers.logits_processor import LogitsProcessor
