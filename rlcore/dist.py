@@ -181,6 +181,11 @@ def all_reduce_max(values: list[float]) -> list[float]:
     return t.cpu().tolist()
 
 
+def node_of_each_rank() -> list[int]:
+    """The node (torchrun agent, ``GROUP_RANK``) of every rank, in rank order; collective."""
+    return all_gather_objects(int(os.environ.get("GROUP_RANK", "0")))
+
+
 def all_gather_objects(obj) -> list:
     """Every rank's picklable ``obj``, in rank order, on every rank (small things only)."""
     if not (dist.is_initialized() and dist.get_world_size() > 1):

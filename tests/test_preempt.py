@@ -207,7 +207,11 @@ kill -TERM "$(cat "$FAKE_DIR/srun.pid")"
 """
 FAKE_SCONTROL = """#!/bin/bash
 echo "scontrol $*" >> "$FAKE_DIR/calls"
-if [ "$1" = show ]; then echo gpu-a; echo gpu-b; fi
+case "$1 $2" in  # the shapes of Slurm 22.05's answers (seen under the real one, tests/test_multinode.py)
+  "show hostnames") echo gpu-a; echo gpu-b ;;
+  "show node") echo "NodeName=$3 Arch=x86_64 CoresPerSocket=1 NodeAddr=127.0.0.1 NodeHostName=$3 State=ALLOCATED" ;;
+  "show job") echo "JobId=$3 JobName=grpo JobState=RUNNING Reason=None Requeue=1 Restarts=0" ;;
+esac
 """
 
 
@@ -230,7 +234,7 @@ def test_sbatch_time_limit_signal_checkpoints_and_requeues(tmp_path):
     out, _ = proc.communicate(timeout=60)
     log = calls.read_text()
     assert proc.returncode == 75, out
-    assert "--rdzv_endpoint gpu-a:29500" in log  # head node from scontrol show hostnames
+    assert "--rdzv_endpoint 127.0.0.1:29500" in log  # the first of scontrol show hostnames, by its NodeAddr
     assert "scancel --signal=TERM 4242" in log and "srun got TERM" in log
     assert "scontrol requeue 4242" in log and "requeueing job 4242" in out
     assert os.path.isdir(tmp_path / "logs" / "grpo-4242" / "attempt1")

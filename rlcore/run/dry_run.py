@@ -80,10 +80,12 @@ def check_config(argv: list[str], device: str) -> tuple[Config | None, list[Chec
     return cfg, [Check("config", OK, detail)]
 
 
-def check_world(cfg: Config, world: int) -> Check:
+def check_world(cfg: Config, nproc: int, nnodes: int = 1) -> Check:
     from rlcore.run.preflight import validate_against_world
 
-    _, problem = _quiet(validate_against_world, cfg, world)
+    world = nproc * nnodes
+    nodes = [rank // nproc for rank in range(world)]  # torchrun's numbering: one block per agent
+    _, problem = _quiet(validate_against_world, cfg, world, nodes)
     return Check("world", FAIL, problem) if problem else Check("world", OK, f"{world} ranks")
 
 
@@ -141,7 +143,7 @@ def dry_run(argv: list[str], device: str, nproc: int, nnodes: int = 1, device_gb
     if cfg is None:
         return checks
     world = nproc * nnodes
-    checks.append(check_world(cfg, world))
+    checks.append(check_world(cfg, nproc, nnodes))
     checks.append(check_attention(cfg, device))
     checks.append(check_veomni_ops(cfg, device))
     checks.append(check_vllm(cfg, device))

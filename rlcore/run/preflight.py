@@ -8,7 +8,7 @@ import os
 
 from rlcore import agent
 from rlcore.config import Config, ConfigError, check, fail
-from rlcore.dist import detect_device
+from rlcore.dist import detect_device, node_of_each_rank
 from rlcore.hf_folder import read_config
 from rlcore.judge.config import check_judge_data
 from rlcore.rollout import routing as rollout_routing
@@ -23,11 +23,12 @@ def _print_main(message: str) -> None:
 
 
 def preflight(cfg: Config, rank: int, world_size: int):
-    """Every check that needs no model, on every rank: config against the world size, files, the
-    checkpoint to resume, the tokenizer (and image processor), every data row. A mistake exits
-    with code 2 here. Returns (tokenizer, image processor or None, prompts, checkpoint to resume)."""
+    """Every check that needs no model, on every rank: config against the world size and the nodes,
+    files, the checkpoint to resume, the tokenizer (and image processor), every data row. A mistake
+    exits with code 2 here. Returns (tokenizer, image processor or None, prompts, checkpoint to resume)."""
+    nodes = node_of_each_rank()  # collective: before any check that could stop one rank alone
     try:
-        validate_against_world(cfg, world_size)
+        validate_against_world(cfg, world_size, nodes)
         rollout_routing.check_config(cfg, detect_device(cfg.parallel.device)[0])  # r3: vLLM's own verdict
         claim_output_dir(cfg.trainer.output_dir, rank)  # before anything in it is read or written
         resume_from = checkpoint.find_resume(cfg.trainer.output_dir, cfg.checkpoint.resume,
@@ -153,11 +154,13 @@ def load_tokenizer(path: str):
     return tokenizer
 
 
-def validate_against_world(cfg: Config, world_size: int) -> None:
-    """Checks across sections, against the world size and the files on disk; before any model loads."""
+def validate_against_world(cfg: Config, world_size: int, nodes: list[int] | None = None) -> None:
+    """Checks across sections, against the world size, the nodes (``nodes[rank]``: the torchrun
+    agent of each rank; None: one node) and the files on disk; before any model loads."""
     tp = cfg.rollout.tensor_parallel_size
     check(world_size % tp == 0, "rollout.tensor_parallel_size", tp,
           f"it must divide the world size {world_size} (e.g. 1 or {world_size})")
+    check_tp_inside_nodes(tp, nodes or [0] * world_size)
     dp = world_size // tp
     check(cfg.trainer.prompts_per_step % dp == 0, "trainer.prompts_per_step", cfg.trainer.prompts_per_step,
           f"it must be divisible by the {dp} rollout replicas (world size / tensor_parallel_size)")
@@ -190,6 +193,23 @@ def validate_against_world(cfg: Config, world_size: int) -> None:
     check(needed <= cfg.rollout.max_model_len, "rollout.max_model_len", cfg.rollout.max_model_len,
           f"it must hold data.max_prompt_length + rollout.max_response_length = {needed}")
     _validate_val(cfg)
+
+
+def check_tp_inside_nodes(tp: int, nodes: list[int]) -> None:
+    """vLLM's tensor-parallel groups are blocks of ``tp`` consecutive ranks (vllm 0.32.0
+    distributed/parallel_state.py:2135-2147, ``all_ranks.view(-1, tp)``), and torchrun numbers each
+    agent's ranks as one block (torch/distributed/elastic/agent/server/api.py:585-609). A group that
+    spans two nodes would run vLLM's per-token all-reduces over the network (on CPU, its shared-memory
+    communicator cannot even open): refused, naming the ranks and nodes."""
+    for first in range(0, len(nodes), tp):
+        group = nodes[first:first + tp]
+        if len(set(group)) > 1:
+            per_node = sorted({nodes.count(n) for n in set(nodes)})
+            raise ConfigError(
+                f"rollout.tensor_parallel_size={tp} puts ranks {first}-{first + tp - 1} of one vLLM "
+                f"tensor-parallel group on nodes {sorted(set(group))} (torchrun agents of {per_node} "
+                f"rank(s) each): a tensor-parallel group must stay inside a node; use a tensor_parallel_size "
+                f"that divides the ranks per node, or more ranks per node (--nproc_per_node)")
 
 
 def _check_experts(cfg: Config, world_size: int) -> None:

@@ -20,10 +20,12 @@ DROP = ("timing/", "memory/", "perf/")  # wall-clock dependent metrics
 
 class Launch:
     def __init__(self, nproc: int, args: list[str], env: dict | None = None, script: str = TRAIN,
-                 launcher_args: tuple[str, ...] = ()):
+                 launcher_args: tuple[str, ...] = (), rendezvous: tuple[str, ...] = ("--standalone",)):
+        """``rendezvous``: torchrun's rendezvous arguments (one agent of a multi-node run: --nnodes,
+        --rdzv_backend, --rdzv_endpoint, --rdzv_id)."""
         from conftest import QUIET_ENV
 
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+        cmd = [sys.executable, "-m", "torch.distributed.run", *rendezvous, f"--nproc_per_node={nproc}",
                *launcher_args, script, *args]
         full_env = {**os.environ, **QUIET_ENV, "PYTHONPATH": REPO, **(env or {})}
         self.proc = subprocess.Popen(cmd, cwd=REPO, env=full_env, stdout=subprocess.PIPE,
