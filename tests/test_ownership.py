@@ -1,17 +1,16 @@
 """A killed launcher takes its ranks with it, and two runs never write one output directory
 (rlcore/run/ownership.py), through the real entry point under a real torchrun.
 
-The test process makes itself a child subreaper (``PR_SET_CHILD_SUBREAPER``): ranks orphaned by the
-``kill -9`` of torchrun are re-parented to it instead of to PID 1, so it can tell by pid when each
-one has ended and read its exit code.
+The test process is a child subreaper (``workers.launch.become_subreaper``), so it can reap ranks
+orphaned by the ``kill -9`` of torchrun and read their exit codes. The kill -9 of a training run's
+launcher group, with its exact resume and the phase machine's record of each checkpoint, is checked
+on test_resume.py's launches (its B1 and B3) rather than on three launches of its own.
 """
 
 from __future__ import annotations
 
-import ctypes
 import json
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -20,9 +19,8 @@ import time
 import pytest
 
 from conftest import QUIET_ENV, REPO
+from workers.launch import become_subreaper, reap
 
-PR_SET_CHILD_SUBREAPER = 36
-WALL_CLOCK = ("timing/", "perf/", "memory/")  # differ between any two runs
 
 
 def launch(out: str, steps: int, *extra: str) -> subprocess.Popen:
@@ -68,86 +66,11 @@ def ranks_of(launcher_pid: int) -> list[int]:
     return out
 
 
-def reap(pids: list[int], timeout: float) -> dict[int, int]:
-    """Wait (as their subreaper) until every pid has ended; their exit codes."""
-    codes, deadline = {}, time.monotonic() + timeout
-    while len(codes) < len(pids) and time.monotonic() < deadline:
-        for pid in pids:
-            if pid not in codes:
-                done, status = os.waitpid(pid, os.WNOHANG)
-                if done:
-                    codes[pid] = os.waitstatus_to_exitcode(status)
-        time.sleep(0.05)
-    return codes
-
-
-def comparable(rs: list[dict]) -> list[dict]:
-    return [{k: v for k, v in r.items() if not k.startswith(WALL_CLOCK)} for r in rs]
-
-
 @pytest.fixture(scope="module", autouse=True)
 def subreaper():
-    libc = ctypes.CDLL(None, use_errno=True)
-    assert libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
+    become_subreaper()
     yield
-    libc.prctl(PR_SET_CHILD_SUBREAPER, 0, 0, 0, 0)
-
-
-ASLEEP = "phase training, vLLM released ['kv_cache']"
-
-
-def checkpoint_events(stderr: str, rank: int) -> list[str]:
-    """The phase machine's record of one rank's checkpoint saves and loads (logging.switch_trace)."""
-    return [line.split("checkpoint ", 1)[1] for line in stderr.splitlines()
-            if line.startswith(f"[switch] rank {rank} checkpoint ")]
-
-
-def test_kill9_of_the_launcher_group_ends_every_rank_then_resume_is_exact(tiny_model, toy_data, tmp_path):
-    """Also the phase machine's record (logging.switch_trace) of every save and of the resume's load:
-    each in the train phase with vLLM's memory released (on CPU its KV cache: no sleep mode), so the
-    trainer state a save brings to the device never meets vLLM's (docs/memory_plan.md, checkpoint
-    column). The loop used to save after the weight sync, with vLLM awake. (Checked on these
-    launches rather than two of its own: the suite's time is kept under 20 minutes.)"""
-    data = ["--model.path", tiny_model, "--data.train_files", json.dumps([toy_data[0]]), "--data.val_files", "[]"]
-    trace = ("--logging.switch_trace", "true")
-    reference = launch(str(tmp_path / "reference"), 6, *data, *trace)
-    _, ref_err = reference.communicate(timeout=600)
-    assert reference.returncode == 0, ref_err[-3000:]
-    for rank in (0, 1):
-        assert checkpoint_events(ref_err, rank) == [f"save step_{s}: {ASLEEP}" for s in (2, 4, 6)], ref_err[-3000:]
-
-    out = str(tmp_path / "killed")
-    run = launch(out, 6, *data)
-    wait_rows(out, 2, run)
-    latest = os.path.join(out, "checkpoints", "latest")
-    while not os.path.exists(latest):  # step 2's checkpoint, written after its row
-        assert run.poll() is None, run.communicate()
-        time.sleep(0.02)
-    pids = ranks_of(run.pid)
-    assert len(pids) == 2, pids
-    os.killpg(run.pid, signal.SIGKILL)  # torchrun and its group; the ranks are in sessions of their own
-    killed_at = time.monotonic()
-    run.wait()
-    at_kill = len(rows(out))
-    codes = reap(pids, timeout=20)
-    gone_s = time.monotonic() - killed_at
-    print(f"ranks ended {gone_s:.2f} s after the kill, codes {codes}, rows at kill {at_kill}")
-    assert sorted(codes) == sorted(pids), f"ranks still alive 20 s after the launcher died: {set(pids) - set(codes)}"
-    assert set(codes.values()) <= {77, -9}, codes  # Exit.ORPHANED (or killed at the watcher's own deadline)
-    assert gone_s < 15
-    time.sleep(1.0)
-    assert len(rows(out)) == at_kill < 6  # nothing written after the kill
-
-    # A new run takes the lock at once (the OS dropped it with the dead holder) and resumes exactly.
-    resumed = launch(out, 6, *data, *trace, "--checkpoint.resume", "auto")
-    stdout, stderr = resumed.communicate(timeout=600)
-    assert resumed.returncode == 0, stderr[-3000:]
-    assert "resumed from" in stdout, stdout[-2000:]
-    assert comparable(rows(out)) == comparable(rows(str(tmp_path / "reference")))
-    start = int(re.search(r"resumed from \S+ at step (\d+)", stdout).group(1))
-    for rank in (0, 1):
-        assert checkpoint_events(stderr, rank) == [f"load step_{start}: {ASLEEP}"] + [
-            f"save step_{s}: {ASLEEP}" for s in range(start + 2, 7, 2)], stderr[-3000:]
+    become_subreaper(False)
 
 
 def test_a_second_run_on_a_live_output_dir_exits_2_naming_the_holder(tiny_model, toy_data, tmp_path):

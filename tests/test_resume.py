@@ -23,14 +23,19 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import signal
+import time
 
 import pytest
 import torch
 
 from conftest import REPO, run_torchrun
-from workers.launch import FAULTY, TRAIN, Launch, comparable, dcp_state, rank_exit_codes, read_rows, same
+from workers.launch import (FAULTY, TRAIN, Launch, become_subreaper, checkpoint_events, comparable, dcp_state,
+                            rank_exit_codes, read_rows, reap, same)
 
 STEPS = 6
+TRACE = ("--logging.switch_trace", "true")
+ASLEEP = "phase training, vLLM released ['kv_cache', 'weights']"  # emulated level-2 sleep
 PROBE = os.path.join(REPO, "tests", "workers", "trainer_probe.py")
 
 
@@ -70,17 +75,26 @@ def runs(tiny_model, toy_data, tmp_path_factory):
     with open(toy_data[0]) as src, open(data, "w") as dst:
         dst.writelines(src.readlines()[:8])
     # A runs through the probe: the same main, plus a report of any non-local network access.
-    straight = run_torchrun(PROBE, 2, *args(tiny_model, data, a, "--checkpoint.save_every", "2", *judge))
+    straight = run_torchrun(PROBE, 2, *args(tiny_model, data, a, "--checkpoint.save_every", "2", *TRACE, *judge))
 
     b_args = args(tiny_model, data, b, "--checkpoint.save_every", "3", "--checkpoint.resume", "auto", *judge)
     killed = Launch(2, b_args)
+    become_subreaper()  # the orphaned ranks become this process's children: their exit codes
     try:
         killed.wait_for(r"saved checkpoint .*step_3$", timeout=600)
         killed.wait_for(r"^step +4/", timeout=300)  # step 4 logged, not checkpointed: its row must go
-        killed.kill9()
+        ranks = list(killed.worker_pids().values())
+        os.killpg(killed.proc.pid, signal.SIGKILL)  # torchrun's group only: the ranks are in sessions of their own
+        killed_at = time.monotonic()
+        killed.proc.wait()
+        rows_at_kill = [r["step"] for r in read_rows(b)]
+        orphans = reap(ranks, timeout=20)  # rlcore/run/ownership.py: each rank ends when its launcher does
+        orphans_gone_s = time.monotonic() - killed_at
+        time.sleep(1.0)
+        rows_after_kill = [r["step"] for r in read_rows(b)]
     finally:
         killed.close()
-    rows_at_kill = [r["step"] for r in read_rows(b)]
+        become_subreaper(False)
     preempted = Launch(2, b_args, env={"RLCORE_TEST_SIGNAL_STEP": "5"}, script=FAULTY, launcher_args=("--monitor-interval=5",))
     try:
         preempted.wait(timeout=600)
@@ -88,10 +102,11 @@ def runs(tiny_model, toy_data, tmp_path_factory):
         preempted.close()
     finished = run_torchrun(TRAIN, 2, *args(tiny_model, data, b, "--checkpoint.save_every", "3",
                                             "--checkpoint.resume", b, "--checkpoint.hf_every", "2",
-                                            "--checkpoint.hf_dtype", "bfloat16", *judge))
-    return {"a": a, "b": b, "rows_at_kill": rows_at_kill, "preempted_out": preempted.output,
+                                            "--checkpoint.hf_dtype", "bfloat16", *TRACE, *judge))
+    return {"a": a, "b": b, "rows_at_kill": rows_at_kill, "rows_after_kill": rows_after_kill, "ranks": ranks,
+            "orphans": orphans, "orphans_gone_s": orphans_gone_s, "preempted_out": preempted.output,
             "straight_out": straight.stdout + straight.stderr, "finished_out": finished.stdout,
-            "model": tiny_model}
+            "finished_err": finished.stderr, "model": tiny_model}
 
 
 def weights(folder: str) -> dict[str, torch.Tensor]:
@@ -106,8 +121,14 @@ def trainer_state(ckpt: str) -> dict:
 
 def test_kill9_and_preemption_then_resume_is_exact(runs, tmp_path):
     a_rows, b_rows = read_rows(runs["a"]), read_rows(runs["b"])
-    print(f"killed run had written rows for steps {runs['rows_at_kill']} when killed")
+    print(f"killed run had written rows for steps {runs['rows_at_kill']} when killed; its ranks ended "
+          f"{runs['orphans_gone_s']:.2f} s after the launcher, codes {runs['orphans']}")
     assert runs["rows_at_kill"][:4] == [1, 2, 3, 4]
+    # kill -9 of torchrun's process group alone: both ranks ended on their own (Exit.ORPHANED, or
+    # killed at the watcher's own deadline) and wrote nothing after
+    assert sorted(runs["orphans"]) == sorted(runs["ranks"]) and len(runs["ranks"]) == 2, runs["orphans"]
+    assert set(runs["orphans"].values()) <= {77, -9} and runs["orphans_gone_s"] < 15, runs["orphans"]
+    assert runs["rows_after_kill"] == runs["rows_at_kill"]
     preempted = runs["preempted_out"]
     assert "resumed from" in preempted and "step_3 at step 3" in preempted, preempted[-3000:]
     assert rank_exit_codes(preempted) == {0: 75, 1: 75}, preempted[-3000:]
@@ -135,6 +156,19 @@ def test_kill9_and_preemption_then_resume_is_exact(runs, tmp_path):
     sb = dcp_state(os.path.join(runs["b"], "checkpoints", "step_6"), tmp_path)
     assert sa["model"].keys() == sb["model"].keys() and len(sa["model"]) == 25
     assert same(sa["model"], sb["model"]) and same(sa["optimizer"], sb["optimizer"])
+
+
+def test_every_checkpoint_save_and_load_happens_with_vllm_released(runs):
+    """The phase machine's record (logging.switch_trace) of A's saves and of B3's load and save: each
+    in the train phase with the policy engine's weights and KV cache released (emulated level-2
+    sleep; the judge and the teacher sleep outside scoring, see the memory metrics above), so the
+    trainer state a save brings to the device never meets vLLM's (docs/memory_plan.md, checkpoint
+    column). The loop used to save after the weight sync, with vLLM awake."""
+    for rank in (0, 1):
+        assert checkpoint_events(runs["straight_out"], rank) == [f"save step_{s}: {ASLEEP}" for s in (2, 4, 6)], \
+            runs["straight_out"][-3000:]
+        assert checkpoint_events(runs["finished_err"], rank) == [f"load step_4: {ASLEEP}", f"save step_6: {ASLEEP}"], \
+            runs["finished_err"][-3000:]
 
 
 def test_resume_follows_the_new_lr_schedule(runs, tmp_path):

@@ -176,3 +176,35 @@ def wait_gone(pids, timeout: float = 120) -> float:
             raise AssertionError(f"processes {list(pids)} still alive after {timeout} s")
         time.sleep(0.02)
     return time.monotonic()
+
+
+PR_SET_CHILD_SUBREAPER = 36
+
+
+def become_subreaper(on: bool = True) -> None:
+    """Make this process a child subreaper (``PR_SET_CHILD_SUBREAPER``): ranks orphaned by a
+    ``kill -9`` of torchrun are re-parented to it instead of to PID 1, so ``reap`` can tell by pid
+    when each one has ended and read its exit code."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    assert libc.prctl(PR_SET_CHILD_SUBREAPER, int(on), 0, 0, 0) == 0
+
+
+def reap(pids: list[int], timeout: float) -> dict[int, int]:
+    """Wait (as their subreaper) until every pid has ended; their exit codes."""
+    codes, deadline = {}, time.monotonic() + timeout
+    while len(codes) < len(pids) and time.monotonic() < deadline:
+        for pid in pids:
+            if pid not in codes:
+                done, status = os.waitpid(pid, os.WNOHANG)
+                if done:
+                    codes[pid] = os.waitstatus_to_exitcode(status)
+        time.sleep(0.05)
+    return codes
+
+
+def checkpoint_events(output: str, rank: int) -> list[str]:
+    """The phase machine's record of one rank's checkpoint saves and loads (logging.switch_trace)."""
+    return [line.split("checkpoint ", 1)[1] for line in output.splitlines()
+            if line.startswith(f"[switch] rank {rank} checkpoint ")]
