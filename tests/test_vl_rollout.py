@@ -1,10 +1,11 @@
 """ColocateRollout with image prompts: a tiny random Qwen3-VL (and Qwen2.5-VL) in real vLLM under
 torchrun (gloo, fp32) against transformers' forward of the same weights and the same HF processor.
 
-Each layout is one torchrun launch (tests/workers/vl_rollout_worker.py) held by a module-scoped
-fixture: 1 rank, 2 ranks as two data-parallel engines (tp=1), 2 ranks sharding one engine (tp=2).
-The 1-rank and tp=2 launches also build a second engine on a tiny Qwen2.5-VL after the Qwen3-VL
-one (the family-dependent checks: log-probs, expansion, vision-weight push).
+One 2-rank torchrun launch (tests/workers/vl_rollout_worker.py), held by a module-scoped fixture,
+runs each layout in turn: two data-parallel engines (tp=1), then one engine sharded over both ranks
+(tp=2); in each, a second engine on a tiny Qwen2.5-VL follows the Qwen3-VL one (the family-dependent
+checks: log-probs, expansion, vision-weight push). (A world of one rank, once a layout here, is
+the one-rank training run of tests/test_vl_e2e.py.)
 The tests assert on what the ranks measured, so every property fails with its own message. The
 ``unit`` tests check the pure helpers in rlcore/rollout/checks.py and the engine keywords
 against the fake vLLM of tests/test_rollout_accel.py.
@@ -26,8 +27,7 @@ from test_rollout_accel import fake_vllm  # noqa: F401  (the fixture, for the un
 
 WORKER = os.path.join(REPO, "tests", "workers", "vl_rollout_worker.py")
 LOGPROB_TOL = 1e-4  # fp32 vLLM vs fp32 transformers; measured ~5e-7
-LAYOUTS = {"1rank": (1, 1), "dp2": (2, 1), "tp2": (2, 2)}  # name: (ranks, tensor_parallel_size)
-QWEN25_LAYOUTS = ("1rank", "tp2")  # launches that run Qwen2.5-VL too (dp=2 is two 1-rank engines)
+LAYOUTS = {"dp2": 1, "tp2": 2}  # name: tensor_parallel_size, on the launch's 2 ranks, in this order
 
 
 @pytest.fixture(scope="module")
@@ -47,24 +47,23 @@ def vl25_model(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="module")
-def shared_vllm_cache(tmp_path_factory):
-    return tmp_path_factory.mktemp("vllm_cache_shared")
+def launch(vl_model, vl25_model, tmp_path_factory) -> dict:
+    """One 2-rank launch runs every layout in turn (each engine torn down before the next), Qwen3-VL
+    then Qwen2.5-VL in each. It starts from an empty vLLM cache folder, so vLLM inspects each model
+    in its registry subprocess (the path that needs the torchvision shim there too) on the first
+    layout, and reads the cache on the second."""
+    out = tmp_path_factory.mktemp("vl_rollout") / "result.json"
+    cache = tmp_path_factory.mktemp("vllm_cache_cold")
+    proc = run_torchrun(WORKER, 2, vl_model, str(out), ",".join(str(tp) for tp in LAYOUTS.values()), vl25_model,
+                        env={"VLLM_CACHE_ROOT": str(cache)})
+    assert out.exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
+    return dict(zip(LAYOUTS, json.loads(out.read_text())))
 
 
 @pytest.fixture(scope="module", params=list(LAYOUTS))
-def run(request, vl_model, vl25_model, shared_vllm_cache, tmp_path_factory) -> dict:
-    """Launch the worker in one layout; its per-rank results. The 1-rank launch starts from an
-    empty vLLM cache folder, so vLLM inspects Qwen3-VL in its registry subprocess (the path that
-    needs the torchvision shim there too); the others share a second folder."""
-    name = request.param
-    nproc, tp = LAYOUTS[name]
-    out = tmp_path_factory.mktemp(f"vl_rollout_{name}") / "result.json"
-    cache = tmp_path_factory.mktemp("vllm_cache_cold") if name == "1rank" else shared_vllm_cache
-    extra = [vl25_model] if name in QWEN25_LAYOUTS else []
-    proc = run_torchrun(WORKER, nproc, vl_model, str(out), str(tp), *extra, env={"VLLM_CACHE_ROOT": str(cache)})
-    assert out.exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
-    result = json.loads(out.read_text())
-    result["layout"] = name
+def run(request, launch) -> dict:
+    """One layout's per-rank results."""
+    result = dict(launch[request.param], layout=request.param)
     print(json.dumps([{k: v for k, v in r.items() if k not in ("samples", "qwen25")} for r in result["ranks"]]))
     return result
 
@@ -80,13 +79,15 @@ def test_engine_settings(run):
         assert "images/prompt<=2" in e["describe"] and "mm_processor_cache_gb=0" in e["describe"]
 
 
-def test_cold_model_info_cache(run):
+def test_cold_model_info_cache(launch):
     """vLLM inspects a model class it has not seen in a fresh interpreter; with the shim there too
-    the build succeeds and leaves the class's model info in the cache folder."""
-    if run["layout"] != "1rank":
-        pytest.skip("only the 1-rank launch starts from an empty vLLM cache folder")
-    r = run["ranks"][0]
-    assert not r["modelinfo_cached_before"] and r["modelinfo_cached_after"]
+    the build succeeds and leaves the class's model info in the cache folder (the first layout, for
+    Qwen3-VL then Qwen2.5-VL); the second layout finds both there."""
+    first, second = (launch[name]["ranks"][0] for name in LAYOUTS)
+    for m in (first, first["qwen25"]):
+        assert not m["modelinfo_cached_before"] and m["modelinfo_cached_after"]
+    for m in (second, second["qwen25"]):
+        assert m["modelinfo_cached_before"] and m["modelinfo_cached_after"]
 
 
 def test_logprobs_match_transformers(run):
@@ -149,8 +150,6 @@ def test_refusals(run):
 
 
 def test_data_parallel_engines_see_their_own_images(run):
-    if run["layout"] == "1rank":
-        pytest.skip("one engine")
     r0, r1 = run["ranks"]
     if run["tp"] == 1:
         assert r0["engine"]["dp_rank"] != r1["engine"]["dp_rank"]
@@ -160,15 +159,13 @@ def test_data_parallel_engines_see_their_own_images(run):
 
 
 def test_qwen25_vl_logprobs_expansion_and_vision_push(run):
-    """Qwen2.5-VL (patch 14, window-attention ViT, M-RoPE [4, 6, 6]) in a second engine of the same
-    launch, loaded from the released layout (``visual.*``, ``model.layers.*``): sampled log-probs
+    """Qwen2.5-VL (patch 14, window-attention ViT, M-RoPE [4, 6, 6]) in a second engine of each
+    layout, loaded from the released layout (``visual.*``, ``model.layers.*``): sampled log-probs
     equal transformers' on 1-image, 2-image and text prompts; vLLM's expanded prompt equals the
     processor-based one; perturbed vision weights pushed under the module names the policy exports
     (``model.visual.*``, ``model.language_model.*``, ``lm_head``; vLLM's mapper maps both layouts,
     qwen2_5_vl.py:1313-1322) reach every vLLM parameter, move the log-probs and match
     transformers; the originals pushed back give the first samples again."""
-    if run["layout"] not in QWEN25_LAYOUTS:
-        pytest.skip(f"Qwen2.5-VL runs in the {', '.join(QWEN25_LAYOUTS)} launches")
     for r in run["ranks"]:
         q = r["qwen25"]
         print(f"{run['layout']} rank {r['rank']}: qwen2.5-vl lp_diff {q['lp_diff']:.2e} (2 images "
@@ -186,8 +183,6 @@ def test_qwen25_vl_logprobs_expansion_and_vision_push(run):
         assert q["lp_shift_vision"] > 100 * LOGPROB_TOL and q["lp_diff_vision_updated"] < LOGPROB_TOL
         assert q["text_prompt_unchanged"]
         assert q["lp_diff_restored"] < LOGPROB_TOL and q["restored_equals_first"]
-        if run["layout"] == "1rank":  # an empty vLLM cache: Qwen2.5-VL inspected in the registry subprocess
-            assert not q["modelinfo_cached_before"] and q["modelinfo_cached_after"]
     if run["tp"] == 2:
         assert run["ranks"][0]["qwen25"]["samples"] == run["ranks"][1]["qwen25"]["samples"]
 

@@ -2,10 +2,10 @@
 Qwen3-VL (and, when given, a tiny Qwen2.5-VL after it in the same launch), against transformers'
 forward of the same model (fp32).
 
-usage: vl_rollout_worker.py MODEL_DIR OUT_JSON TP_SIZE [QWEN25_DIR]
+usage: vl_rollout_worker.py MODEL_DIR OUT_JSON TP_SIZES [QWEN25_DIR]    (TP_SIZES: e.g. 1,2)
 
-Every rank measures; rank 0 writes all ranks' measurements to OUT_JSON and the pytest side
-asserts on them. Order: build (cold model-info cache), sample and compare (1- and 2-image prompts
+Every rank measures; rank 0 writes all ranks' measurements to OUT_JSON (one entry per TP size,
+run one after the other in this launch) and the pytest side asserts on them. Order: build (cold model-info cache), sample and compare (1- and 2-image prompts
 and a text prompt in one call), placeholder expansion, a one-pixel change, a push of perturbed
 vision weights, a push of the original weights, a reload from the folder, a release/resume,
 the refusals, shutdown. Qwen2.5-VL then gets a fresh engine in the same process: sample and
@@ -310,10 +310,9 @@ def qwen25_checks(model_dir: str, info, tp: int) -> dict:
     return m
 
 
-def main() -> None:
-    model_dir, out_json, tp = sys.argv[1], sys.argv[2], int(sys.argv[3])
-    info = init_distributed("cpu")
-    torch._C.set_num_threads(1)
+def layout_checks(model_dir: str, info, tp: int, qwen25_dir: str | None) -> dict:
+    """Every check on one engine layout (``tp`` of this launch's ranks per engine), then the same
+    on Qwen2.5-VL when given; engines shut down after."""
     m: dict = {"rank": info.rank}
     cache_root = os.environ.get("VLLM_CACHE_ROOT")
     m["modelinfo_cached_before"] = bool(cache_root) and os.path.exists(os.path.join(cache_root, MODELINFO))
@@ -341,13 +340,24 @@ def main() -> None:
     refusal_checks(ro, prompts, images, m)
     m["samples"] = as_plain(first)
     ro.shutdown()
-    if len(sys.argv) > 4:
-        m["qwen25"] = qwen25_checks(sys.argv[4], info, tp)
-    gathered = [None] * info.world_size
-    dist.all_gather_object(gathered, m)
+    if qwen25_dir:
+        m["qwen25"] = qwen25_checks(qwen25_dir, info, tp)
+    return m
+
+
+def main() -> None:
+    model_dir, out_json, tps = sys.argv[1], sys.argv[2], [int(t) for t in sys.argv[3].split(",")]
+    qwen25_dir = sys.argv[4] if len(sys.argv) > 4 else None
+    info = init_distributed("cpu")
+    torch._C.set_num_threads(1)
+    layouts = []
+    for tp in tps:  # one engine layout after the other in this process, each torn down before the next
+        gathered = [None] * info.world_size
+        dist.all_gather_object(gathered, layout_checks(model_dir, info, tp, qwen25_dir))
+        layouts.append({"world_size": info.world_size, "tp": tp, "ranks": gathered})
     if info.rank == 0:
         with open(out_json, "w") as f:
-            json.dump({"world_size": info.world_size, "tp": tp, "ranks": gathered}, f)
+            json.dump(layouts, f)
     dist.barrier()
     dist.destroy_process_group()
 
