@@ -129,6 +129,46 @@ def test_correction_weights_of_mixed_version_tokens_equal_a_hand_computation(lev
 
 
 @pytest.mark.unit
+def test_the_memory_plan_counts_the_groups_in_flight_and_the_suspended_state():
+    """Over-sampling puts oversample x the trained groups into each generate call (the KV cache the
+    plan sizes), and leaves up to (oversample - 1) x groups x n sequences suspended in host memory;
+    the bytes per token the plan assumes bound those of a real pool (tracemalloc)."""
+    import tracemalloc
+
+    from rlcore.plan.judges import SUSPENDED_TOKEN_BYTES, suspended_sequences
+    from rlcore.plan.memory import PlanInputs, build_plan, format_plan
+    from rlcore.plan.model_shape import ModelShape
+    from rlcore.step.partial import Seq
+
+    shape = ModelShape.from_path(os.path.join(REPO, "tests", "fixtures", "qwen3_8b"))
+    base = PlanInputs(shape, world=16, device_gb=80, tp=2, prompts_per_step=64, n=8, response_len=4096,
+                      max_model_len=8192)
+    over = PlanInputs(**{**base.__dict__, "oversample": 1.5})
+    plain, partial = build_plan(base, suggest=False), build_plan(over, suggest=False)
+    assert plain.kv["batch_sequences"] == 64 // 8 * 8 and partial.kv["batch_sequences"] == 96  # 12 groups of 8
+    assert partial.kv["batch_tokens"] == 96 * over.seq_len and partial.phases == plain.phases
+    assert suspended_sequences(base) == 0 and suspended_sequences(over) == 4 * 8  # ceil(1.5 x 8) - 8 groups
+    text = format_plan(partial)
+    gb = 32 * 4096 * SUSPENDED_TOKEN_BYTES / 2**30
+    assert f"suspended rollouts: up to 32 sequences x 4096 tokens = {gb:.2f} GB host memory per rank" in text
+    assert "suspended rollouts" not in format_plan(plain)
+
+    tracemalloc.start()
+    before = tracemalloc.get_traced_memory()[0]
+    pool = [Seq() for _ in range(32)]
+    for version in range(100, 103):  # three steps' chunks, as the loop appends them
+        for s in pool:
+            for t in range(512):
+                s.ids.append(151_000 - 7 * t - version)
+                s.logprobs.append(-0.001 * t - version)
+                s.versions.append(version)
+    measured = (tracemalloc.get_traced_memory()[0] - before) / (32 * 3 * 512)
+    tracemalloc.stop()
+    print(f"suspended state: {measured:.1f} B per token (the plan assumes {SUSPENDED_TOKEN_BYTES})")
+    assert SUSPENDED_TOKEN_BYTES / 1.6 < measured <= SUSPENDED_TOKEN_BYTES
+
+
+@pytest.mark.unit
 def test_partial_rollouts_refuse_what_they_do_not_support():
     from rlcore.config import AlgorithmConfig, Config, PartialConfig, RolloutConfig
     from rlcore.config.resolve import check_partial

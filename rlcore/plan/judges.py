@@ -1,8 +1,10 @@
 """The judges' part of the memory plan (and the distillation teacher's, the same kind of engine):
-each engine's shape and share, and the scoring phases' verdict (a config error when it cannot fit: the judges' budgets are the user's own)."""
+each engine's shape and share, and the scoring phases' verdict (a config error when it cannot fit: the judges' budgets are the user's own).
+Also what waits in host memory between steps: sleeping judges and teacher, suspended rollouts."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from rlcore.errors import ConfigError
@@ -57,3 +59,34 @@ def check_judging_fits(plan) -> None:
         f"{(plan.total('judge') - parts['judges']) / gb:.1f} GB the trainer and the sleeping policy engine keep) "
         f"but the limit is {plan.limit / gb:.1f} GB: lower reward.models[].gpu_memory_utilization, offload the "
         "trainer (offload.params / offload.optimizer: true), or use rollout.sleep_level 1 or 2")
+
+
+# Host bytes per suspended token: a token id, vLLM's log-prob and the policy version, each a Python
+# object in a list (rlcore.step.partial.Seq). Measured with tracemalloc on 64 x 512 tokens: 109 B
+# (76 B when the version is one shared int, as the loop appends it); tests/test_partial.py checks it.
+SUSPENDED_TOKEN_BYTES = 110
+
+
+def suspended_sequences(p) -> int:
+    """Most sequences a replica keeps suspended after a step: the groups in flight beyond the ones
+    trained (rollout.partial.oversample), n each; every rank of a TP group holds the same ones."""
+    groups = p.prompts_per_step / p.dp
+    return int((math.ceil(p.oversample * groups) - groups) * p.n)
+
+
+def host_lines(p, gb: int) -> list[str]:
+    """The plan's lines for host memory per rank (``p``: rlcore.plan.memory.PlanInputs)."""
+    lines = []
+    if p.judges:
+        host = sum(j.host_bytes(p.tp) for j in p.judges)
+        lines.append(f"judges asleep: {host / gb:.2f} GB host memory per rank (weights kept at sleep level 1)")
+    if p.teacher:
+        lines.append(f"teacher asleep: {p.teacher.host_bytes(p.tp) / gb:.2f} GB host memory per rank "
+                     "(weights kept at sleep level 1)")
+    if p.oversample > 1:
+        seqs = suspended_sequences(p)
+        lines.append(f"suspended rollouts: up to {seqs} sequences x {p.response_len} tokens = "
+                     f"{seqs * p.response_len * SUSPENDED_TOKEN_BYTES / gb:.2f} GB host memory per rank "
+                     f"(token ids, log-probs, versions; written into each checkpoint); their KV cache is "
+                     f"refilled by a prefill in the next step")
+    return lines

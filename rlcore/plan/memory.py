@@ -41,7 +41,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 
-from rlcore.plan.judges import JudgePlan, teacher_plan
+from rlcore.plan.judges import JudgePlan, host_lines, teacher_plan
 from rlcore.plan.model_shape import ModelShape
 
 GB = 2**30
@@ -99,6 +99,7 @@ class PlanInputs:
     lora_rank: int = 0  # lora.rank: only adapters on every decoder linear layer train
     judges: tuple = ()  # JudgePlan of each reward.models entry
     teacher: JudgePlan | None = None  # distill.teacher's engine (a judge engine that returns log-probs)
+    oversample: float = 1.0  # rollout.partial: groups in flight per group trained (KV cache, host memory)
 
     @property
     def phase_names(self) -> tuple[str, ...]:
@@ -410,11 +411,12 @@ def build_plan(p: PlanInputs, suggest: bool = True) -> MemoryPlan:
     sizes["kv_cache"] = max(0, sizes["kv_cache"])
     phases = {ph: {k: (sizes[k] if k in held else 0) for k in p.components} for ph, held in resident(p).items()}
     per_token = kv_bytes_per_token(p)
+    in_flight = p.seqs_per_replica * p.oversample  # partial rollouts: more groups generate than train
     kv = {"bytes": sizes["kv_cache"], "bytes_per_token": per_token, "tokens": sizes["kv_cache"] // per_token,
           "sequences": sizes["kv_cache"] // per_token // p.seq_len,
-          "batch_sequences": int(p.seqs_per_replica), "batch_tokens": int(p.seqs_per_replica * p.seq_len),
+          "batch_sequences": int(in_flight), "batch_tokens": int(in_flight * p.seq_len),
           # prefix caching shares a prompt's blocks among its n samples
-          "batch_tokens_shared_prompts": int(p.prompts_per_step / p.dp * (p.prompt_len + p.n * p.response_len))}
+          "batch_tokens_shared_prompts": int(in_flight / p.n * (p.prompt_len + p.n * p.response_len))}
     plan = MemoryPlan(p, phases, kv, RESERVE_GB.get(p.device_type, 0.0))
     plan.warnings = _kv_warnings(plan, suggest)
     if p.shape.uncounted_vision:
@@ -550,7 +552,7 @@ def plan_from_config(cfg, world_size: int, device_gb: float, device_type: str = 
         lora_rank=cfg.lora.rank if cfg.lora.enabled else 0,
         judges=tuple(JudgePlan(ModelShape.from_path(j.path), j.gpu_memory_utilization, j.sleep_level or 1,
                                DTYPE_BYTES[j.dtype or r.dtype or cfg.model.dtype]) for j in cfg.reward.judges()),
-        teacher=teacher_plan(cfg, DTYPE_BYTES))
+        teacher=teacher_plan(cfg, DTYPE_BYTES), oversample=r.partial.oversample if r.partial.enable else 1.0)
     return build_plan(p)
 
 
@@ -579,12 +581,7 @@ def format_plan(plan: MemoryPlan) -> str:
     lines.append(f"{'total':<18}" + "".join(f"{plan.total(ph) / GB:>11.2f}" for ph in plan.phases))
     lines.append(f"{'fits':<18}" + "".join(f"{'yes' if plan.total(ph) <= plan.limit else 'NO':>11}"
                                            for ph in plan.phases))
-    if p.judges:
-        host = sum(j.host_bytes(p.tp) for j in p.judges)
-        lines.append(f"judges asleep: {host / GB:.2f} GB host memory per rank (weights kept at sleep level 1)")
-    if p.teacher:
-        lines.append(f"teacher asleep: {p.teacher.host_bytes(p.tp) / GB:.2f} GB host memory per rank "
-                     "(weights kept at sleep level 1)")
+    lines += host_lines(p, GB)
     lines.append(f"limit {plan.limit / GB:.2f} GB = {p.device_gb:g} - {plan.reserve_gb:g} reserve (device context, "
                  f"communicators, fragmentation)")
     kv = plan.kv
