@@ -183,16 +183,23 @@ def test_partial_rollouts_refuse_what_they_do_not_support():
 
 
 def test_resumed_sequences_are_what_vllm_returned_in_each_step(tiny_model, tmp_path):
-    """The real engine (1 rank): 3 steps of partial rollouts with a weight update between steps (the
-    engine's weights scaled, as a sync would change them); every trained sequence's ids and
-    log-probs equal the concatenation of what vLLM returned for it, call by call."""
+    """The real engine, one engine sharded over 2 ranks (tp=2): 4 steps of partial rollouts with a
+    weight update between steps (the engine's weights perturbed, as a sync would change them); on
+    each rank every trained sequence's ids and log-probs equal the concatenation of what vLLM
+    returned for it, call by call; and the TP group's two ranks suspended, resumed and trained the
+    same sequences (their pools move in step: one early-stop decision, the same outputs)."""
     out = str(tmp_path / "partial.json")
-    run_torchrun(WORKER, 1, tiny_model, out)
-    with open(out) as f:
-        m = json.load(f)
-    assert m["resumed_samples"] > 0, m  # some trained sequence spans two steps
-    assert m["mismatched"] == [], m["mismatched"][:3]
-    assert m["max_staleness_seen"] >= 1
+    run_torchrun(WORKER, 2, tiny_model, out, "2")
+    ranks = []
+    for rank in (0, 1):
+        with open(f"{out}.rank{rank}") as f:
+            ranks.append(json.load(f))
+    for m in ranks:
+        assert m["resumed_samples"] > 0, m  # some trained sequence spans two steps
+        assert m["mismatched"] == [], m["mismatched"][:3]
+        assert m["max_staleness_seen"] >= 1
+    assert ranks[0]["trained_ids"] == ranks[1]["trained_ids"] and ranks[0]["pool_left"] == ranks[1]["pool_left"]
+    assert ranks[0]["metrics"] == ranks[1]["metrics"]
 
 
 def partial_args(model, data, out, *extra):

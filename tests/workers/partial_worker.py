@@ -1,10 +1,11 @@
-"""Worker (torchrun, 1 rank): partial rollouts (rlcore.step.partial) on the real vLLM engine over 4
-steps, with new weights pushed into the engine between steps (the tiny model's, perturbed: what a sync
+"""Worker (torchrun, 1 rank, or 2 ranks sharing one tensor-parallel engine): partial rollouts
+(rlcore.step.partial) on the real vLLM engine over 4 steps, with new weights pushed into the engine between steps (the tiny model's, perturbed: what a sync
 does). Three token ids stop a sequence (stop_token_ids), so lengths spread and the early stop suspends
 some groups. Every generate call is recorded; for each trained sequence the pytest side's check runs
-here: its ids and log-probs are the concatenation of what vLLM returned for it, call by call.
+here: its ids and log-probs are the concatenation of what vLLM returned for it, call by call. Each
+rank writes OUT.json.rank<R> (a TP group's ranks must suspend and train the same sequences).
 
-    torchrun --nproc_per_node=1 tests/workers/partial_worker.py MODEL OUT.json
+    torchrun --nproc_per_node=TP tests/workers/partial_worker.py MODEL OUT.json [TP]
 """
 
 import json
@@ -21,6 +22,7 @@ STOP = [3, 5, 7]
 
 def main() -> None:
     model_dir, out_path = sys.argv[1:3]
+    tp = int(sys.argv[3]) if len(sys.argv) > 3 else 1
     info = init_distributed("cpu", 300)
     from safetensors.torch import load_file
 
@@ -30,7 +32,7 @@ def main() -> None:
     from rlcore.step.partial import PartialRollouts
     from rlcore.task.prompts import Prompt
 
-    rollout = ColocateRollout(model_dir, info, seed=0, kv_cache_gb=0.0625, max_model_len=64)
+    rollout = ColocateRollout(model_dir, info, tp_size=tp, seed=0, kv_cache_gb=0.0625, max_model_len=64)
     calls = []
     generate = rollout.generate
 
@@ -64,8 +66,9 @@ def main() -> None:
                     break
         if got_ids != ids or got_lp != logp:
             mismatched.append({"prompt": prompt, "ids": ids, "returned": got_ids})
-    with open(out_path, "w") as f:
+    with open(f"{out_path}.rank{info.rank}", "w") as f:
         json.dump({"trained": len(trained), "mismatched": mismatched, "metrics": metrics,
+                   "trained_ids": [[p, ids] for p, ids, *_ in trained], "pool_left": len(part.pool),
                    "resumed_samples": sum(any(s > 0 for s in st) for *_, st in trained),
                    "max_staleness_seen": max((max(st, default=0) for *_, st in trained), default=0)}, f)
     rollout.shutdown()
