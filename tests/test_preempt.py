@@ -1,7 +1,8 @@
 """Runs that end on purpose, with real signals on real 2-rank CPU runs (train_grpo.py under torchrun):
 
 * SIGUSR1 delivered to ONE worker: both ranks agree at the next phase boundary, write one
-  checkpoint and exit 75; the relaunch resumes from it; SIGTERM to torchrun (what Slurm and
+  checkpoint and exit 75 (before it, a second run on the same output directory exits 2 naming the
+  first as the holder, and the first goes on); the relaunch resumes from it; SIGTERM to torchrun (what Slurm and
   `kill` do) then stops the resumed run the same way. Time from signal to exit is printed.
 * Non-finite losses (injected on one rank through the RLCORE_TEST_NAN_STEPS testing hook): the
   optimizer step is skipped and counted, and after trainer.max_consecutive_skips in a row the run
@@ -52,6 +53,19 @@ def test_signal_one_rank_stops_all_then_resume_and_sigterm_torchrun(tiny_model, 
                    launcher_args=("--monitor-interval=5",))
     try:
         first.wait_for(r"^step +2/")
+        # A second run on the same output directory while the first trains: exit 2 before it loads
+        # anything, naming the holder (rlcore/run/ownership.py); the first goes on untouched.
+        holder = json.load(open(os.path.join(out, ".rlcore.lock")))
+        second = Launch(2, args(tiny_model, toy_data[0], out, 3))
+        try:
+            assert second.wait(timeout=300) != 0
+        finally:
+            second.close()
+        assert rank_exit_codes(second.output) == {0: 2, 1: 2}, second.output[-3000:]
+        assert f"is in use by another run (host {holder['host']}, pid {holder['pid']}" in second.output
+        assert "error: trainer.output_dir=" in second.output  # every rank's one-line error, no traceback
+        assert "Traceback" not in second.output.split("error: trainer.output_dir=")[0][-2000:]
+        assert first.proc.poll() is None
         workers = first.worker_pids()
         t_signal = time.monotonic()
         os.kill(workers[1], signal.SIGUSR1)
