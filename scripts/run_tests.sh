@@ -16,7 +16,7 @@ if [ "$#" -gt 0 ]; then
   exec "${pytest[@]}" --durations=15 "$@"
 fi
 rc=0
-"${pytest[@]}" -n "${PYTEST_WORKERS:-2}" --dist loadfile --durations=25 -m "not serial" tests || rc=$?
+"${pytest[@]}" -n "${PYTEST_WORKERS:-2}" --dist loadfile --no-loadscope-reorder --durations=25 -m "not serial" tests || rc=$?
 serial=0
 "${pytest[@]}" --durations=5 -m serial tests || serial=$?
 [ "$serial" -eq 5 ] && serial=0  # none marked serial: nothing to run

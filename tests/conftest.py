@@ -105,3 +105,57 @@ def shapes_data(tmp_path_factory) -> tuple[str, str]:
     from rlcore.demo.vl import make_shapes_data
 
     return make_shapes_data(str(tmp_path_factory.mktemp("shapes")), n_train=64, n_val=16)
+
+
+# ----------------------------------------------------------------------------- file order
+
+# Seconds each file takes on one worker of the 2-core CI machine (tests/durations.json). The
+# parallel phase runs files longest first (scripts/run_tests.sh passes --no-loadscope-reorder, so
+# xdist hands files out in this order; its default sorts by test count, which sends the few-test,
+# multi-minute launch files last and leaves one worker idle while the other finishes them).
+# Refresh: RLCORE_TEST_DURATIONS_OUT=tests/durations.json bash scripts/run_tests.sh
+DURATIONS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "durations.json")
+
+
+def _file_of(nodeid: str) -> str:
+    return nodeid.split("::", 1)[0]
+
+
+def _load_durations(path: str) -> dict[str, float]:
+    import json
+
+    try:
+        with open(path) as f:
+            return {k: float(v) for k, v in json.load(f).items()}
+    except (OSError, ValueError):
+        return {}
+
+
+def pytest_collection_modifyitems(config, items):
+    """Longest files first; a file not in the table before all of them (a new file is more often
+    a launch than a unit file, and a short one started early costs nothing). Stable: a file's
+    tests keep their order, so module fixtures are built once."""
+    seconds = _load_durations(DURATIONS)
+    items.sort(key=lambda item: -seconds.get(_file_of(item.nodeid), float("inf")))
+
+
+_measured: dict[str, float] = {}
+
+
+def pytest_runtest_logreport(report):
+    if os.environ.get("RLCORE_TEST_DURATIONS_OUT"):
+        _measured[_file_of(report.nodeid)] = _measured.get(_file_of(report.nodeid), 0.0) + report.duration
+
+
+def pytest_sessionfinish(session):
+    """With RLCORE_TEST_DURATIONS_OUT: each file's setup + call + teardown seconds, merged into
+    that table (the controller sees every worker's reports; a worker writes nothing)."""
+    out = os.environ.get("RLCORE_TEST_DURATIONS_OUT")
+    if not out or hasattr(session.config, "workerinput") or not _measured:
+        return
+    import json
+
+    table = {**_load_durations(out), **{k: round(v, 1) for k, v in _measured.items()}}
+    with open(out, "w") as f:
+        json.dump(dict(sorted(table.items(), key=lambda kv: -kv[1])), f, indent=1)
+        f.write("\n")
