@@ -186,12 +186,12 @@ def node_of_each_rank() -> list[int]:
     return all_gather_objects(int(os.environ.get("GROUP_RANK", "0")))
 
 
-def all_gather_objects(obj) -> list:
-    """Every rank's picklable ``obj``, in rank order, on every rank (small things only)."""
-    if not (dist.is_initialized() and dist.get_world_size() > 1):
+def all_gather_objects(obj, group=None) -> list:
+    """Every rank's picklable ``obj``, in rank order, on every rank of ``group`` (None: the world)."""
+    if not (dist.is_initialized() and dist.get_world_size(group) > 1):
         return [obj]
-    parts = [None] * dist.get_world_size()
-    dist.all_gather_object(parts, obj)  # NCCL/HCCL: goes through the current device
+    parts = [None] * dist.get_world_size(group)
+    dist.all_gather_object(parts, obj, group=group)  # NCCL/HCCL: goes through the current device
     return parts
 
 

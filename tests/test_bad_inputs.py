@@ -212,6 +212,13 @@ CASES = [
     ("skips_zero", ["--trainer.max_consecutive_skips", "0"], "trainer.max_consecutive_skips=0", 2),
     ("watchdog_negative", ["--trainer.watchdog_s", "-1"], "trainer.watchdog_s=-1", 2),
     # against the world size
+    ("ulysses_zero", ["--parallel.ulysses_size", "0"], "parallel.ulysses_size=0", 2),
+    ("ulysses_not_dividing_world", ["--parallel.ulysses_size", "3"],
+     "parallel.ulysses_size=3 is invalid: it must divide the world size 2", 2),
+    ("ulysses_on_moe", ["--model.path", "{moe6}", "--parallel.ulysses_size", "2"],
+     "a mixture-of-experts policy under sequence parallelism is not supported yet", 2),
+    ("ulysses_on_vl", VL + ["--data.train_files", "[{vl_good}]", "--parallel.ulysses_size", "2"],
+     "a vision-language policy under sequence parallelism is not supported yet", 2),
     ("tp_not_dividing_world", ["--rollout.tensor_parallel_size", "3"], "rollout.tensor_parallel_size=3", 2),
     ("prompts_not_divisible", ["--trainer.prompts_per_step", "3"], "trainer.prompts_per_step=3", 2),
     ("mini_batches_not_dividing", ["--algorithm.mini_batches", "3"], "algorithm.mini_batches=3", 2),

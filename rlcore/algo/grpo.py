@@ -14,10 +14,10 @@ from typing import TYPE_CHECKING
 import torch
 
 from rlcore.algo import advantage, rollout_correction
-from rlcore.algo.batch import RolloutBatch
+from rlcore.algo.batch import RolloutBatch, concat
 from rlcore.algo.distill import topk_divergence
 from rlcore.algo.packing import micro_batches, pack, rollout_routing, split_micro, token_keys
-from rlcore.dist import all_rank_sums, all_reduce_max, all_reduce_sum
+from rlcore.dist import all_gather_objects, all_rank_sums, all_reduce_max, all_reduce_sum
 
 if TYPE_CHECKING:  # annotations only: pure math imports no config at run time
     from rlcore.config import AlgorithmConfig
@@ -81,11 +81,52 @@ def _pack_options(cfg: AlgorithmConfig | int) -> dict[str, bool]:
             "routing_keys": cfg.routing_replay is not None}
 
 
+# ----------------------------------------------------------------------------- Ulysses groups
+
+# What the train phase reads of a sample; the rest (conversations, images, data rows) stays home.
+_TRAIN_FIELDS = ("prompt_ids", "response_ids", "rollout_logp", "keep", "env_mask", "teacher_topk", "staleness")
+
+
+def sp_group_batch(policy, batch: RolloutBatch, *matrices: torch.Tensor):
+    """Under Ulysses sequence parallelism (``policy.sp``) every rank of a group must run the same
+    packed rows (``rlcore.engine.ulysses``): the group's samples, rank by rank, and the (N, T)
+    ``matrices`` (advantages) gathered the same way; returns ``(batch, matrices, rows)`` with
+    ``rows`` this rank's own indices in the group batch. Without it: the inputs, all rows.
+    Each sample is then held by U ranks, which the loss's all-rank normaliser counts U times;
+    the log-probs' summed gather gradient is U times one copy's: they cancel (the engine's docstring)."""
+    sp = getattr(policy, "sp", None)
+    if sp is None or sp.size == 1:
+        return batch, list(matrices), list(range(len(batch)))
+    if batch.vision is not None or batch.routed_experts is not None:
+        raise ValueError("Ulysses sequence parallelism does not take image prompts or R3 routing rows yet")
+    mine = {f: getattr(batch, f) for f in _TRAIN_FIELDS}
+    parts = all_gather_objects((mine, [m.cpu() for m in matrices]), sp.group)  # the group's ranks in order
+    group = concat([RolloutBatch(group_size=batch.group_size, answers=[""] * len(p["response_ids"]),
+                                 finish_reasons=["stop"] * len(p["response_ids"]), **p) for p, _ in parts])
+    t = group.response_mask().shape[1]
+    mats = [torch.cat([torch.nn.functional.pad(ms[k], (0, t - ms[k].shape[1])) for _, ms in parts])
+            .to(matrices[k].device) for k in range(len(matrices))]
+    start = sum(len(p["response_ids"]) for p, _ in parts[: sp.rank])
+    return group, mats, list(range(start, start + len(batch)))
+
+
 @torch.no_grad()
 def compute_logprobs_in_chunks(policy, batch: RolloutBatch, temperature: float, micro: int | AlgorithmConfig,
-                               device) -> torch.Tensor:
+                               device, shared: bool = False) -> torch.Tensor:
     """(N, T) log-probs without grad, micro-batch by micro-batch (old or reference policy);
-    ``micro``: sequences per micro-batch, or the algorithm config (its token budget when set)."""
+    ``micro``: sequences per micro-batch, or the algorithm config (its token budget when set).
+    ``shared``: the batch is already the same on every rank of a Ulysses group (else it is
+    gathered over the group and this rank's rows returned)."""
+    if not shared:
+        group, _, rows = sp_group_batch(policy, batch)
+        if len(group) != len(batch):
+            out = _logprobs_in_chunks(policy, group, temperature, micro, device)[rows]
+            return out[:, : batch.response_mask().shape[1]]
+    return _logprobs_in_chunks(policy, batch, temperature, micro, device)
+
+
+def _logprobs_in_chunks(policy, batch: RolloutBatch, temperature: float, micro: int | AlgorithmConfig,
+                        device) -> torch.Tensor:
     t = batch.response_mask().shape[1]
     out = torch.zeros(len(batch), t, device=device)
     every = list(range(len(batch)))
@@ -287,6 +328,7 @@ def train_on_batch(policy, ref, batch: RolloutBatch, adv: torch.Tensor, cfg: Alg
     ``distill``: DistillConfig.loss_options(), the top-k term when the batch carries the teacher's top k).
     With ``algorithm.routing_replay: r2`` the old log-prob forward records each token's experts
     and every forward of the update replays them; with r3 every forward replays vLLM's."""
+    batch, (adv,), _ = sp_group_batch(policy, batch, adv)  # Ulysses: the group's samples on each of its ranks
     on_policy = cfg.ppo_epochs == 1 and cfg.mini_batches == 1
     replay = {"r2": "record", "r3": "replay"}.get(cfg.routing_replay)
     rows = rollout_routing(batch) if cfg.routing_replay == "r3" else None
@@ -296,12 +338,12 @@ def train_on_batch(policy, ref, batch: RolloutBatch, adv: torch.Tensor, cfg: Alg
         old = None
     else:
         with _routing(policy, replay, rows):
-            old = compute_logprobs_in_chunks(policy, batch, temperature, cfg, device)
+            old = compute_logprobs_in_chunks(policy, batch, temperature, cfg, device, shared=True)
         rows = None  # loaded: the update replays the same
     ref_logp = None
     if ref is not None:
         with ref.on_device():  # an offloaded reference comes to the device once per step, not per micro-batch
-            ref_logp = compute_logprobs_in_chunks(ref, batch, temperature, cfg, device)
+            ref_logp = compute_logprobs_in_chunks(ref, batch, temperature, cfg, device, shared=True)
     corr, extra = None, {}
     if correction is not None:
         corr, sums = rollout_correction.correct(old, batch.rollout_logp_matrix().to(device),

@@ -321,9 +321,17 @@ class ParallelConfig:
     """Expert parallelism of a mixture-of-experts policy: the experts are split over the ep_size
     ranks of each EP group (it divides the world size and the expert count); FSDP2 shards the
     rest over all ranks. 1 = no expert parallelism."""
+    ulysses_size: int = 1
+    """Ulysses sequence parallelism of the train phase: each group of ulysses_size consecutive ranks
+    trains the same packed rows, 1/ulysses_size of each row's tokens per rank (attention all-to-alls
+    the heads), so one rank holds the activations of a fraction of a long sequence. It divides the
+    world size and the attention heads. Token budgets (algorithm.micro_batch_tokens) are per group.
+    vLLM is unaffected (rollout.tensor_parallel_size). 1 = off."""
 
     def __post_init__(self):
         check(self.ep_size >= 1, "parallel.ep_size", self.ep_size, "it must be >= 1 (1 = no expert parallelism)")
+        check(self.ulysses_size >= 1, "parallel.ulysses_size", self.ulysses_size,
+              "it must be >= 1 (1 = no sequence parallelism)")
 
 
 @dataclass

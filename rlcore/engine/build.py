@@ -20,25 +20,28 @@ def install_cpu_shims() -> None:
         torch.cpu.empty_cache = lambda: None
 
 
-def ensure_parallel_state(info: DistInfo, ep_size: int = 1):
+def ensure_parallel_state(info: DistInfo, ep_size: int = 1, ulysses_size: int = 1):
     """One FSDP2 mesh over all ranks, plus the expert-parallel mesh when ``ep_size`` > 1 (see
-    ``rlcore.engine.moe``). The state is a process-wide VeOmni singleton, so a second engine (the
+    ``rlcore.engine.moe``) and Ulysses groups of ``ulysses_size`` consecutive ranks inside the data-
+    parallel world (``rlcore.engine.ulysses``; FSDP2 shards over dp x ulysses, i.e. still every rank). The state is a process-wide VeOmni singleton, so a second engine (the
     frozen reference next to the actor) reuses it instead of building new groups."""
     from veomni.distributed import parallel_state as ps
 
     if ps.is_parallel_state_initialized():
         state = ps.get_parallel_state()
         have_ep = dist.get_world_size(state.ep_group) if state.ep_enabled else 1
-        if state.world_size != info.world_size or have_ep != ep_size:
-            raise RuntimeError(f"VeOmni parallel state has world size {state.world_size} and ep {have_ep}, "
-                               f"not {info.world_size} and {ep_size}")
+        if (state.world_size, have_ep, state.ulysses_size) != (info.world_size, ep_size, ulysses_size):
+            raise RuntimeError(f"VeOmni parallel state has world size {state.world_size}, ep {have_ep} and ulysses "
+                               f"{state.ulysses_size}, not {info.world_size}, {ep_size} and {ulysses_size}")
         return state
     # The default process group must exist already (rlcore.dist.init_distributed): VeOmni's own
     # backend picker raises on CPU, so gloo has to come from us.
     assert dist.is_initialized(), "call rlcore.dist.init_distributed() before building a VeOmniPolicy"
+    dp = info.world_size // ulysses_size  # veomni parallel_state.py:96: dp x ulysses = world
     return ps.init_parallel_state(
-        dp_size=info.world_size,
-        dp_shard_size=info.world_size,
+        dp_size=dp,
+        dp_shard_size=dp,
+        ulysses_size=ulysses_size,
         dp_mode="fsdp2",
         device_type=info.device_type,
         **({"extra_parallel_sizes": (ep_size,), "extra_parallel_names": ("ep",)} if ep_size > 1 else {}),

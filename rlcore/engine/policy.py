@@ -38,7 +38,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from rlcore import hf_folder
-from rlcore.engine import moe as engine_moe, replay as engine_replay, vl as engine_vl
+from rlcore.engine import moe as engine_moe, replay as engine_replay, ulysses as engine_ulysses, vl as engine_vl
 from rlcore.engine.build import build_sharded_model, ensure_parallel_state, install_cpu_shims
 from rlcore.engine.kernels import describe_kernels, kernel_fields
 from rlcore.engine.parts import (LrLambda, dim0_shard_group, eager_attention_mask, full_tensor, hf_name, hidden_rows,
@@ -92,6 +92,9 @@ class VeOmniPolicy:
             and no optimizer state; the language model trains (``rlcore.engine.vl``).
         routing_replay: install a MoE routing-replay manager (``rlcore.engine.replay``), driven
             by ``routing(mode)`` and the token keys of ``forward_logprobs``.
+        ulysses_size: Ulysses sequence parallelism (``rlcore.engine.ulysses``): each group of this
+            many consecutive ranks runs one packed row, 1/U of its positions each; the caller
+            hands every rank of a group the same rows (``rlcore.algo.grpo``). 1 = off.
     """
 
     _wrap = adapter_path = None  # LoRA (rlcore.engine.lora.LoraPolicy) sets both
@@ -104,13 +107,17 @@ class VeOmniPolicy:
                  adam_eps: float = 1e-8, lr_schedule: str = "constant", warmup_steps: int = 0,
                  min_lr_ratio: float = 0.0, total_steps: int = 1, grad_clip: float | None = 1.0,
                  ops_overrides: dict | None = None, ep_size: int = 1, moe_implementation: str = "auto",
-                 freeze_vision_tower: bool = False, routing_replay: bool = False):
+                 freeze_vision_tower: bool = False, routing_replay: bool = False, ulysses_size: int = 1):
         dtype = str(_to_dtype(dtype)).removeprefix("torch.")  # validate; VeOmni wants the name
         if offload_outside_forward and trainable:
             raise ValueError("offload_outside_forward is for frozen (trainable=False) policies; the phase switch "
                              "offloads a trainable one")
         attn_implementation, self.attn_reason = pick_attn_implementation(attn_implementation, info.device_type,
                                                                          dtype=dtype)
+        if ulysses_size > 1:  # the Ulysses all-to-all around sdpa with the row's whole mask
+            engine_ulysses.register()
+            attn_implementation, self.attn_reason = engine_ulysses.ATTN_NAME, (
+                f"Ulysses sequence parallel {ulysses_size}: sdpa over the whole row for 1/{ulysses_size} of the heads")
         install_cpu_shims()
         self.model_path, self.info, self.trainable = model_path, info, trainable
         self.device = info.device
@@ -120,8 +127,8 @@ class VeOmniPolicy:
         self.offload_outside_forward = offload_outside_forward
         self.offloaded = {"params": False, "optimizer": False}  # where the state is now (see offload)
         self._host_copies = HostCopies.from_env(info.device_type)
-        ensure_parallel_state(info, ep_size)
-        self.ep_size = ep_size
+        state = ensure_parallel_state(info, ep_size, ulysses_size)
+        self.ep_size, self.ulysses_size = ep_size, ulysses_size
         self.moe_implementation = engine_moe.pick_moe_implementation(moe_implementation, info.device_type, ep_size)
         self.expert_layout = engine_moe.checkpoint_expert_layout(model_path)  # how experts go out again
         self.kernels = kernel_fields(info.device_type, ops_overrides)
@@ -135,6 +142,10 @@ class VeOmniPolicy:
             moe_implementation=self.moe_implementation,
             wrap=self._wrap, adapter_path=self.adapter_path,
         )
+        self.sp = None  # rlcore.engine.ulysses.Context when ulysses_size > 1
+        if ulysses_size > 1:
+            self.sp = engine_ulysses.Context(state.ulysses_group, ulysses_size, state.ulysses_rank)
+            engine_ulysses.install(self.model, self.sp)
         self.freeze_vision_tower = freeze_vision_tower and trainable
         if self.freeze_vision_tower:  # before the optimizer, which then leaves the tower out
             engine_vl.freeze_vision_tower(self.model)
@@ -163,7 +174,8 @@ class VeOmniPolicy:
                 f"{describe_kernels(self.kernels)}, gradient checkpointing "
                 f"{'on' if self.gradient_checkpointing else 'off'}, offload: {offload}"
                 f"{engine_vl.describe(self.model, self.freeze_vision_tower or not self.trainable or self._wrap is not None)}"
-                f"{engine_moe.describe(self.model, self.moe_implementation, self.ep_size)}")
+                f"{engine_moe.describe(self.model, self.moe_implementation, self.ep_size)}"
+                f"{f', Ulysses sequence parallel {self.ulysses_size}' if self.sp is not None else ''}")
 
     def _build_optimizer(self, lr, weight_decay, betas, eps, schedule, warmup_steps, min_lr_ratio, total_steps):
         from veomni.optim import build_optimizer
@@ -236,6 +248,13 @@ class VeOmniPolicy:
         grad = grad and self.trainable
         if grad:  # its backward would gather the parameters again, after an automatic re-offload
             self._require_resident("forward_logprobs(grad=True)", params=True)
+        if self.sp is not None:
+            if mm is not None or token_keys is not None:
+                raise ValueError("Ulysses sequence parallelism takes text rows without routing replay (no mm, no "
+                                 "token_keys); parallel.ulysses_size 1 runs them")
+            return engine_ulysses.run_sliced(
+                self.sp, lambda i, p, lab, sel: self._forward(i, p, lab, temperature, with_entropy, grad, sel, None),
+                input_ids, position_ids, labels, select, attention_mask)
         if attention_mask is not None and self.attn_implementation not in ("sdpa", "eager"):
             raise ValueError(f"a custom attention mask needs sdpa or eager attention, not {self.attn_implementation}")
         if attention_mask is not None and self.attn_implementation == "eager":
@@ -243,6 +262,12 @@ class VeOmniPolicy:
         images = engine_vl.forward_kwargs(self.model, input_ids, position_ids, mm, self.device)
         if self.replay is not None and self.replay.mode is not None:
             self.replay.keys = None if token_keys is None else token_keys.reshape(-1)
+        return self._forward(input_ids, position_ids, labels, temperature, with_entropy, grad, select, attention_mask,
+                             images)
+
+    def _forward(self, input_ids, position_ids, labels, temperature, with_entropy, grad, select, attention_mask,
+                 images: dict | None = None):
+        """The model's log-probs (and entropy) of one packed row as ``forward_logprobs`` describes."""
         with self._resident(params=True), torch.set_grad_enabled(grad), warnings.catch_warnings(), \
                 hidden_rows(self.model, select):
             # FSDP2 warns that the (reshaped) log-prob output is a view; only an in-place op on it
@@ -261,7 +286,7 @@ class VeOmniPolicy:
                 return_log_probs=True,  # chunked lm_head + log_softmax: no (L, V) logits kept
                 temperature=float(temperature),
                 use_cache=False,
-                **images,
+                **(images or {}),
             )
         logp, entropy = out.fused_linear_aux.log_probs, out.fused_linear_aux.entropy  # (1, L), (1, L)
         if not grad:
@@ -311,7 +336,7 @@ class VeOmniPolicy:
         for sched in self._lr_schedulers:
             sched.step()
         return {"actor/grad_norm": grad_norm, "actor/lr": lr, "actor/skipped": int(skipped),
-                **self.router_stats.metrics()}
+                **self.router_stats.metrics(), **(self.sp.pop_metrics() if self.sp is not None else {})}
 
     # -----------------------------------------------------------------------------------------
     # weights out, memory

@@ -30,15 +30,18 @@ class Engines:
 
 
 def build_policy(model: ModelConfig, optim: OptimConfig, info: DistInfo, total_optim_steps: int,
-                 ep_size: int = 1, routing_replay: bool = False, lora=None, merge_lora: bool = False) -> Policy:
+                 ep_size: int = 1, routing_replay: bool = False, lora=None, merge_lora: bool = False,
+                 ulysses_size: int = 1) -> Policy:
     from rlcore.engine.policy import VeOmniPolicy
 
     if lora is not None and lora.enabled:
         from rlcore.engine.lora import LoraPolicy
 
         return LoraPolicy(model.path, info, lora=lora, merge_export=merge_lora,
+                          ulysses_size=ulysses_size,
                           **_policy_kwargs(model, optim, total_optim_steps, ep_size, routing_replay))
-    return VeOmniPolicy(model.path, info, **_policy_kwargs(model, optim, total_optim_steps, ep_size, routing_replay))
+    return VeOmniPolicy(model.path, info, **_policy_kwargs(model, optim, total_optim_steps, ep_size, routing_replay),
+                        ulysses_size=ulysses_size)
 
 
 def _policy_kwargs(model: ModelConfig, optim: OptimConfig, total_optim_steps: int, ep_size: int,
@@ -53,12 +56,13 @@ def _policy_kwargs(model: ModelConfig, optim: OptimConfig, total_optim_steps: in
         **({"routing_replay": True} if routing_replay else {}))
 
 
-def build_reference(model: ModelConfig, offload: OffloadConfig, info: DistInfo, ep_size: int = 1) -> Policy:
+def build_reference(model: ModelConfig, offload: OffloadConfig, info: DistInfo, ep_size: int = 1,
+                    ulysses_size: int = 1) -> Policy:
     from rlcore.engine.policy import VeOmniPolicy
 
     return VeOmniPolicy(model.path, info, dtype=model.dtype, trainable=False,
                         attn_implementation=model.attn_implementation, offload_outside_forward=offload.ref,
-                        ep_size=ep_size, moe_implementation=model.moe_implementation)
+                        ep_size=ep_size, moe_implementation=model.moe_implementation, ulysses_size=ulysses_size)
 
 
 def build_rollout(model: ModelConfig, rollout: RolloutConfig, info: DistInfo, seed: int,
@@ -115,13 +119,13 @@ def build_engines(cfg: Config, info: DistInfo, timer: Timer, probe_prompts: list
         ep = cfg.parallel.ep_size
         optim_steps = cfg.trainer.total_steps * cfg.algorithm.optim_steps_per_step
         policy = build_policy(cfg.model, cfg.optim, info, optim_steps, ep, cfg.algorithm.routing_replay is not None,
-                              cfg.lora, cfg.checkpoint.merge_lora)
+                              cfg.lora, cfg.checkpoint.merge_lora, cfg.parallel.ulysses_size)
         ref = None
         if cfg.algorithm.kl_loss_coef > 0:  # LoRA: the policy with its adapter off, no second model
             from rlcore.engine.lora import AdapterOffReference
 
             ref = (AdapterOffReference(policy) if cfg.lora.enabled
-                   else build_reference(cfg.model, cfg.offload, info, ep))
+                   else build_reference(cfg.model, cfg.offload, info, ep, cfg.parallel.ulysses_size))
         if cfg.offload.params or cfg.offload.optimizer:
             # The run starts in the generation phase: the trainer's state waits on the host, so
             # vLLM sizes its KV cache from the memory generation really has.

@@ -178,6 +178,7 @@ def validate_against_world(cfg: Config, world_size: int, nodes: list[int] | None
           "it holds no *.safetensors weights; weights are read only from safetensors (re-save the model with "
           "save_pretrained(..., safe_serialization=True))")
     _check_experts(cfg, world_size)
+    _check_sequence_parallel(cfg, world_size)
     context = _model_context(cfg.model.path)
     check(context is None or cfg.rollout.max_model_len <= context, "rollout.max_model_len", cfg.rollout.max_model_len,
           f"the model's context (max_position_embeddings in config.json) is {context}; use at most that")
@@ -222,6 +223,33 @@ def _check_experts(cfg: Config, world_size: int) -> None:
         fits = [str(d) for d in range(2, experts + 1) if experts % d == 0 and world_size % d == 0]
         check(experts % ep == 0, "parallel.ep_size", ep,
               f"it must divide the model's {experts} experts (e.g. {', '.join(fits) or 1})")
+
+
+def _check_sequence_parallel(cfg: Config, world_size: int) -> None:
+    """parallel.ulysses_size against the world, the model's heads and what the Ulysses path takes
+    (rlcore.engine.ulysses), before anything loads."""
+    from rlcore.hf_folder import model_num_experts
+
+    u = cfg.parallel.ulysses_size
+    if u == 1:
+        return
+    field = "parallel.ulysses_size"
+    fits = [str(d) for d in range(1, world_size + 1) if world_size % d == 0]
+    check(world_size % u == 0, field, u, f"it must divide the world size {world_size} (e.g. {', '.join(fits)})")
+    config = _read_config(cfg.model.path)
+    text = config.get("text_config") or config
+    heads = int(text.get("num_attention_heads", 0))
+    kv = int(text.get("num_key_value_heads", heads) or heads)
+    check(heads % u == 0, field, u, f"it must divide the model's {heads} attention heads (each rank attends with "
+          f"heads / ulysses_size of them)")
+    check(kv % u == 0 or u % kv == 0, field, u, f"it and the model's {kv} key/value heads must divide one another")
+    check("vision_config" not in config, field, u, "a vision-language policy under sequence parallelism is not "
+          "supported yet (its vision tower's attention has no Ulysses path here); use 1")
+    check(model_num_experts(cfg.model.path) == 0, field, u, "a mixture-of-experts policy under sequence "
+          "parallelism is not supported yet (untested with expert parallelism and routing replay); use 1")
+    check(cfg.model.attn_implementation in ("auto", "sdpa"), field, u,
+          f"the Ulysses path runs its own sdpa attention over the whole row, not model.attn_implementation="
+          f"{cfg.model.attn_implementation}; set model.attn_implementation to auto or sdpa, or ulysses_size 1")
 
 
 def _read_config(model_path: str) -> dict:

@@ -7,7 +7,11 @@ fixed global batch; rank 0 saves the unsharded gradients.
 The batch is two prompt groups of 3 and 5 samples with unequal response lengths, one of them a
 lone EOS (a response of one token): on 2 ranks the second group is split, a partial group on each.
 
-    torchrun --nproc_per_node=W tests/workers/grad_invariance.py MODEL_DIR OUT.pt
+    torchrun --nproc_per_node=W tests/workers/grad_invariance.py MODEL_DIR OUT.pt [ULYSSES_SIZE]
+
+With ULYSSES_SIZE > 1 the ranks form Ulysses sequence-parallel groups (rlcore.engine.ulysses): each
+rank still holds its own share, and the group's shares are gathered as ``grpo.train_on_batch``
+gathers them (``grpo.sp_group_batch``), so every rank of a group runs 1/U of each packed row.
 """
 
 import sys
@@ -56,19 +60,20 @@ def grad_vector(policy) -> torch.Tensor:
 
 def main():
     model_dir, out = sys.argv[1], sys.argv[2]
+    ulysses = int(sys.argv[3]) if len(sys.argv) > 3 else 1
     info = init_distributed("cpu")
     from rlcore.engine.policy import VeOmniPolicy
 
-    policy = VeOmniPolicy(model_dir, info, lr=1e-3, total_steps=1)
+    policy = VeOmniPolicy(model_dir, info, lr=1e-3, total_steps=1, ulysses_size=ulysses)
     batch, rewards = global_batch()
     adv = advantage.compute_advantages("grpo", rewards, batch.response_mask(), GROUP)  # (N, T) global
     # Old/ref log-probs off the current ones, so clipping, dual clip and KL are all active.
-    cur = grpo.compute_logprobs_in_chunks(policy, batch, 0.9, N, info.device)
+    cur = grpo.compute_logprobs_in_chunks(policy, batch, 0.9, N, info.device, shared=True)  # the same everywhere
     noise = torch.randn(cur.shape, generator=torch.Generator().manual_seed(1))
     old, ref = cur + 0.3 * noise * batch.response_mask(), cur - 0.2 * noise.abs() * batch.response_mask()
     per = N // info.world_size
     mine = list(range(info.rank * per, (info.rank + 1) * per))
-    local = batch.select(mine)
+    local, (l_adv, l_old, l_ref), _ = grpo.sp_group_batch(policy, batch.select(mine), adv[mine], old[mine], ref[mine])
     results = {}
     for mode in advantage.AGG_MODES:
         for loss in ("vanilla", "gspo"):
@@ -76,10 +81,13 @@ def main():
                 cfg = AlgorithmConfig(loss_agg_mode=mode, policy_loss=loss, kl_loss_coef=0.1, entropy_coef=0.01,
                                       clip_high=0.28, **fields)
                 policy.optimizer.zero_grad(set_to_none=True)
-                inp = grpo.UpdateInputs(adv[mine], old[mine], ref[mine], torch.zeros_like(old[mine]),
-                                        local.response_mask(), 0.9, info.world_size, norm_len=10)
-                grpo.accumulate_gradients(policy, local, list(range(per)), inp, cfg)
+                inp = grpo.UpdateInputs(l_adv, l_old, l_ref, torch.zeros_like(l_old), local.response_mask(), 0.9,
+                                        info.world_size, norm_len=10)
+                grpo.accumulate_gradients(policy, local, list(range(len(local))), inp, cfg)
                 results[f"{mode}/{loss}/{name}"] = grad_vector(policy)
+    if policy.sp is not None:  # the Ulysses path really ran: rows sliced, padding counted
+        results["sp/row_tokens"] = torch.tensor(float(policy.sp.row_tokens))
+        results["sp/pad_tokens"] = torch.tensor(float(policy.sp.pad_tokens))
     if info.rank == 0:
         torch.save(results, out)
     torch.distributed.destroy_process_group()

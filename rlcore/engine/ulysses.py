@@ -1,0 +1,171 @@
+"""Ulysses sequence parallelism in the train phase (``parallel.ulysses_size`` = U > 1).
+
+The U consecutive ranks of a Ulysses group (VeOmni's ``ulysses`` mesh dimension,
+veomni/distributed/parallel_state.py:567-616; FSDP2 still shards over every rank, ``dp_shard_sp``
+:231-247) hold the same packed row. Each runs the model on 1/U of its positions: the row is padded
+to a multiple of U (the padding is a sequence of its own, label -100) and sliced. Inside every
+attention layer q/k/v go from sequence-sharded to head-sharded with VeOmni's all-to-all
+(``prepare_ulysses_qkv`` / ``restore_ulysses_output``, veomni/ops/kernels/attention/ulysses.py:27-90,
+which also repeats KV heads when U exceeds them), so each rank attends over the whole row for H/U
+heads. Rotary embeddings are per token and applied before the all-to-all, so the slice's own
+``position_ids`` are the right ones.
+
+VeOmni registers Ulysses wrappers only for its flash and flex kernels (ops/kernels/attention/
+__init__.py:83-92); flex has no CPU backward and flash needs CUDA/NPU. ``ATTN_NAME`` is an SDPA one:
+it reads the row's whole bool mask (block-causal from the full ``position_ids`` as transformers
+derives it, or the caller's shared-prompt mask) from the group's ``Context``. Transformers builds no
+mask for a name its mask interface does not know (masking_utils.py:822-823), so none is built twice.
+
+Gradients: every rank of a group computes the same loss from the same row. The log-probs are
+gathered with VeOmni's ``gather_outputs`` (sequence_parallel/data.py:129), whose backward sums the
+gradient over the group (ulysses.py:198-290), so the group's ranks together hold U times the
+gradient of one copy of the loss; and the loss's normaliser, all-reduced over every rank, counts
+each sample U times (``rlcore.algo.grpo``). The two factors cancel: the update equals the one
+without sequence parallelism (tests/test_sequence_parallel.py, 1e-6 in fp32).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+ATTN_NAME = "rlcore_ulysses_sdpa"
+
+
+@dataclass
+class Context:
+    """One model's Ulysses group and the bool mask (1, 1, S, S) of the row it is running. The mask
+    stays set after the forward: gradient checkpointing re-runs the attention in the backward."""
+
+    group: object
+    size: int
+    rank: int
+    mask: torch.Tensor | None = None
+    pad_tokens: int = 0
+    row_tokens: int = 0
+    masks: dict = field(default_factory=dict)  # the mask as ``additive`` made it, per (dtype, device)
+
+    def set_mask(self, mask: torch.Tensor) -> None:
+        self.mask, self.masks = mask, {}
+
+    def additive(self, dtype: torch.dtype, device) -> torch.Tensor:
+        """The mask as 0 / -inf in ``dtype``, made once per row and shared by every layer: sdpa
+        turns a bool mask into a float one itself and saves that copy for its backward, one
+        (S, S) tensor per layer (torch's CPU flash kernel, measured by scripts/bench_sp.py)."""
+        key = (dtype, str(device))
+        if key not in self.masks:
+            m = self.mask.to(device)
+            self.masks[key] = torch.zeros(m.shape, dtype=dtype, device=device).masked_fill_(~m, float("-inf"))
+        return self.masks[key]
+
+    def pop_metrics(self) -> dict[str, float]:
+        """``perf/sp_pad_frac``: the share of the packed rows' positions that are padding to a
+        multiple of U, since the last call (this rank's rows; the group's ranks see the same)."""
+        out = {"perf/sp_pad_frac": self.pad_tokens / max(self.row_tokens, 1)} if self.row_tokens else {}
+        self.pad_tokens = self.row_tokens = 0
+        return out
+
+
+def register() -> None:
+    """Make ``ATTN_NAME`` a transformers attention implementation (before the model is built,
+    transformers/modeling_utils.py:1851 checks the name). Idempotent."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(ATTN_NAME, attention)
+
+
+def install(model, ctx: Context) -> int:
+    """Point every attention layer of ``model`` at ``ctx``; returns how many there are."""
+    layers = [m for m in model.modules() if hasattr(m, "q_proj") and hasattr(m, "k_proj")]
+    for m in layers:
+        m.rlcore_sp = ctx
+    return len(layers)
+
+
+def attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, **_kwargs):
+    """transformers' attention interface: ``query`` (B, H, S/U, D), ``key``/``value`` (B, Hkv, S/U, D)
+    in, (B, S/U, H, D) out, like ``sdpa_attention_forward``."""
+    from veomni.ops.kernels.attention.ulysses import prepare_ulysses_qkv, restore_ulysses_output
+
+    ctx: Context | None = getattr(module, "rlcore_sp", None)
+    if ctx is None or ctx.mask is None:
+        raise RuntimeError(f"{ATTN_NAME} runs only inside VeOmniPolicy.forward_logprobs with ulysses_size > 1")
+    q, k, v = (t.transpose(1, 2) for t in (query, key, value))  # (B, S/U, H, D)
+    q, k, v, _ = prepare_ulysses_qkv(q, k, v, group=ctx.group, ulysses_size=ctx.size)  # (B, S, H/U, D)
+    q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, H/U, S, D)
+    if k.shape[1] != q.shape[1]:  # grouped-query attention: transformers' repeat_kv order
+        k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+        v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=ctx.additive(q.dtype, q.device), scale=scaling,
+                                         dropout_p=dropout if module.training else 0.0)  # (B, H/U, S, D)
+    return restore_ulysses_output(out.transpose(1, 2).contiguous(), group=ctx.group), None  # (B, S/U, H, D)
+
+
+def row_mask(position_ids: torch.Tensor, attention_mask: torch.Tensor | None, padded: int) -> torch.Tensor:
+    """The (1, 1, S, S) bool mask of a packed row padded to ``padded`` positions: the caller's
+    ``attention_mask`` (1, 1, L, L), or block-causal over the sequences of ``position_ids`` (1, L),
+    a new one wherever the position does not step by 1 (transformers' find_packed_sequence_indices,
+    masking_utils.py:731-760). The padding attends causally to itself only."""
+    length = position_ids.shape[-1]
+    causal = torch.ones(padded, padded, dtype=torch.bool, device=position_ids.device).tril()
+    if attention_mask is None:
+        pos = torch.cat([position_ids[0], torch.arange(padded - length, device=position_ids.device)])  # (S,)
+        seq = (torch.diff(pos, prepend=pos[:1] - 1) != 1).cumsum(0)  # (S,) sequence index
+        return (causal & (seq[:, None] == seq[None, :]))[None, None]
+    out = torch.zeros(padded, padded, dtype=torch.bool, device=attention_mask.device)
+    out[:length, :length] = attention_mask[0, 0].bool()
+    out[length:, length:] = causal[length:, length:]
+    return out[None, None]
+
+
+def shares(select: torch.Tensor, bounds: list[tuple[int, int]]) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """``select`` (K,) positions of the whole row split by the ranks' slices ``bounds``: each
+    rank's indices into ``select``, padded with -1 (a dummy row) to the longest share (gloo's
+    all-gather takes equal sizes only), and the permutation that puts the gathered rows (in rank
+    order) back in ``select``'s order. Every rank computes all shares from the same ``select``:
+    no collective."""
+    parts = [torch.nonzero((select >= lo) & (select < hi)).flatten() for lo, hi in bounds]
+    width = max(1, max(p.numel() for p in parts))
+    parts = [torch.cat([p, p.new_full((width - p.numel(),), -1)]) for p in parts]
+    order = torch.cat(parts)  # (U * width,) index into select, -1 = dummy
+    keep = torch.nonzero(order >= 0).flatten()
+    return parts, keep[torch.argsort(order[keep])]
+
+
+def run_sliced(ctx: Context, forward, input_ids: torch.Tensor, position_ids: torch.Tensor, labels: torch.Tensor,
+               select: torch.Tensor | None, attention_mask: torch.Tensor | None):
+    """Run ``forward(input_ids, position_ids, labels, select)`` on this rank's slice of the
+    packed row and return its ``(logp, entropy)`` for the whole row: (1, L), or (1, K) with
+    ``select``, gathered over the group with a summed backward (see the module docstring)."""
+    from veomni.distributed.sequence_parallel.data import gather_outputs
+
+    length, u = input_ids.shape[1], ctx.size
+    padded = -(-length // u) * u
+    pad = padded - length
+    dev = input_ids.device
+    ctx.set_mask(row_mask(position_ids, attention_mask, padded))
+    ctx.pad_tokens, ctx.row_tokens = ctx.pad_tokens + pad, ctx.row_tokens + padded
+    ids = torch.cat([input_ids, input_ids.new_zeros(1, pad)], 1)  # (1, S)
+    pos = torch.cat([position_ids, torch.arange(pad, device=position_ids.device, dtype=position_ids.dtype)[None]], 1)
+    chunk = padded // u
+    bounds = [(r * chunk, (r + 1) * chunk) for r in range(u)]
+    lo, hi = bounds[ctx.rank]
+    if select is None:
+        lab = torch.cat([labels, labels.new_full((1, pad), -100)], 1)[:, lo:hi]
+        local_select, order = None, None
+    else:
+        parts, order = shares(select, bounds)
+        mine = parts[ctx.rank]
+        local_select = torch.where(mine >= 0, select[mine.clamp(min=0)] - lo, 0)  # dummy: position 0
+        lab = torch.where(mine[None] >= 0, labels[:, mine.clamp(min=0)], -100)
+    logp, ent = forward(ids[:, lo:hi], pos[:, lo:hi], lab, local_select)
+
+    def whole(x):
+        if x is None:
+            return None
+        x = gather_outputs(x, gather_dim=1, group=ctx.group)  # (1, S) or (1, sum of shares)
+        return x[:, :length] if order is None else x[:, order.to(x.device)]
+
+    return whole(logp), whole(ent)

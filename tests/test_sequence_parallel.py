@@ -1,0 +1,73 @@
+"""Ulysses sequence parallelism's own logic (rlcore.engine.ulysses), in-process: the whole row's
+mask against transformers' packed-sequence rule, the response-only positions split by slices and
+put back in order, and the config's refusals. The gradients against data parallelism on 2 real
+ranks are in tests/test_grad_invariance.py; bad settings through the entry point in
+tests/test_bad_inputs.py."""
+
+import json
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.unit
+
+
+def test_the_rows_mask_is_transformers_block_causal_mask_plus_an_isolated_padding():
+    from transformers.masking_utils import find_packed_sequence_indices
+
+    from rlcore.engine.ulysses import row_mask
+
+    pos = torch.tensor([[0, 1, 2, 0, 1, 0, 1, 2, 3]])  # three packed sequences, L = 9
+    seq = find_packed_sequence_indices(pos)[0]  # transformers' sequence index of each position
+    want = torch.tril(torch.ones(9, 9, dtype=torch.bool)) & (seq[:, None] == seq[None, :])
+    mask = row_mask(pos, None, 12)[0, 0]  # padded to 12 (U = 4)
+    assert torch.equal(mask[:9, :9], want)
+    assert not mask[9:, :9].any() and not mask[:9, 9:].any()  # the padding sees nothing real
+    assert torch.equal(mask[9:, 9:], torch.ones(3, 3, dtype=torch.bool).tril())  # and attends to itself
+    given = torch.rand(1, 1, 9, 9) > 0.5  # a caller's shared-prompt mask is kept as is
+    assert torch.equal(row_mask(pos, given, 12)[0, 0, :9, :9], given[0, 0])
+
+
+def test_selected_positions_split_by_slices_come_back_in_the_callers_order():
+    from rlcore.engine.ulysses import shares
+
+    g = torch.Generator().manual_seed(0)
+    for u, length in ((2, 10), (4, 16), (4, 8)):
+        select = torch.randint(0, length - 2, (13,), generator=g)  # repeated, unsorted (top-k rows)
+        chunk = length // u
+        bounds = [(r * chunk, (r + 1) * chunk) for r in range(u)]
+        parts, order = shares(select, bounds)
+        assert len({p.numel() for p in parts}) == 1  # equal sizes: gloo's all-gather needs them
+        for (lo, hi), p in zip(bounds, parts):
+            assert ((select[p[p >= 0]] >= lo) & (select[p[p >= 0]] < hi)).all()
+        # what each rank computes for its share (the position itself stands for its log-prob)
+        gathered = torch.cat([torch.where(p >= 0, select[p.clamp(min=0)], -1) for p in parts])
+        assert torch.equal(gathered[order], select), (u, length)
+
+
+def _cfg(tmp_path, heads, kv, u, attn="auto", extra=None):
+    (tmp_path / "config.json").write_text(json.dumps({"num_attention_heads": heads, "num_key_value_heads": kv,
+                                                      **(extra or {})}))
+    return SimpleNamespace(parallel=SimpleNamespace(ulysses_size=u),
+                           model=SimpleNamespace(path=str(tmp_path), attn_implementation=attn))
+
+
+def test_ulysses_size_is_checked_against_the_world_and_the_heads(tmp_path):
+    from rlcore.config import ConfigError
+    from rlcore.run.preflight import _check_sequence_parallel
+
+    _check_sequence_parallel(_cfg(tmp_path, 4, 2, 2), 4)
+    _check_sequence_parallel(_cfg(tmp_path, 8, 1, 4), 4)  # KV heads repeated up to U
+    _check_sequence_parallel(_cfg(tmp_path, 3, 3, 1), 4)  # off: nothing checked
+    bad = [((4, 2, 3), 4, "it must divide the world size 4 (e.g. 1, 2, 4)"),
+           ((6, 6, 4), 4, "it must divide the model's 6 attention heads"),
+           ((8, 6, 4), 4, "the model's 6 key/value heads must divide one another"),
+           ((4, 2, 2, "eager"), 2, "model.attn_implementation=eager; set model.attn_implementation to auto or sdpa")]
+    for args, world, text in bad:
+        with pytest.raises(ConfigError, match="parallel.ulysses_size") as e:
+            _check_sequence_parallel(_cfg(tmp_path, *args), world)
+        assert text in str(e.value), str(e.value)
+    with pytest.raises(ConfigError, match="vision-language policy"):
+        _check_sequence_parallel(_cfg(tmp_path, 4, 2, 2, extra={"vision_config": {}, "text_config": {
+            "num_attention_heads": 4, "num_key_value_heads": 2}}), 2)
