@@ -34,9 +34,13 @@ def read_metrics(out):
 
 
 def test_two_ranks_end_to_end(tiny_model, toy_data, tmp_path):
+    """Two ranks, one vLLM engine over both (TP 2) and the train phase as one Ulysses group of 2
+    (parallel.ulysses_size): the trainer's sliced-row log-probs must equal vLLM's below, the
+    reference policy and the sync check's probe run through the same path, and checkpoints and
+    the HF export work under the Ulysses parallel state."""
     out = str(tmp_path / "run")
     proc = train(2, tiny_model, toy_data[0], out, 3, "--checkpoint.save_every", "2",
-                 "--rollout.tensor_parallel_size", "2")
+                 "--rollout.tensor_parallel_size", "2", "--parallel.ulysses_size", "2")
     rows = read_metrics(out)
     assert [r["step"] for r in rows] == [1, 2, 3]
     for key in REQUIRED:
@@ -48,6 +52,7 @@ def test_two_ranks_end_to_end(tiny_model, toy_data, tmp_path):
     assert all(r["rollout/sync_probe_max"] < 1e-4 for r in rows), rows  # rollout.check_sync (warn) ran every sync
     assert "step 3/3" in proc.stdout and "reward" in proc.stdout and "| eta " in proc.stdout
     assert "train phase: response-only logits, one prompt per group (block mask)" in proc.stdout  # CPU: sdpa
+    assert "Ulysses sequence parallel 2" in proc.stdout and all(0 <= r["perf/sp_pad_frac"] < 0.5 for r in rows)
     assert f"done: 3 steps in" in proc.stdout and os.path.join(out, "hf_final") in proc.stdout
     assert_no_third_party_noise(proc.stdout + proc.stderr)
     assert glob.glob(os.path.join(out, "tensorboard", "events.out.tfevents.*"))
