@@ -1,11 +1,13 @@
 """Memory plan before launch: per rank and per phase of the switch, will the run fit?
 
     .venv/bin/python scripts/plan_memory.py --config cfg.yaml --nproc 8 --nnodes 2 [--device-gb 80]
-        [--device cuda|npu] [--json] [-- --section.key value ...]
+        [--device cuda|npu] [--json] [--longest] [-- --section.key value ...]
 
 No GPU and no weights needed: ``model.path`` must hold the model's ``config.json`` only. Prints
 the table of ``rlcore.plan.memory.format_plan``; with ``--json`` its last line is the plan as one
-JSON object. Exit code 0 when it fits, 1 when it does not, 2 on a bad config.
+JSON object. ``--longest`` adds the longest sequence whose train phase fits one rank (one sequence
+per micro-batch, ``rlcore.plan.sequence``) for each Ulysses size the world and the heads allow.
+Exit code 0 when it fits, 1 when it does not, 2 on a bad config.
 """
 
 from __future__ import annotations
@@ -32,6 +34,8 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--device", choices=("cuda", "npu"), default=None,
                         help="default: parallel.device of the config when cuda/npu, else cuda")
     parser.add_argument("--json", action="store_true", help="also print the plan as one JSON line, last")
+    parser.add_argument("--longest", action="store_true",
+                        help="the longest sequence the train phase fits per rank, per parallel.ulysses_size")
     return parser.parse_args(argv[:split]), argv[split + 1:]
 
 
@@ -61,6 +65,13 @@ def main(argv: list[str] | None = None) -> int:
     except (KeyError, ValueError) as e:  # a config.json without a key the plan needs, an unknown dtype
         fail(f"model.path={cfg.model.path!r} is invalid for the plan: {e!r} in its config.json or model.dtype")
     print(format_plan(plan))
+    if args.longest:
+        from rlcore.plan.sequence import longest_train_sequence, ulysses_sizes
+
+        for u in ulysses_sizes(plan.inputs):
+            print(f"longest sequence the train phase fits per rank, parallel.ulysses_size {u}: "
+                  f"{longest_train_sequence(plan.inputs, u)} tokens ({-(-longest_train_sequence(plan.inputs, u) // u)}"
+                  f" per rank per forward)")
     if args.json:
         print(json.dumps(plan.to_json()))
     return 0 if plan.fits else 1

@@ -111,6 +111,8 @@ def results(tmp_path_factory, tiny_model, toy_data) -> dict[str, dict[str, list]
     tiny = ["--model.path", tiny_model, "--data.train_files", json.dumps([toy_data[0]]), "--data.val_files", "[]"]
     cases = {
         "qwen3_8b_math_16gpu": (["--config", cfg("qwen3_8b_math_16gpu"), *stand_in(tmp, "a", "qwen3_8b")], "cuda", 8, 2),
+        "qwen3_8b_math_32k_16gpu": (["--config", cfg("qwen3_8b_math_32k_16gpu"), *stand_in(tmp, "s", "qwen3_8b")],
+                                    "cuda", 8, 2),
         "qwen3_8b_tool_math_16gpu": (["--config", cfg("qwen3_8b_tool_math_16gpu"), *stand_in(tmp, "f", "qwen3_8b")],
                                      "cuda", 8, 2),
         "qwen3_8b_lora_math_8gpu": (["--config", cfg("qwen3_8b_lora_math_8gpu"), *stand_in(tmp, "l", "qwen3_8b")],
@@ -152,7 +154,7 @@ def results(tmp_path_factory, tiny_model, toy_data) -> dict[str, dict[str, list]
     return {name: {n: [s, d] for n, s, d in checks} for name, checks in zip(cases, out)}
 
 
-CUDA = ["qwen3_8b_math_16gpu", "qwen3_8b_tool_math_16gpu", "qwen3_8b_lora_math_8gpu", "qwen3_30b_a3b_math_16gpu",
+CUDA = ["qwen3_8b_math_16gpu", "qwen3_8b_math_32k_16gpu", "qwen3_8b_tool_math_16gpu", "qwen3_8b_lora_math_8gpu", "qwen3_30b_a3b_math_16gpu",
         "qwen3_vl_8b_geo3k_16gpu", "qwen3_8b_judge_16gpu", "qwen3_1_7b_from_8b_opd_16gpu", "gpu_check"]
 
 

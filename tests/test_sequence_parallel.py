@@ -71,3 +71,25 @@ def test_ulysses_size_is_checked_against_the_world_and_the_heads(tmp_path):
     with pytest.raises(ConfigError, match="vision-language policy"):
         _check_sequence_parallel(_cfg(tmp_path, 4, 2, 2, extra={"vision_config": {}, "text_config": {
             "num_attention_heads": 4, "num_key_value_heads": 2}}), 2)
+
+
+def test_the_plan_gives_each_rank_its_share_of_the_row_plus_the_whole_mask():
+    """Qwen3-8B's shape, one 33,792-token sequence per micro-batch: with Ulysses 2 a rank's
+    activations are those of a 16,896-token row plus the row's (S, S) mask in bool and bf16; the
+    longest sequence the train phase fits per rank grows with the group."""
+    import os
+    from dataclasses import replace
+
+    from rlcore.plan.memory import PlanInputs, activation_bytes
+    from rlcore.plan.model_shape import ModelShape
+    from rlcore.plan.sequence import longest_train_sequence, train_fits, ulysses_sizes
+
+    shape = ModelShape.from_path(os.path.join(os.path.dirname(__file__), "fixtures", "qwen3_8b"))
+    p = PlanInputs(shape=shape, world=16, device_gb=80.0, micro_batch_size=1, prompt_len=1024, response_len=32768,
+                   gradient_checkpointing=True, prompts_per_step=64, n=8, max_model_len=33792)
+    half = activation_bytes(replace(p, prompt_len=512, response_len=16384))
+    assert activation_bytes(replace(p, ulysses=2)) == half + 33792 ** 2 * (1 + 2)
+    assert ulysses_sizes(p) == [1, 2, 4, 8, 16]  # 32 heads, 8 key/value heads (repeated for 16), 16 ranks
+    longest = [longest_train_sequence(p, u) for u in (1, 2, 4, 8)]
+    assert longest == sorted(longest) and longest[0] < longest[-1], longest
+    assert train_fits(p, longest[1], 2) and not train_fits(p, longest[1] + 256, 2)

@@ -6,6 +6,7 @@ an accelerator).
     model_shape.py  the model's shape it reads: parameters, activations, the vision tower, the
                     processor's image budget
     judges.py       each judge engine's share and the judging phase's verdict
+    sequence.py     the longest sequence the train phase fits per rank, with and without Ulysses
 
 May import: the ground floor (the config.json reader), torch only for a device's size. Pure
 arithmetic: no torch.distributed, no vLLM, no VeOmni, no engine wing.

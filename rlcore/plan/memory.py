@@ -100,6 +100,7 @@ class PlanInputs:
     judges: tuple = ()  # JudgePlan of each reward.models entry
     teacher: JudgePlan | None = None  # distill.teacher's engine (a judge engine that returns log-probs)
     oversample: float = 1.0  # rollout.partial: groups in flight per group trained (KV cache, host memory)
+    ulysses: int = 1  # parallel.ulysses_size: a group's ranks share each micro-batch, 1/U of its tokens each
 
     @property
     def phase_names(self) -> tuple[str, ...]:
@@ -138,9 +139,10 @@ class PlanInputs:
 
     @property
     def micro_seqs(self) -> int:
-        """Sequences of one micro-batch; a rank never trains on more sequences than it holds."""
+        """Sequences of one micro-batch; a rank (a Ulysses group: its ranks' samples together)
+        never trains on more sequences than it holds."""
         per_rank = max(1, int(self.seqs_per_replica // self.tp))
-        return min(self.micro_batch_size, per_rank)
+        return min(self.micro_batch_size, per_rank * self.ulysses)
 
     @property
     def micro_tokens(self) -> int:
@@ -165,16 +167,17 @@ def activation_bytes(p: PlanInputs) -> int:
     activations (T x sum of layer_activations) plus one layer's gradients. Plus the head: the
     final hidden state the log-prob kernel saves and its gradient (2 x T x h), and the kernel's
     chunk of LOGITS_CHUNK tokens: LOGITS_BUFFERS fp32 (chunk, V) buffers (logits, softmax, one-hot,
-    dlogits and temporaries); the full (T, V) logits never exist.
-    """
-    s, t, c = p.shape, p.micro_tokens, p.c
+    dlogits and temporaries); the full (T, V) logits never exist. Ulysses: T / U tokens per rank, plus
+    the whole row's (T, T) mask twice (bool, and 0/-inf in c: rlcore.engine.ulysses)."""
+    s, t, c = p.shape, -(-p.micro_tokens // p.ulysses), p.c
+    mask = 0 if p.ulysses == 1 else (t * p.ulysses) ** 2 * (1 + c)
     per_layer = [s.layer_activations(i) for i in range(s.layers)]
     if p.gradient_checkpointing:
         layers = s.layers * t * s.hidden * c + 2 * t * max(per_layer) * c
     else:
         layers = t * sum(per_layer) * c + t * max(per_layer) * c
     head = 2 * t * s.hidden * c + LOGITS_BUFFERS * min(LOGITS_CHUNK, t) * s.vocab * 4
-    return layers + head + vision_activation_bytes(p)
+    return layers + head + mask + vision_activation_bytes(p)
 
 
 def vision_activation_bytes(p: PlanInputs) -> int:
@@ -552,7 +555,8 @@ def plan_from_config(cfg, world_size: int, device_gb: float, device_type: str = 
         lora_rank=cfg.lora.rank if cfg.lora.enabled else 0,
         judges=tuple(JudgePlan(ModelShape.from_path(j.path), j.gpu_memory_utilization, j.sleep_level or 1,
                                DTYPE_BYTES[j.dtype or r.dtype or cfg.model.dtype]) for j in cfg.reward.judges()),
-        teacher=teacher_plan(cfg, DTYPE_BYTES), oversample=r.partial.oversample if r.partial.enable else 1.0)
+        teacher=teacher_plan(cfg, DTYPE_BYTES), oversample=r.partial.oversample if r.partial.enable else 1.0,
+        ulysses=cfg.parallel.ulysses_size)
     return build_plan(p)
 
 
