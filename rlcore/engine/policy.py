@@ -252,9 +252,12 @@ class VeOmniPolicy:
             if mm is not None or token_keys is not None:
                 raise ValueError("Ulysses sequence parallelism takes text rows without routing replay (no mm, no "
                                  "token_keys); parallel.ulysses_size 1 runs them")
-            return engine_ulysses.run_sliced(
+            out = engine_ulysses.run_sliced(
                 self.sp, lambda i, p, lab, sel: self._forward(i, p, lab, temperature, with_entropy, grad, sel, None),
                 input_ids, position_ids, labels, select, attention_mask)
+            if not grad:  # no backward will re-run the attention (gradient checkpointing): drop the mask now
+                self.sp.set_mask(None)
+            return out
         if attention_mask is not None and self.attn_implementation not in ("sdpa", "eager"):
             raise ValueError(f"a custom attention mask needs sdpa or eager attention, not {self.attn_implementation}")
         if attention_mask is not None and self.attn_implementation == "eager":
@@ -335,6 +338,8 @@ class VeOmniPolicy:
             opt.zero_grad(set_to_none=True)
         for sched in self._lr_schedulers:
             sched.step()
+        if self.sp is not None:  # every backward of the mini-batch has run: the last row's mask goes
+            self.sp.set_mask(None)
         return {"actor/grad_norm": grad_norm, "actor/lr": lr, "actor/skipped": int(skipped),
                 **self.router_stats.metrics(), **(self.sp.pop_metrics() if self.sp is not None else {})}
 

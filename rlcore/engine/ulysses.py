@@ -47,7 +47,8 @@ class Context:
     row_tokens: int = 0
     masks: dict = field(default_factory=dict)  # the mask as ``additive`` made it, per (dtype, device)
 
-    def set_mask(self, mask: torch.Tensor) -> None:
+    def set_mask(self, mask: torch.Tensor | None) -> None:
+        """The row's mask; None releases it (O(S^2) bytes that generation should not hold)."""
         self.mask, self.masks = mask, {}
 
     def additive(self, dtype: torch.dtype, device) -> torch.Tensor:
