@@ -12,8 +12,8 @@ mini-batch does (one sequence per micro-batch; the Ulysses group's sequences are
 Per setting (the slowest or largest rank): ``saved_mib``, the bytes autograd keeps for the backward
 of one micro-batch's forward (every tensor a ``saved_tensors_hooks`` pack sees, each storage
 counted once): the train phase's activation memory, less ``mask_mib``, the (S, S) attention masks
-of the whole row that sdpa saves (O(S^2) on every rank with or without sequence parallelism); ``tokens_per_rank`` of one forward;
-``seconds`` (median of ``--repeats`` runs of the whole call between barriers); the unsharded
+of the whole row that sdpa saves (O(S^2) on every rank with or without sequence parallelism);
+``tokens_per_rank`` of one forward; ``seconds`` (median of ``--repeats`` runs of the whole call between barriers); the unsharded
 gradient vector's norm. The last line is JSON: both settings, ``saved_ratio`` (with / without) and
 ``grad_rel_diff`` (||g_sp - g|| / ||g||).
 """

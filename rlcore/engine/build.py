@@ -22,9 +22,10 @@ def install_cpu_shims() -> None:
 
 def ensure_parallel_state(info: DistInfo, ep_size: int = 1, ulysses_size: int = 1):
     """One FSDP2 mesh over all ranks, plus the expert-parallel mesh when ``ep_size`` > 1 (see
-    ``rlcore.engine.moe``) and Ulysses groups of ``ulysses_size`` consecutive ranks inside the data-
-    parallel world (``rlcore.engine.ulysses``; FSDP2 shards over dp x ulysses, i.e. still every rank). The state is a process-wide VeOmni singleton, so a second engine (the
-    frozen reference next to the actor) reuses it instead of building new groups."""
+    ``rlcore.engine.moe``) and Ulysses groups of ``ulysses_size`` consecutive ranks inside the
+    data-parallel world (``rlcore.engine.ulysses``; FSDP2 shards over dp x ulysses: still every
+    rank). The state is a process-wide VeOmni singleton, so a second engine (the frozen reference
+    next to the actor) reuses it instead of building new groups."""
     from veomni.distributed import parallel_state as ps
 
     if ps.is_parallel_state_initialized():

@@ -145,7 +145,8 @@ class VeOmniPolicy:
         self.sp = None  # rlcore.engine.ulysses.Context when ulysses_size > 1
         if ulysses_size > 1:
             self.sp = engine_ulysses.Context(state.ulysses_group, ulysses_size, state.ulysses_rank)
-            engine_ulysses.install(self.model, self.sp)
+            if not engine_ulysses.install(self.model, self.sp):
+                raise ValueError(f"ulysses_size {ulysses_size}: no attention layer with q_proj/k_proj in {model_path}")
         self.freeze_vision_tower = freeze_vision_tower and trainable
         if self.freeze_vision_tower:  # before the optimizer, which then leaves the tower out
             engine_vl.freeze_vision_tower(self.model)

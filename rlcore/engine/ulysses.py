@@ -21,7 +21,7 @@ gathered with VeOmni's ``gather_outputs`` (sequence_parallel/data.py:129), whose
 gradient over the group (ulysses.py:198-290), so the group's ranks together hold U times the
 gradient of one copy of the loss; and the loss's normaliser, all-reduced over every rank, counts
 each sample U times (``rlcore.algo.grpo``). The two factors cancel: the update equals the one
-without sequence parallelism (tests/test_sequence_parallel.py, 1e-6 in fp32).
+without sequence parallelism (tests/test_grad_invariance.py, 1e-6 in fp32).
 """
 
 from __future__ import annotations
@@ -37,7 +37,8 @@ ATTN_NAME = "rlcore_ulysses_sdpa"
 @dataclass
 class Context:
     """One model's Ulysses group and the bool mask (1, 1, S, S) of the row it is running. The mask
-    stays set after the forward: gradient checkpointing re-runs the attention in the backward."""
+    stays set until the optimizer step (gradient checkpointing re-runs the attention in the
+    backward); a no-grad forward releases it at once (``VeOmniPolicy``)."""
 
     group: object
     size: int
