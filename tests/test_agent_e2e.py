@@ -1,7 +1,8 @@
 """Multi-turn GRPO through the real entry point (2 CPU ranks under torchrun): the tool demo's config
 with the environment-served lookup tool, DAPO dynamic sampling and shared-prompt packing on, one
 vLLM engine sharded over both ranks (TP 2: the leader runs the tools, the other rank takes its
-answers); a run killed with kill -9, preempted and resumed writes the same metrics rows as one
+answers), the train phase as one Ulysses group of the 2 ranks (tool tokens attended to, masked out
+of the loss, in every rank's half of the row); a run killed with kill -9, preempted and resumed writes the same metrics rows as one
 run straight through.
 
   A   4 steps straight through, a checkpoint every 2 steps, validation at the end.
@@ -32,6 +33,7 @@ def args(model, data, out, *extra):
             "--val.max_samples", "8", "--algorithm.dynamic_sampling", "true", "--algorithm.share_prompt", "true",
             "--rollout.tensor_parallel_size", "2", "--checkpoint.save_every", "2", "--checkpoint.keep_last", "5",
             "--rollout.emulate_sleep", "true",  # level 2 as on a GPU (rlcore/rollout/cpu_sleep.py)
+            "--parallel.ulysses_size", "2",  # the train phase as one Ulysses group: half of every row per rank
             *extra]
 
 
@@ -68,7 +70,7 @@ def test_multi_turn_run_logs_tool_metrics_and_conversations(runs):
         assert r["rollout/mismatch_max"] < 1e-4
     assert any(r["rollout/tool_calls_mean"] > 0 for r in train)
     assert "multi-turn: 3 turns, 24 tokens per conversation, tools: none, environment" in runs["straight"]
-    assert "tp=2 dp=1" in runs["straight"]
+    assert "tp=2 dp=1" in runs["straight"] and "Ulysses sequence parallel 2" in runs["straight"]
     val = [json.loads(line) for line in open(os.path.join(runs["a"], "val", f"step_{STEPS}.jsonl"))]
     assert val and all("conversation" in v and "tool_calls" in v for v in val)
     assert "val/tool_calls_mean" in rows[-1]

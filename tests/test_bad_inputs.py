@@ -215,8 +215,6 @@ CASES = [
     ("ulysses_zero", ["--parallel.ulysses_size", "0"], "parallel.ulysses_size=0", 2),
     ("ulysses_not_dividing_world", ["--parallel.ulysses_size", "3"],
      "parallel.ulysses_size=3 is invalid: it must divide the world size 2", 2),
-    ("ulysses_on_moe", ["--model.path", "{moe6}", "--parallel.ulysses_size", "2"],
-     "a mixture-of-experts policy under sequence parallelism is not supported yet", 2),
     ("ulysses_on_vl", VL + ["--data.train_files", "[{vl_good}]", "--parallel.ulysses_size", "2"],
      "a vision-language policy under sequence parallelism is not supported yet", 2),
     ("tp_not_dividing_world", ["--rollout.tensor_parallel_size", "3"], "rollout.tensor_parallel_size=3", 2),

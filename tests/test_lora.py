@@ -3,8 +3,9 @@ training and adapter-only weight sync through VeOmni's and vLLM's own LoRA.
 
 The worker (tests/workers/lora_worker.py) checks the adapter's gradients against a hand-written
 LoRA on transformers, vLLM's log-probs after each adapter push, a stale adapter, and vLLM's base
-parameters; the end-to-end run goes through train_grpo.py on 2 ranks with the KL reference being
-the policy with its adapter off, and checks the merged export."""
+parameters; the end-to-end run goes through train_grpo.py on 2 ranks (one Ulysses group: each rank
+runs half of every packed row) with the KL reference being the policy with its adapter off, and
+checks the merged export."""
 
 from __future__ import annotations
 
@@ -40,13 +41,15 @@ def test_adapter_gradients_sync_and_untouched_base(tiny_model, tmp_path):
 
 LORA_ARGS = ("--lora.rank", "8", "--lora.alpha", "16", "--optim.lr", "1e-2", "--algorithm.kl_loss_coef", "0.01",
              "--checkpoint.merge_lora", "true", "--checkpoint.save_every", "2",
-             "--rollout.emulate_sleep", "true")  # LoRA's level 1 as on a GPU (rlcore/rollout/cpu_sleep.py)
+             "--rollout.emulate_sleep", "true",  # LoRA's level 1 as on a GPU (rlcore/rollout/cpu_sleep.py)
+             "--parallel.ulysses_size", "2")  # the adapters train as one Ulysses group of the 2 ranks
 STEPS = 4
 
 
 def test_lora_run_end_to_end(tiny_model, toy_data, tmp_path):
     out = str(tmp_path / "run")
-    train(2, tiny_model, toy_data[0], out, STEPS, *LORA_ARGS)
+    proc = train(2, tiny_model, toy_data[0], out, STEPS, *LORA_ARGS)
+    assert "Ulysses sequence parallel 2" in proc.stdout
     rows = read_metrics(out)
     # exact resume after kill -9: the same run killed once step 3 is logged (checkpoint of step 2),
     # then resumed

@@ -61,13 +61,16 @@ def test_expert_parallel_end_to_end_resume_and_export(tiny_moe, toy_data, tmp_pa
     step 2's checkpoint and resumed: equal metric rows and final weights; the HF export loads in
     transformers (per-expert names) and in vLLM; the sync kept vLLM on the trainer's weights. The MoE
     student distils from its starting model (an MoE teacher on its own engine, reverse-KL advantage
-    beside the reward): step 1's teacher log-probs equal vLLM's sampling ones, resume included."""
+    beside the reward): step 1's teacher log-probs equal vLLM's sampling ones, resume included. The
+    policy and the reference train as one Ulysses group of 2 (each rank half of every row, its experts
+    split over the same 2 ranks)."""
     from workers.launch import TRAIN, comparable, kill9_when, read_rows
 
     a, b = str(tmp_path / "a"), str(tmp_path / "b")
-    teacher = ("--distill.teacher", tiny_moe, "--distill.reward_weight", "1.0", "--distill.kv_cache_gb", "0.0625")
+    teacher = ("--distill.teacher", tiny_moe, "--distill.reward_weight", "1.0", "--distill.kv_cache_gb", "0.0625",
+               "--parallel.ulysses_size", "2")  # and the train phase as one Ulysses group beside EP 2
     proc = run_torchrun(TRAIN, 2, *moe_args(tiny_moe, toy_data[0], a, *teacher))
-    assert "experts: torch_ep kernel, expert parallel 2" in proc.stdout
+    assert "experts: torch_ep kernel, expert parallel 2, Ulysses sequence parallel 2" in proc.stdout
     kill9_when(2, moe_args(tiny_moe, toy_data[0], b, "--checkpoint.save_every", "2", "--checkpoint.resume", "auto",
                            "--checkpoint.save_hf_final", "false", *teacher), r"saved checkpoint .*step_2$", r"^step +3/")
     run_torchrun(TRAIN, 2, *moe_args(tiny_moe, toy_data[0], b, "--checkpoint.save_every", "2",

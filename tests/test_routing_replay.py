@@ -69,13 +69,14 @@ def test_token_keys_name_the_same_tokens_however_packed():
 R3_WORKER = os.path.join(REPO, "tests", "workers", "routing_replay_r3.py")
 
 
-@pytest.mark.parametrize("world", [1, 2])
-def test_r3_replays_vllm_format_rows_exactly(tiny_moe_8, tmp_path, world):
+@pytest.mark.parametrize("world,ulysses", [(1, 1), (2, 1), (2, 2)])
+def test_r3_replays_vllm_format_rows_exactly(tiny_moe_8, tmp_path, world, ulysses):
     """R3's trainer side: rows in vLLM's format (an independent transformers routing, every third
     token moved) reach the experts bit-exactly, the log-probs equal transformers forced to them,
-    and the agreement metric equals the reference's own count."""
+    and the agreement metric equals the reference's own count; with EP 2 and also as one Ulysses
+    group of 2 (each rank routes its slice of every row, from the group's gathered rows)."""
     out = tmp_path / "r3.pt"
-    run_torchrun(R3_WORKER, world, tiny_moe_8, str(out))
+    run_torchrun(R3_WORKER, world, tiny_moe_8, str(out), f"ulysses={ulysses}")
     r = torch.load(out, weights_only=False)
     print(f"EP {world}: {r}")
     assert r["tokens"] > 0 and r["mismatched"] == 0

@@ -97,9 +97,10 @@ def sp_group_batch(policy, batch: RolloutBatch, *matrices: torch.Tensor):
     sp = getattr(policy, "sp", None)
     if sp is None or sp.size == 1:
         return batch, list(matrices), list(range(len(batch)))
-    if batch.vision is not None or batch.routed_experts is not None:
-        raise ValueError("Ulysses sequence parallelism does not take image prompts or R3 routing rows yet")
-    mine = {f: getattr(batch, f) for f in _TRAIN_FIELDS}
+    if batch.vision is not None:
+        raise ValueError("Ulysses sequence parallelism does not take image prompts yet")
+    fields = _TRAIN_FIELDS + (("routed_experts",) if batch.routed_experts is not None else ())  # R3's rows
+    mine = {f: getattr(batch, f) for f in fields}
     parts = all_gather_objects((mine, [m.cpu() for m in matrices]), sp.group)  # the group's ranks in order
     group = concat([RolloutBatch(group_size=batch.group_size, answers=[""] * len(p["response_ids"]),
                                  finish_reasons=["stop"] * len(p["response_ids"]), **p) for p, _ in parts])

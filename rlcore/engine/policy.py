@@ -152,6 +152,8 @@ class VeOmniPolicy:
             engine_vl.freeze_vision_tower(self.model)
         self.router_stats = engine_moe.RouterStats(self.model) if trainable else None
         self.replay = engine_replay.RoutingReplay(self.model) if routing_replay and trainable else None
+        if self.replay is not None and self.sp is not None:  # a token's slice (rank) changes with the packing
+            self.replay.group = self.sp.group
         self.optimizer = self.lr_scheduler = None
         self.lr_schedule_changes: list[str] = []  # config vs the resumed checkpoint's schedule
         if trainable:
@@ -250,12 +252,16 @@ class VeOmniPolicy:
         if grad:  # its backward would gather the parameters again, after an automatic re-offload
             self._require_resident("forward_logprobs(grad=True)", params=True)
         if self.sp is not None:
-            if mm is not None or token_keys is not None:
-                raise ValueError("Ulysses sequence parallelism takes text rows without routing replay (no mm, no "
-                                 "token_keys); parallel.ulysses_size 1 runs them")
-            out = engine_ulysses.run_sliced(
-                self.sp, lambda i, p, lab, sel: self._forward(i, p, lab, temperature, with_entropy, grad, sel, None),
-                input_ids, position_ids, labels, select, attention_mask)
+            if mm is not None:
+                raise ValueError("Ulysses sequence parallelism takes text rows (no mm); parallel.ulysses_size 1 "
+                                 "runs image rows")
+
+            def sliced(ids, pos, lab, sel, keys):
+                self._set_replay_keys(keys)
+                return self._forward(ids, pos, lab, temperature, with_entropy, grad, sel, None)
+
+            out = engine_ulysses.run_sliced(self.sp, sliced, input_ids, position_ids, labels, select, attention_mask,
+                                            token_keys)
             if not grad:  # no backward will re-run the attention (gradient checkpointing): drop the mask now
                 self.sp.set_mask(None)
             return out
@@ -264,10 +270,13 @@ class VeOmniPolicy:
         if attention_mask is not None and self.attn_implementation == "eager":
             attention_mask = eager_attention_mask(attention_mask, _to_dtype(self.dtype))
         images = engine_vl.forward_kwargs(self.model, input_ids, position_ids, mm, self.device)
-        if self.replay is not None and self.replay.mode is not None:
-            self.replay.keys = None if token_keys is None else token_keys.reshape(-1)
+        self._set_replay_keys(token_keys)
         return self._forward(input_ids, position_ids, labels, temperature, with_entropy, grad, select, attention_mask,
                              images)
+
+    def _set_replay_keys(self, token_keys: torch.Tensor | None) -> None:
+        if self.replay is not None and self.replay.mode is not None:
+            self.replay.keys = None if token_keys is None else token_keys.reshape(-1)
 
     def _forward(self, input_ids, position_ids, labels, temperature, with_entropy, grad, select, attention_mask,
                  images: dict | None = None):

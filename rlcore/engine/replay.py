@@ -22,6 +22,12 @@ passes a key per position: a response token is (its sample, its position), a pro
 group, its position), since every sample of a group sees the same prompt (shared or copied). The
 router sees the row's tokens in order (hidden_states.view(-1, H)), on this rank only (expert
 parallelism exchanges tokens after routing), so the keys line up with the hook's rows.
+
+Under Ulysses sequence parallelism (``group`` set) a rank routes only its slice of each row, and
+which slice holds a token depends on how the row was packed: an R2 recording is gathered over the
+group before its first replay, so every rank replays any of the group's tokens. R3's rows are the
+group's already (the group's samples are gathered before packing, ``grpo.sp_group_batch``). The
+slices' padding has negative keys: recorded, never counted.
 """
 
 from __future__ import annotations
@@ -96,6 +102,7 @@ class RoutingReplay:
         self._chunks: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
         self._tables: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._free = torch.zeros(0, dtype=torch.long)  # sorted keys whose native choice is fine (R3)
+        self.group = None  # the Ulysses group whose recordings are pooled (rlcore.engine.ulysses)
         self.reset_counts()
 
     def reset(self) -> None:
@@ -150,10 +157,11 @@ class RoutingReplay:
         found = sorted_keys[at] == keys if len(sorted_keys) else torch.zeros_like(keys, dtype=torch.bool)
         given = table[at].to(device=top.device, dtype=top.dtype) if len(table) else top
         target = torch.where(found.unsqueeze(-1), given, top)  # (L, K)
-        same = (target.sort(-1).values == top.sort(-1).values).all(-1) & found
+        real = keys >= 0  # not a Ulysses slice's padding
+        same = (target.sort(-1).values == top.sort(-1).values).all(-1) & found & real
         self.agree[layer] += same.sum().item()
-        self.seen[layer] += found.sum().item()
-        self.missing += int((~found & ~torch.isin(keys, self._free.to(keys.device))).sum())
+        self.seen[layer] += (found & real).sum().item()
+        self.missing += int((~found & real & ~torch.isin(keys, self._free.to(keys.device))).sum())
         return target
 
     def _table(self, layer: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -164,6 +172,8 @@ class RoutingReplay:
             else:
                 keys = torch.cat([k for k, _ in chunks])
                 top = torch.cat([t for _, t in chunks])
+                if self.group is not None:  # every rank of the group builds its table in the same forward
+                    keys, top = _gather_rows(self.group, keys, top)
                 order = torch.argsort(keys, stable=True)
                 self._tables[layer] = (keys[order], top[order])
         keys, top = self._tables[layer]
@@ -183,6 +193,25 @@ class RoutingReplay:
         out.update({f"agree_layer{i}": self.agree[i].item() for i in range(len(self.agree))})
         out.update({f"seen_layer{i}": self.seen[i].item() for i in range(len(self.seen))})
         return out
+
+
+def _gather_rows(group, keys: torch.Tensor, top: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every rank's recorded ``keys`` (n,) and ``top`` (n, K) over ``group``, concatenated (collective
+    over the group; each rank's n may differ: padded to the largest, as NCCL and gloo want)."""
+    import torch.distributed as dist
+
+    size = dist.get_world_size(group)
+    n = torch.tensor([keys.numel()], device=keys.device)
+    counts = [torch.zeros_like(n) for _ in range(size)]
+    dist.all_gather(counts, n, group=group)
+    width = int(max(c.item() for c in counts))
+    pad_k = torch.cat([keys, keys.new_full((width - keys.numel(),), -1)])
+    pad_t = torch.cat([top, top.new_zeros((width - top.shape[0], *top.shape[1:]))])
+    all_k, all_t = [torch.empty_like(pad_k) for _ in range(size)], [torch.empty_like(pad_t) for _ in range(size)]
+    dist.all_gather(all_k, pad_k, group=group)
+    dist.all_gather(all_t, pad_t, group=group)
+    kept = [slice(0, int(c.item())) for c in counts]
+    return torch.cat([k[s] for k, s in zip(all_k, kept)]), torch.cat([t[s] for t, s in zip(all_t, kept)])
 
 
 def metrics(replay: RoutingReplay) -> dict[str, float]:

@@ -137,10 +137,12 @@ def shares(select: torch.Tensor, bounds: list[tuple[int, int]]) -> tuple[list[to
 
 
 def run_sliced(ctx: Context, forward, input_ids: torch.Tensor, position_ids: torch.Tensor, labels: torch.Tensor,
-               select: torch.Tensor | None, attention_mask: torch.Tensor | None):
-    """Run ``forward(input_ids, position_ids, labels, select)`` on this rank's slice of the
+               select: torch.Tensor | None, attention_mask: torch.Tensor | None, keys: torch.Tensor | None = None):
+    """Run ``forward(input_ids, position_ids, labels, select, keys)`` on this rank's slice of the
     packed row and return its ``(logp, entropy)`` for the whole row: (1, L), or (1, K) with
-    ``select``, gathered over the group with a summed backward (see the module docstring)."""
+    ``select``, gathered over the group with a summed backward (see the module docstring).
+    ``keys`` (1, L): the routing-replay token keys (``packing.token_keys``), sliced alike; the
+    padding's keys are negative (``rlcore.engine.replay`` counts them nowhere)."""
     from veomni.distributed.sequence_parallel.data import gather_outputs
 
     length, u = input_ids.shape[1], ctx.size
@@ -162,7 +164,9 @@ def run_sliced(ctx: Context, forward, input_ids: torch.Tensor, position_ids: tor
         mine = parts[ctx.rank]
         local_select = torch.where(mine >= 0, select[mine.clamp(min=0)] - lo, 0)  # dummy: position 0
         lab = torch.where(mine[None] >= 0, labels[:, mine.clamp(min=0)], -100)
-    logp, ent = forward(ids[:, lo:hi], pos[:, lo:hi], lab, local_select)
+    if keys is not None:
+        keys = torch.cat([keys, -1 - torch.arange(pad, device=keys.device, dtype=keys.dtype)[None]], 1)[:, lo:hi]
+    logp, ent = forward(ids[:, lo:hi], pos[:, lo:hi], lab, local_select, keys)
 
     def whole(x):
         if x is None:

@@ -228,8 +228,6 @@ def _check_experts(cfg: Config, world_size: int) -> None:
 def _check_sequence_parallel(cfg: Config, world_size: int) -> None:
     """parallel.ulysses_size against the world, the model's heads and what the Ulysses path takes
     (rlcore.engine.ulysses), before anything loads."""
-    from rlcore.hf_folder import model_num_experts
-
     u = cfg.parallel.ulysses_size
     if u == 1:
         return
@@ -245,8 +243,6 @@ def _check_sequence_parallel(cfg: Config, world_size: int) -> None:
     check(kv % u == 0 or u % kv == 0, field, u, f"it and the model's {kv} key/value heads must divide one another")
     check("vision_config" not in config, field, u, "a vision-language policy under sequence parallelism is not "
           "supported yet (its vision tower's attention has no Ulysses path here); use 1")
-    check(model_num_experts(cfg.model.path) == 0, field, u, "a mixture-of-experts policy under sequence "
-          "parallelism is not supported yet (untested with expert parallelism and routing replay); use 1")
     check(cfg.model.attn_implementation in ("auto", "sdpa"), field, u,
           f"the Ulysses path runs its own sdpa attention over the whole row, not model.attn_implementation="
           f"{cfg.model.attn_implementation}; set model.attn_implementation to auto or sdpa, or ulysses_size 1")

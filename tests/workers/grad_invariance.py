@@ -7,11 +7,19 @@ fixed global batch; rank 0 saves the unsharded gradients.
 The batch is two prompt groups of 3 and 5 samples with unequal response lengths, one of them a
 lone EOS (a response of one token): on 2 ranks the second group is split, a partial group on each.
 
-    torchrun --nproc_per_node=W tests/workers/grad_invariance.py MODEL_DIR OUT.pt [ULYSSES_SIZE]
+    torchrun --nproc_per_node=W tests/workers/grad_invariance.py MODEL_DIR OUT.pt [ulysses=U] [ep=E] [replay=1]
+        [lora=R] [env=1]
 
-With ULYSSES_SIZE > 1 the ranks form Ulysses sequence-parallel groups (rlcore.engine.ulysses): each
+With ``ulysses`` U > 1 the ranks form Ulysses sequence-parallel groups (rlcore.engine.ulysses): each
 rank still holds its own share, and the group's shares are gathered as ``grpo.train_on_batch``
 gathers them (``grpo.sp_group_batch``), so every rank of a group runs 1/U of each packed row.
+``ep``: expert parallelism for a MoE model. ``replay=1``: R2 routing replay, recorded by a
+forward that packs one sample per row and replayed by every variant's update (packed otherwise,
+so under Ulysses a token is routed on another rank than where it was recorded); the agreement
+and the missing-token count are saved too. ``lora=R``: a LoRA policy of rank R (A and B seeded,
+B off zero, so every adapter matrix gets a gradient). ``env=1``: multi-turn batches: two tokens in
+the middle of every response of 4+ tokens are environment (tool) output, masked out of the loss
+(``RolloutBatch.env_mask``) but attended to.
 """
 
 import sys
@@ -35,37 +43,70 @@ VARIANTS = {
 }
 
 
-def global_batch() -> tuple[RolloutBatch, torch.Tensor]:
+def global_batch(env: bool = False) -> tuple[RolloutBatch, torch.Tensor]:
     g = torch.Generator().manual_seed(0)
     group_a, group_b = (torch.randint(3, 26, (n,), generator=g).tolist() for n in (5, 8))
     prompts = [group_a] * 3 + [group_b] * 5
     lengths = [7, 1, 4, 9, 3, 5, 2, 8]
     responses = [torch.randint(3, 26, (n,), generator=g).tolist() for n in lengths]
     batch = RolloutBatch(prompts, responses, [[0.0] * n for n in lengths], ["x"] * N, ["stop"] * N, GROUP)
+    if env:  # tool output inside the conversation: context, not trained
+        batch.env_mask = [[0 if n >= 4 and j in (1, 2) else 1 for j in range(n)] for n in lengths]
     rewards = torch.tensor([1.0, 0.0, 0.5, 0.2, 0.0, 1.0, 0.3, 0.0])
     return batch, rewards
 
 
 @torch.no_grad()
 def grad_vector(policy) -> torch.Tensor:
-    """All accumulated gradients of the engine, unsharded and flattened in parameter order (collective)."""
+    """All accumulated gradients of the engine, unsharded (every rank's experts too, under EP) and
+    flattened in parameter order (collective)."""
     from torch.distributed.tensor import DTensor
 
+    from rlcore.engine import moe as engine_moe
+
     parts = []
-    for p in policy.model.parameters():
+    for name, p in policy.model.named_parameters():
         g = p.grad if p.grad is not None else torch.zeros_like(p)
-        parts.append((g.full_tensor() if isinstance(g, DTensor) else g).flatten().float().cpu())
+        g = g.full_tensor() if isinstance(g, DTensor) else g
+        dim = engine_moe.ep_dim(policy.model, name)
+        parts.append((g if dim is None else engine_moe.gather_ep(g, dim)).flatten().float().cpu())
     return torch.cat(parts)
+
+
+def lora_policy(model_dir: str, info, rank: int, kwargs: dict):
+    """A LoRA policy with seeded adapters, B moved off its zero init (the same values on every
+    rank and run: a fixed seed over the whole tensor, then this rank's FSDP2 shard of it)."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    from rlcore.config.lora import LoraConfig
+    from rlcore.engine.lora import LoraPolicy
+
+    policy = LoraPolicy(model_dir, info, lora=LoraConfig(rank=rank, alpha=2 * rank), **kwargs)
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for name, p in policy.model.named_parameters():
+            if ".lora_" in name:  # A too: the wrapper draws it from the global RNG (unseeded here)
+                full = torch.randn(p.shape, generator=g) * (0.05 if ".lora_B." in name else 0.2)
+                if isinstance(p, DTensor):
+                    p.to_local().copy_(distribute_tensor(full, p.device_mesh, p.placements).to_local())
+                else:
+                    p.copy_(full)
+    return policy
 
 
 def main():
     model_dir, out = sys.argv[1], sys.argv[2]
-    ulysses = int(sys.argv[3]) if len(sys.argv) > 3 else 1
+    opts = {k: int(v) for k, v in (a.split("=") for a in sys.argv[3:])}
+    ulysses, replay = opts.get("ulysses", 1), bool(opts.get("replay", 0))
     info = init_distributed("cpu")
     from rlcore.engine.policy import VeOmniPolicy
 
-    policy = VeOmniPolicy(model_dir, info, lr=1e-3, total_steps=1, ulysses_size=ulysses)
-    batch, rewards = global_batch()
+    kwargs = dict(lr=1e-3, total_steps=1, ulysses_size=ulysses, ep_size=opts.get("ep", 1), routing_replay=replay)
+    if opts.get("lora"):
+        policy = lora_policy(model_dir, info, opts["lora"], kwargs)
+    else:
+        policy = VeOmniPolicy(model_dir, info, **kwargs)
+    batch, rewards = global_batch(bool(opts.get("env", 0)))
     adv = advantage.compute_advantages("grpo", rewards, batch.response_mask(), GROUP)  # (N, T) global
     # Old/ref log-probs off the current ones, so clipping, dual clip and KL are all active.
     cur = grpo.compute_logprobs_in_chunks(policy, batch, 0.9, N, info.device, shared=True)  # the same everywhere
@@ -74,17 +115,26 @@ def main():
     per = N // info.world_size
     mine = list(range(info.rank * per, (info.rank + 1) * per))
     local, (l_adv, l_old, l_ref), _ = grpo.sp_group_batch(policy, batch.select(mine), adv[mine], old[mine], ref[mine])
+    routing = {"routing_replay": "r2", "mini_batches": 2} if replay else {}  # r2 wants a later forward
+    if replay:  # one sample per row: every later packing slices the rows elsewhere
+        with policy.routing("record"):
+            grpo.compute_logprobs_in_chunks(policy, local, 0.9, AlgorithmConfig(micro_batch_size=1, **routing),
+                                            info.device, shared=True)
     results = {}
     for mode in advantage.AGG_MODES:
         for loss in ("vanilla", "gspo"):
             for name, fields in VARIANTS.items():
                 cfg = AlgorithmConfig(loss_agg_mode=mode, policy_loss=loss, kl_loss_coef=0.1, entropy_coef=0.01,
-                                      clip_high=0.28, **fields)
-                policy.optimizer.zero_grad(set_to_none=True)
+                                      clip_high=0.28, **fields, **routing)
+                for opt in policy._inner_optimizers():  # one AdamW per mesh under EP
+                    opt.zero_grad(set_to_none=True)
                 inp = grpo.UpdateInputs(l_adv, l_old, l_ref, torch.zeros_like(l_old), local.response_mask(), 0.9,
                                         info.world_size, norm_len=10)
-                grpo.accumulate_gradients(policy, local, list(range(len(local))), inp, cfg)
+                with policy.routing("replay" if replay else None):
+                    grpo.accumulate_gradients(policy, local, list(range(len(local))), inp, cfg)
                 results[f"{mode}/{loss}/{name}"] = grad_vector(policy)
+    if replay:  # over every variant's update
+        results.update({k: torch.tensor(float(v)) for k, v in policy.routing_metrics().items() if k.startswith("actor/")})
     if policy.sp is not None:  # the Ulysses path really ran: rows sliced, padding counted
         results["sp/row_tokens"] = torch.tensor(float(policy.sp.row_tokens))
         results["sp/pad_tokens"] = torch.tensor(float(policy.sp.pad_tokens))

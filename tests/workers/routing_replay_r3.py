@@ -13,7 +13,11 @@ token's experts moved to other experts so that replay has something to change.
 3. ``grpo.train_on_batch`` with ``routing_replay: r3`` (on-policy: the update is the only forward,
    at the same weights) reports the agreement of step 1.
 
-    torchrun --nproc_per_node=W tests/workers/routing_replay_r3.py MODEL_DIR OUT.pt
+    torchrun --nproc_per_node=W tests/workers/routing_replay_r3.py MODEL_DIR OUT.pt [ulysses=U]
+
+With ``ulysses`` U > 1 (one Ulysses group over EP ranks): the ranks' samples and rows are gathered
+first, as ``grpo.train_on_batch`` gathers them (``grpo.sp_group_batch``), so every check runs on
+the group's batch, each rank routing its slice of every packed row.
 """
 
 import dataclasses
@@ -68,6 +72,9 @@ def vllm_format_rows(hf, batch, num_experts, move=True):
     return rows
 
 
+SHARED = {"shared": False}  # under Ulysses: the batch is the group's already
+
+
 def perturbed_routers(policy, hf, batch, rows, cfg, info):
     """A deliberate routing disagreement: the trainer's router weights (not the experts) moved by
     noise; the sampler is transformers at the original weights, its native routing the rows.
@@ -85,9 +92,9 @@ def perturbed_routers(policy, hf, batch, rows, cfg, info):
                 saved.append((local, local.clone()))
                 local.add_(torch.randn(local.shape, generator=g) * 0.5 * local.std())
     plain = dict(cfg.__dict__, routing_replay=None)
-    native = grpo.compute_logprobs_in_chunks(policy, batch, 1.0, AlgorithmConfig(**plain), info.device)
+    native = grpo.compute_logprobs_in_chunks(policy, batch, 1.0, AlgorithmConfig(**plain), info.device, **SHARED)
     with policy.routing("replay", packing.rollout_routing(dataclasses.replace(batch, routed_experts=rows))):
-        replayed = grpo.compute_logprobs_in_chunks(policy, batch, 1.0, cfg, info.device)
+        replayed = grpo.compute_logprobs_in_chunks(policy, batch, 1.0, cfg, info.device, **SHARED)
     agreement = policy.routing_metrics()["actor/router_agreement"]
     with torch.no_grad():
         for local, copy in saved:
@@ -100,6 +107,7 @@ def perturbed_routers(policy, hf, batch, rows, cfg, info):
 
 def main():
     model_dir, out = sys.argv[1], sys.argv[2]
+    ulysses = int(sys.argv[3].split("=")[1]) if len(sys.argv) > 3 else 1
     info = init_distributed("cpu")
     from transformers import Qwen3MoeForCausalLM
 
@@ -107,18 +115,23 @@ def main():
 
     world = info.world_size
     policy = VeOmniPolicy(model_dir, info, lr=1e-3, total_steps=1, grad_clip=None, ep_size=world,
-                          routing_replay=True)
+                          routing_replay=True, ulysses_size=ulysses)
     hf = Qwen3MoeForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     batch, _ = global_batch()
     per = len(batch) // world
     local = batch.select(list(range(info.rank * per, (info.rank + 1) * per)))
     local.routed_experts = vllm_format_rows(hf, local, hf.config.num_experts)
     native_rows = vllm_format_rows(hf, local, hf.config.num_experts, move=False)  # before forced_forward patches hf
+    own, mine = local, list(range(len(local)))  # train_on_batch gathers the group itself
+    if ulysses > 1:
+        local, _, mine = grpo.sp_group_batch(policy, local)
+        native_rows = _group_rows(native_rows, policy)
+        SHARED["shared"] = True
     # a prompt copy per sample, as the reference scores them: equal agreement denominators
     cfg = AlgorithmConfig(share_prompt=False, micro_batch_size=2, routing_replay="r3")
     calls = experts_capture(policy.model, policy.replay)
     with policy.routing("replay", packing.rollout_routing(local)):
-        replayed = grpo.compute_logprobs_in_chunks(policy, local, 1.0, cfg, info.device)
+        replayed = grpo.compute_logprobs_in_chunks(policy, local, 1.0, cfg, info.device, **SHARED)
     first = policy.routing_metrics()
     # every token with a row reached the experts with exactly that row; the last tokens natively
     expected = {}
@@ -140,7 +153,8 @@ def main():
     disagreement = perturbed_routers(policy, hf, local, native_rows, cfg, info)
     # the train step: R3 end to end through grpo.train_on_batch (on-policy: one forward, same weights)
     adv = torch.randn(m.shape, generator=torch.Generator().manual_seed(1)) * m
-    step = grpo.train_on_batch(policy, None, local, adv, cfg, 1.0, world, info.device, norm_len=10)
+    adv = adv[mine][:, : own.response_mask().shape[1]]  # this rank's own samples
+    step = grpo.train_on_batch(policy, None, own, adv, cfg, 1.0, world, info.device, norm_len=10)
     agree_ref, covered_ref = all_reduce_sum([sum(c[0] for c in counts), sum(c[1] for c in counts)])
     mismatched, tokens, unreplayed = all_reduce_sum([mismatched, tokens, unreplayed])
     diff = all_reduce_max([diff])[0]
@@ -149,6 +163,13 @@ def main():
                     "first": first, "step": {k: v for k, v in step.items() if "router" in k},
                     "agree_ref": agree_ref / covered_ref, "layers": len(counts), **disagreement}, out)
     torch.distributed.destroy_process_group()
+
+
+def _group_rows(rows: list, policy) -> list:
+    """The group's per-sample rows, rank by rank (the order ``sp_group_batch`` gives the samples)."""
+    from rlcore.dist import all_gather_objects
+
+    return [r for part in all_gather_objects(rows, policy.sp.group) for r in part]
 
 
 if __name__ == "__main__":
