@@ -13,7 +13,10 @@ Per setting (the slowest or largest rank): ``saved_mib``, the bytes autograd kee
 of one micro-batch's forward (every tensor a ``saved_tensors_hooks`` pack sees, each storage
 counted once): the train phase's activation memory, less ``mask_mib``, the (S, S) attention masks
 of the whole row that sdpa saves (O(S^2) on every rank with or without sequence parallelism);
-``tokens_per_rank`` of one forward; ``seconds`` (median of ``--repeats`` runs of the whole call between barriers); the unsharded
+``peak_rss_mib``, the process's peak resident memory during the first train call over what it held
+before it (the kernel's high-water mark, reset by ``/proc/self/clear_refs`` just before the call:
+activations, the sharded gradients, the all-to-all and gather buffers, allocator slack), the
+measured per-rank peak; ``tokens_per_rank`` of one forward; ``seconds`` (median of ``--repeats`` runs of the whole call between barriers); the unsharded
 gradient vector's norm. The last line is JSON: both settings, ``saved_ratio`` (with / without) and
 ``grad_rel_diff`` (||g_sp - g|| / ||g||).
 """
@@ -69,29 +72,42 @@ def worker(args) -> None:
         return t
 
     policy.forward_logprobs = counted
-    times = []
-    for _ in range(args.repeats + 1):
+    times, rss = [], 0.0
+    for i in range(args.repeats + 1):
         policy.optimizer.zero_grad(set_to_none=True)
         dist.barrier()
+        if i == 0:  # later calls reuse what the allocator kept: the first one shows the peak
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")  # resets VmHWM to the current RSS (Linux >= 4.0)
+            before = _status_mib("VmRSS")
         start = time.perf_counter()
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             grpo.accumulate_gradients(policy, group, list(range(len(group))), inp, cfg)
+        if i == 0:
+            rss = _status_mib("VmHWM") - before
         dist.barrier()
         times.append(time.perf_counter() - start)
     from torch.distributed.tensor import DTensor
 
     grads = torch.cat([(p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).flatten()
                        for p in policy.model.parameters()])
-    stats = torch.tensor([float(peak[0]), float(peak[1]), statistics.median(times[1:])])
+    stats = torch.tensor([float(peak[0]), float(peak[1]), statistics.median(times[1:]), rss])
     dist.all_reduce(stats, op=dist.ReduceOp.MAX)
     if info.rank == 0:
         torch.save(grads, args.grads)
         print("RESULT " + json.dumps({
             "ulysses_size": args.ulysses, "saved_mib": round(stats[0].item() / 2**20, 2),
-            "mask_mib": round(stats[1].item() / 2**20, 2),
+            "mask_mib": round(stats[1].item() / 2**20, 2), "peak_rss_mib": round(stats[3].item(), 1),
             "tokens_per_rank": -(-args.seq_len // args.ulysses), "seconds": round(stats[2].item(), 3),
             "grad_norm": grads.norm().item()}), flush=True)
     dist.destroy_process_group()
+
+
+def _status_mib(field: str) -> float:
+    """A ``/proc/self/status`` memory line (kB) in MiB."""
+    with open("/proc/self/status") as f:
+        line = next(x for x in f if x.startswith(field + ":"))
+    return int(line.split()[1]) / 1024
 
 
 def main() -> None:
@@ -116,7 +132,10 @@ def main() -> None:
     model = make_tiny_model(os.path.join(tmp, "model"), hidden_size=args.hidden, num_layers=args.layers,
                             intermediate_size=2 * args.hidden, max_position_embeddings=args.seq_len + 64)
     env = {**os.environ, "PYTHONPATH": REPO, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
-           "VEOMNI_VERBOSITY": "ERROR", "TRANSFORMERS_VERBOSITY": "error"}
+           "VEOMNI_VERBOSITY": "ERROR", "TRANSFORMERS_VERBOSITY": "error",
+           # a fixed mmap threshold: glibc's moving one keeps freed blocks of up to 32 MiB resident,
+           # and the peak RSS would then show the allocator's history more than the live tensors
+           "MALLOC_MMAP_THRESHOLD_": "131072", "MALLOC_TRIM_THRESHOLD_": "131072"}
     rows = []
     for u in (1, args.nproc):
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}",
@@ -129,10 +148,11 @@ def main() -> None:
         rows.append(json.loads(lines[0][7:]))
         print(f"ulysses_size {u}: {rows[-1]['tokens_per_rank']} tokens per rank per forward, "
               f"saved for backward {rows[-1]['saved_mib']} MiB + the row's attention mask {rows[-1]['mask_mib']} MiB, "
-              f"{rows[-1]['seconds']} s", flush=True)
+              f"peak RSS +{rows[-1]['peak_rss_mib']} MiB, {rows[-1]['seconds']} s", flush=True)
     g1, g2 = (torch.load(os.path.join(tmp, f"g{u}.pt"), weights_only=True) for u in (1, args.nproc))
     print(json.dumps({"seq_len": args.seq_len, "nproc": args.nproc, "hidden": args.hidden, "layers": args.layers,
                       "settings": rows, "saved_ratio": round(rows[1]["saved_mib"] / rows[0]["saved_mib"], 3),
+                      "peak_rss_ratio": round(rows[1]["peak_rss_mib"] / rows[0]["peak_rss_mib"], 3),
                       "seconds_ratio": round(rows[1]["seconds"] / rows[0]["seconds"], 3),
                       "grad_rel_diff": ((g2 - g1).norm() / g1.norm()).item()}))
 

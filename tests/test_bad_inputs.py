@@ -100,7 +100,7 @@ def _bad_models(d, tiny_model) -> dict:
 
 def _image_rows(d) -> dict:
     """Image rows (shapes task style): a good file, one whose 3rd row's image is not there, one whose
-    3rd row has two placeholders for one image; plus the tiny Qwen3-VL they are for."""
+    3rd row has two placeholders for one image; plus the tiny Qwen3-VL they are for (and a Qwen2.5-VL)."""
     from PIL import Image
 
     from rlcore.demo.vl import make_tiny_vl_model
@@ -118,6 +118,7 @@ def _image_rows(d) -> dict:
 
     with quiet.filtered_output():
         out["vl_model"] = make_tiny_vl_model(str(d / "tiny_vl"))
+        out["vl25_model"] = make_tiny_vl_model(str(d / "tiny_vl25"), family="qwen2_5_vl")
     return out
 
 
@@ -215,8 +216,9 @@ CASES = [
     ("ulysses_zero", ["--parallel.ulysses_size", "0"], "parallel.ulysses_size=0", 2),
     ("ulysses_not_dividing_world", ["--parallel.ulysses_size", "3"],
      "parallel.ulysses_size=3 is invalid: it must divide the world size 2", 2),
-    ("ulysses_on_vl", VL + ["--data.train_files", "[{vl_good}]", "--parallel.ulysses_size", "2"],
-     "a vision-language policy under sequence parallelism is not supported yet", 2),
+    ("ulysses_on_qwen2_5_vl", VL + ["--model.path", "{vl25_model}", "--data.train_files", "[{vl_good}]",
+                                    "--parallel.ulysses_size", "2"],
+     "a qwen2_5_vl policy under sequence parallelism is not supported", 2),
     ("tp_not_dividing_world", ["--rollout.tensor_parallel_size", "3"], "rollout.tensor_parallel_size=3", 2),
     ("prompts_not_divisible", ["--trainer.prompts_per_step", "3"], "trainer.prompts_per_step=3", 2),
     ("mini_batches_not_dividing", ["--algorithm.mini_batches", "3"], "algorithm.mini_batches=3", 2),

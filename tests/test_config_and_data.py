@@ -201,8 +201,8 @@ def test_cpu_bf16_warning_follows_the_cpu():
 
 @pytest.mark.unit
 def test_share_prompt_follows_the_attention_kernel():
-    """share_prompt needs a dense mask: auto is on with sdpa/eager, off with a flash kernel, and
-    asking for it with a flash kernel is a config error that names both fixes."""
+    """share_prompt needs a dense mask: auto is on with sdpa/eager, off with a flash kernel and under
+    Ulysses, and asking for it with a flash kernel is a config error that names both fixes."""
     from rlcore.config import AlgorithmConfig, Config, ConfigError, ModelConfig, resolve
 
     npu = Config(model=ModelConfig(attn_implementation="auto"))
@@ -213,6 +213,11 @@ def test_share_prompt_follows_the_attention_kernel():
         resolve(forced, "npu")
     off = dataclasses.replace(npu, algorithm=AlgorithmConfig(share_prompt=False))
     assert resolve(off, "cpu").algorithm.share_prompt is False  # an explicit false wins
+    from rlcore.config.sections import ParallelConfig
+
+    sp = Config(parallel=ParallelConfig(ulysses_size=2))  # attends sequence by sequence: a mask would cost (S, S)
+    assert resolve(sp, "cpu").algorithm.share_prompt is False
+    assert resolve(dataclasses.replace(sp, algorithm=AlgorithmConfig(share_prompt=True)), "cpu").algorithm.share_prompt
 
 
 @pytest.mark.unit

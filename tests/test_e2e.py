@@ -51,7 +51,8 @@ def test_two_ranks_end_to_end(tiny_model, toy_data, tmp_path):
     assert all(r["rollout/mismatch_max"] < 1e-3 and 0 <= r["rollout/mismatch_kl"] < 1e-6 for r in rows), rows
     assert all(r["rollout/sync_probe_max"] < 1e-4 for r in rows), rows  # rollout.check_sync (warn) ran every sync
     assert "step 3/3" in proc.stdout and "reward" in proc.stdout and "| eta " in proc.stdout
-    assert "train phase: response-only logits, one prompt per group (block mask)" in proc.stdout  # CPU: sdpa
+    # Ulysses: share_prompt defaults to off (each rank would hold the row's (S, S) mask)
+    assert "train phase: response-only logits, each sample with its own prompt copy" in proc.stdout
     assert "Ulysses sequence parallel 2" in proc.stdout and all(0 <= r["perf/sp_pad_frac"] < 0.5 for r in rows)
     assert f"done: 3 steps in" in proc.stdout and os.path.join(out, "hf_final") in proc.stdout
     assert_no_third_party_noise(proc.stdout + proc.stderr)

@@ -4,8 +4,8 @@ optimizer step the gradient does not depend on the micro-batch size (1, 2, 4), t
 lone-EOS response) or token-budget micro-batches, for every aggregation mode and both policy-loss
 families (vanilla PPO/DAPO and GSPO); nor on Ulysses sequence parallelism (2 ranks in one group,
 each running half of every packed row, rlcore.engine.ulysses), also for a mixture-of-experts model
-with expert parallelism and R2 routing replay, and for a LoRA policy on multi-turn batches (tool
-tokens masked out of the loss)."""
+with expert parallelism and R2 routing replay, for a LoRA policy on multi-turn batches (tool
+tokens masked out of the loss), and for a Qwen3-VL policy whose vision tower trains on sliced patches."""
 
 import os
 
@@ -112,3 +112,33 @@ def test_ulysses_with_lora_on_multi_turn_batches_equals_data_parallel(tiny_model
     worst_rel, worst_abs = _compare(sp, dp, "LoRA + env mask")
     print(f"LoRA 4, multi-turn masks: Ulysses 2 vs data parallel 2: largest relative gradient difference "
           f"{worst_rel:.2e}, largest absolute {worst_abs:.2e}")
+
+
+@pytest.mark.parametrize("family", ["qwen3_vl", "qwen3_vl_moe"])
+def test_ulysses_with_a_vision_language_policy_equals_data_parallel(tmp_path, family):
+    """A tiny Qwen3-VL (vision tower trained, deepstack merger), and a tiny Qwen3-VL-MoE with its
+    experts split over the 2 ranks (EP 2), on a batch whose second group has an image and whose first
+    is text-only: as one Ulysses group each rank runs half of every row's positions and half of its
+    image patches (the ViT's attention all-to-all'd within each image,
+    ``rlcore.engine.ulysses.vision_attention``), and every mode, loss and packing variant gives data
+    parallel's gradient, the vision tower's part included."""
+    if family == "qwen3_vl":
+        from rlcore.demo.vl import make_tiny_vl_model
+
+        vl, ep = make_tiny_vl_model(str(tmp_path / "vl")), "ep=1"
+    else:
+        from workers.vl_moe import make_tiny_vl_moe_model
+
+        vl, ep = make_tiny_vl_moe_model(str(tmp_path / "vl")), "ep=2"
+    runs = {}
+    for name, extra in (("dp", ()), ("sp", ("ulysses=2",))):
+        run_torchrun(WORKER, 2, vl, str(tmp_path / f"{name}.pt"), "vl=1", ep, *extra)
+        runs[name] = torch.load(tmp_path / f"{name}.pt", weights_only=True)
+    sp, dp = runs["sp"], runs["dp"]
+    assert sp.pop("sp/row_tokens") > 0 and sp.pop("sp/pad_tokens") > 0
+    assert sp.pop("sp/vit_calls") > 0
+    assert dp["token-mean/vanilla/full/vision"].norm() > 0
+    worst_rel, worst_abs = _compare(sp, dp, family)
+    vision = max(((sp[k] - dp[k]).norm() / dp[k].norm()).item() for k in dp if k.endswith("/vision"))
+    print(f"{family}: Ulysses 2 vs data parallel 2: largest relative gradient difference {worst_rel:.2e} "
+          f"(vision tower {vision:.2e}), largest absolute {worst_abs:.2e}")

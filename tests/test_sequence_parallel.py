@@ -29,6 +29,23 @@ def test_the_rows_mask_is_transformers_block_causal_mask_plus_an_isolated_paddin
     assert torch.equal(row_mask(pos, given, 12)[0, 0, :9, :9], given[0, 0])
 
 
+def test_the_rows_segments_attend_as_its_block_causal_mask():
+    """Per-sequence causal attention over ``row_segments`` (no mask) equals one sdpa over the whole
+    row with ``row_mask`` (the dense path), padding included."""
+    import torch.nn.functional as F
+
+    from rlcore.engine.ulysses import row_mask, row_segments
+
+    pos = torch.tensor([[0, 1, 2, 0, 1, 0, 1, 2, 3]])
+    assert row_segments(pos, 12) == [(0, 3), (3, 2), (5, 4), (9, 3)]
+    assert row_segments(pos, 9) == [(0, 3), (3, 2), (5, 4)]
+    q, k, v = torch.randn(3, 1, 2, 12, 8, generator=torch.Generator().manual_seed(0))
+    dense = F.scaled_dot_product_attention(q, k, v, attn_mask=row_mask(pos, None, 12))
+    split = torch.cat([F.scaled_dot_product_attention(q[:, :, a:a + n], k[:, :, a:a + n], v[:, :, a:a + n],
+                                                      is_causal=True) for a, n in row_segments(pos, 12)], 2)
+    assert (dense - split).abs().max() < 1e-6
+
+
 def test_selected_positions_split_by_slices_come_back_in_the_callers_order():
     from rlcore.engine.ulysses import shares
 
@@ -68,15 +85,22 @@ def test_ulysses_size_is_checked_against_the_world_and_the_heads(tmp_path):
         with pytest.raises(ConfigError, match="parallel.ulysses_size") as e:
             _check_sequence_parallel(_cfg(tmp_path, *args), world)
         assert text in str(e.value), str(e.value)
-    with pytest.raises(ConfigError, match="vision-language policy"):
-        _check_sequence_parallel(_cfg(tmp_path, 4, 2, 2, extra={"vision_config": {}, "text_config": {
-            "num_attention_heads": 4, "num_key_value_heads": 2}}), 2)
+    text = {"num_attention_heads": 4, "num_key_value_heads": 2}
+    for family, vit_heads in (("qwen3_vl", 4), ("qwen3_vl_moe", 2)):  # the ViT slices its patches too
+        _check_sequence_parallel(_cfg(tmp_path, 4, 2, 2, extra={"model_type": family, "text_config": text,
+                                                                "vision_config": {"num_heads": vit_heads}}), 2)
+    for family, vit_heads, want in (("qwen2_5_vl", 4, "a qwen2_5_vl policy under sequence parallelism is not"),
+                                    ("qwen3_vl", 3, "it must divide the vision tower's 3 attention heads")):
+        with pytest.raises(ConfigError, match=want):
+            _check_sequence_parallel(_cfg(tmp_path, 4, 2, 2, extra={"model_type": family, "text_config": text,
+                                                                    "vision_config": {"num_heads": vit_heads}}), 2)
 
 
 def test_the_plan_gives_each_rank_its_share_of_the_row_plus_the_whole_mask():
     """Qwen3-8B's shape, one 33,792-token sequence per micro-batch: with Ulysses 2 a rank's
-    activations are those of a 16,896-token row plus the row's (S, S) mask in bool and bf16; the
-    longest sequence the train phase fits per rank grows with the group."""
+    activations are those of a 16,896-token row (attended sequence by sequence), plus the row's
+    (S, S) mask in bool and bf16 with shared prompts; the longest sequence the train phase fits per
+    rank grows with the group."""
     import os
     from dataclasses import replace
 
@@ -88,8 +112,33 @@ def test_the_plan_gives_each_rank_its_share_of_the_row_plus_the_whole_mask():
     p = PlanInputs(shape=shape, world=16, device_gb=80.0, micro_batch_size=1, prompt_len=1024, response_len=32768,
                    gradient_checkpointing=True, prompts_per_step=64, n=8, max_model_len=33792)
     half = activation_bytes(replace(p, prompt_len=512, response_len=16384))
-    assert activation_bytes(replace(p, ulysses=2)) == half + 33792 ** 2 * (1 + 2)
+    assert activation_bytes(replace(p, ulysses=2)) == half  # sequence by sequence: no mask
+    assert activation_bytes(replace(p, ulysses=2, share_prompt=True)) == half + 33792 ** 2 * (1 + 2)
     assert ulysses_sizes(p) == [1, 2, 4, 8, 16]  # 32 heads, 8 key/value heads (repeated for 16), 16 ranks
     longest = [longest_train_sequence(p, u) for u in (1, 2, 4, 8)]
     assert longest == sorted(longest) and longest[0] < longest[-1], longest
     assert train_fits(p, longest[1], 2) and not train_fits(p, longest[1] + 256, 2)
+
+
+def test_the_plan_gives_each_rank_its_share_of_the_patches_plus_the_images_mask():
+    """Qwen3-VL-8B's vision tower (tests/fixtures/qwen3_vl_8b), a micro-batch of 4 all-image
+    prompts of 1,024 image tokens: with Ulysses 2 a rank's blocks and mergers hold half the
+    patches' activations (no mask: image by image); the gathered output stays whole."""
+    import os
+    from dataclasses import replace
+
+    from rlcore.plan.memory import PlanInputs
+    from rlcore.plan.model_shape import ModelShape
+    from rlcore.plan.vision import vision_activation_bytes
+
+    shape = ModelShape.from_path(os.path.join(os.path.dirname(__file__), "fixtures", "qwen3_vl_8b"))
+    p = PlanInputs(shape=shape, world=16, device_gb=80.0, micro_batch_size=4, prompt_len=1024, response_len=1024,
+                   gradient_checkpointing=True, prompts_per_step=64, n=8, max_model_len=2048)
+    vis, tokens = shape.vision, p.micro_seqs * 1024
+    output = 2 * tokens * vis.output_width() * 2
+    full = vision_activation_bytes(p)
+    half = vision_activation_bytes(replace(p, micro_batch_size=2))  # half the patches, half the output
+    assert vision_activation_bytes(replace(p, ulysses=2)) == half - output // 2 + output
+    assert full - output == 2 * (half - output // 2)  # blocks and mergers linear in the patches
+    frozen = replace(p, freeze_vision=True)
+    assert vision_activation_bytes(replace(frozen, ulysses=2)) == vision_activation_bytes(frozen)

@@ -1,7 +1,8 @@
 """Image+text GRPO on the real entry point (2 CPU ranks under torchrun): a tiny Qwen3-VL on the shapes
 task, images through vLLM (multi_modal_data) and through the VeOmni policy (pixel values, M-RoPE).
 
-Two launches share one module fixture (16 shapes prompts, 4 per step):
+Two launches share one module fixture (16 shapes prompts, 4 per step), both training as one Ulysses
+group of the 2 ranks (each runs half of every packed row and half of its image patches):
   A  4 steps straight through, a checkpoint every 2 steps;
   B  the same run killed with kill -9 once step_2 is saved and step 3 is logged, then resumed with
      checkpoint.resume=auto to step 4.
@@ -42,8 +43,9 @@ def runs(tiny_vl_model, shapes_data, tmp_path_factory):
     data = os.path.join(os.path.dirname(shapes_data[0]), "train16.jsonl")  # beside the images it names
     with open(shapes_data[0]) as src, open(data, "w") as dst:
         dst.writelines(src.readlines()[:16])
-    straight = run_torchrun(TRAIN, 2, *args(tiny_vl_model, data, a, "--checkpoint.save_every", "2"))
-    b_args = args(tiny_vl_model, data, b, "--checkpoint.save_every", "2", "--checkpoint.resume", "auto")
+    sp = ("--parallel.ulysses_size", "2")  # one Ulysses group: half of every row and of its patches per rank
+    straight = run_torchrun(TRAIN, 2, *args(tiny_vl_model, data, a, "--checkpoint.save_every", "2", *sp))
+    b_args = args(tiny_vl_model, data, b, "--checkpoint.save_every", "2", "--checkpoint.resume", "auto", *sp)
     killed = Launch(2, b_args)
     try:
         killed.wait_for(r"saved checkpoint .*step_2$", timeout=600)
@@ -63,6 +65,7 @@ def test_image_prompts_train_and_vllm_matches_the_trainer(runs):
     out = runs["straight_out"]
     assert "train data: 16 prompts with 16 images" in out, out[-3000:]
     assert "vision tower" in out, out[-3000:]  # the policy's start-up line says trained or frozen
+    assert "Ulysses sequence parallel 2" in out
     assert any(r["actor/grad_norm"] > 0 for r in rows)
     # fp32 on both sides, after every sync: vLLM's log-probs of its own samples equal the trainer's within 1e-4
     assert all(r["rollout/mismatch_max"] < 1e-4 and 0 <= r["rollout/mismatch_kl"] < 1e-6 for r in rows), \

@@ -97,9 +97,8 @@ def sp_group_batch(policy, batch: RolloutBatch, *matrices: torch.Tensor):
     sp = getattr(policy, "sp", None)
     if sp is None or sp.size == 1:
         return batch, list(matrices), list(range(len(batch)))
-    if batch.vision is not None:
-        raise ValueError("Ulysses sequence parallelism does not take image prompts yet")
-    fields = _TRAIN_FIELDS + (("routed_experts",) if batch.routed_experts is not None else ())  # R3's rows
+    # R3's rows and a VL batch's images (one object per prompt: its group's samples of one rank share it)
+    fields = _TRAIN_FIELDS + tuple(f for f in ("routed_experts", "vision") if getattr(batch, f) is not None)
     mine = {f: getattr(batch, f) for f in fields}
     parts = all_gather_objects((mine, [m.cpu() for m in matrices]), sp.group)  # the group's ranks in order
     group = concat([RolloutBatch(group_size=batch.group_size, answers=[""] * len(p["response_ids"]),

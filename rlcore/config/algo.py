@@ -71,7 +71,8 @@ class AlgorithmConfig:
     """Compute each group's prompt once per micro-batch: the group is packed as [prompt, r1, ...,
     rn] with an attention mask that lets each response see the prompt and itself only. The
     gradient is unchanged. Needs sdpa or eager attention (a dense (L x L) mask); null = on where
-    model.attn_implementation resolves to one of them (CPU), off with flash kernels."""
+    model.attn_implementation resolves to one of them (CPU), off with flash kernels and under
+    Ulysses sequence parallelism (which attends sequence by sequence without a mask)."""
     response_only_logits: bool = True
     """Project only the hidden states that predict response tokens to the vocabulary (the LM
     head's cost then scales with response tokens, not prompt tokens). False only for benchmarks."""

@@ -17,6 +17,12 @@ from rlcore.hf_folder import model_num_experts
 from rlcore.judge.config import check_judges
 
 
+def _share_prompt(cfg: Config, attn: str) -> bool:
+    """algorithm.share_prompt: null = on where the attention takes a dense mask, but for Ulysses,
+    whose packed rows are attended sequence by sequence with no mask at all, where a shared prompt
+    costs each rank the row's whole (S, S) mask (rlcore.engine.ulysses)."""
+    return attn in ("sdpa", "eager") and cfg.parallel.ulysses_size == 1
+
 
 def _lora_sleep_level(cfg: Config, level: int) -> int:
     """LoRA pushes only the adapter: vLLM's base weights must survive the sleep (level 1 keeps
@@ -139,7 +145,7 @@ def resolve(cfg: Config, device_type: str) -> Config:
         cfg,
         model=dataclasses.replace(m, dtype=dtype, attn_implementation=attn, moe_implementation=moe),
         algorithm=dataclasses.replace(cfg.algorithm,
-                                      share_prompt=attn in ("sdpa", "eager") if share is None else share,
+                                      share_prompt=_share_prompt(cfg, attn) if share is None else share,
                                       oversample=accel if cfg.algorithm.oversample is None else cfg.algorithm.oversample),
         rollout=dataclasses.replace(
             r, sleep_level=_lora_sleep_level(cfg, pick_sleep_level(device_type, r.sleep_level, r.emulate_sleep)),

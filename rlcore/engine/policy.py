@@ -145,7 +145,7 @@ class VeOmniPolicy:
         self.sp = None  # rlcore.engine.ulysses.Context when ulysses_size > 1
         if ulysses_size > 1:
             self.sp = engine_ulysses.Context(state.ulysses_group, ulysses_size, state.ulysses_rank)
-            if not engine_ulysses.install(self.model, self.sp):
+            if not engine_ulysses.install(self.model, self.sp, engine_vl.vision_tower(self.model)):
                 raise ValueError(f"ulysses_size {ulysses_size}: no attention layer with q_proj/k_proj in {model_path}")
         self.freeze_vision_tower = freeze_vision_tower and trainable
         if self.freeze_vision_tower:  # before the optimizer, which then leaves the tower out
@@ -251,14 +251,12 @@ class VeOmniPolicy:
         grad = grad and self.trainable
         if grad:  # its backward would gather the parameters again, after an automatic re-offload
             self._require_resident("forward_logprobs(grad=True)", params=True)
-        if self.sp is not None:
-            if mm is not None:
-                raise ValueError("Ulysses sequence parallelism takes text rows (no mm); parallel.ulysses_size 1 "
-                                 "runs image rows")
+        if self.sp is not None:  # the images are checked against the whole row, their patches sliced
+            images = engine_vl.forward_kwargs(self.model, input_ids, position_ids, mm, self.device, self.sp)
 
             def sliced(ids, pos, lab, sel, keys):
                 self._set_replay_keys(keys)
-                return self._forward(ids, pos, lab, temperature, with_entropy, grad, sel, None)
+                return self._forward(ids, pos, lab, temperature, with_entropy, grad, sel, None, images)
 
             out = engine_ulysses.run_sliced(self.sp, sliced, input_ids, position_ids, labels, select, attention_mask,
                                             token_keys)

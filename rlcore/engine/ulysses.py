@@ -11,10 +11,14 @@ heads. Rotary embeddings are per token and applied before the all-to-all, so the
 ``position_ids`` are the right ones.
 
 VeOmni registers Ulysses wrappers only for its flash and flex kernels (ops/kernels/attention/
-__init__.py:83-92); flex has no CPU backward and flash needs CUDA/NPU. ``ATTN_NAME`` is an SDPA one:
-it reads the row's whole bool mask (block-causal from the full ``position_ids`` as transformers
-derives it, or the caller's shared-prompt mask) from the group's ``Context``. Transformers builds no
-mask for a name its mask interface does not know (masking_utils.py:822-823), so none is built twice.
+__init__.py:83-92); flex has no CPU backward and flash needs CUDA/NPU. ``ATTN_NAME`` is an SDPA one.
+A block-causal row (the packed sequences found from the full ``position_ids`` as transformers finds
+them) is attended sequence by sequence, each a causal sdpa with no mask (``Context.segments``): no
+O(S^2) tensor, the kernel's own memory per sequence. A shared-prompt row (the caller's mask: the
+group's responses attend to one prompt copy) is one sdpa over the whole row with its (S, S) mask.
+Transformers builds no mask for a name its mask interface does not know (masking_utils.py:822-823),
+so none is built twice. The vision tower (``VIT_NAME``) attends image by image, as VeOmni's varlen
+ViT does.
 
 Gradients: every rank of a group computes the same loss from the same row. The log-probs are
 gathered with VeOmni's ``gather_outputs`` (sequence_parallel/data.py:129), whose backward sums the
@@ -32,13 +36,18 @@ import torch
 import torch.nn.functional as F
 
 ATTN_NAME = "rlcore_ulysses_sdpa"
+# The vision tower's (Qwen3-VL): "flash" in the name makes VeOmni's ViT attention pass the images'
+# ``cu_seqlens`` instead of splitting its (sliced) patches per image itself (VL:527-567).
+VIT_NAME = "rlcore_ulysses_flash_vit"
 
 
 @dataclass
 class Context:
-    """One model's Ulysses group and the bool mask (1, 1, S, S) of the row it is running. The mask
-    stays set until the optimizer step (gradient checkpointing re-runs the attention in the
-    backward); a no-grad forward releases it at once (``VeOmniPolicy``)."""
+    """One model's Ulysses group and the attention layout of the row it is running: ``segments``
+    ((start, length) of each packed sequence over the padded row) or, for a shared-prompt row, the
+    bool ``mask`` (1, 1, S, S). The layout stays set until the optimizer step (gradient
+    checkpointing re-runs the attention in the backward); a no-grad forward releases it at once
+    (``VeOmniPolicy``)."""
 
     group: object
     size: int
@@ -47,10 +56,12 @@ class Context:
     pad_tokens: int = 0
     row_tokens: int = 0
     masks: dict = field(default_factory=dict)  # the mask as ``additive`` made it, per (dtype, device)
+    segments: list | None = None
 
-    def set_mask(self, mask: torch.Tensor | None) -> None:
-        """The row's mask; None releases it (O(S^2) bytes that generation should not hold)."""
-        self.mask, self.masks = mask, {}
+    def set_mask(self, mask: torch.Tensor | None, segments: list | None = None) -> None:
+        """The row's mask or its segments; both None releases them (a mask is O(S^2) bytes that
+        generation should not hold)."""
+        self.mask, self.masks, self.segments = mask, {}, segments
 
     def additive(self, dtype: torch.dtype, device) -> torch.Tensor:
         """The mask as 0 / -inf in ``dtype``, made once per row and shared by every layer: sdpa
@@ -76,13 +87,18 @@ def register() -> None:
     from transformers import AttentionInterface
 
     AttentionInterface.register(ATTN_NAME, attention)
+    AttentionInterface.register(VIT_NAME, vision_attention)
 
 
-def install(model, ctx: Context) -> int:
-    """Point every attention layer of ``model`` at ``ctx``; returns how many there are."""
+def install(model, ctx: Context, tower=None) -> int:
+    """Point every attention layer of ``model`` at ``ctx``, and ``tower``'s (a vision tower's ViT
+    blocks: ``qkv``, ``proj``) at ``VIT_NAME``; returns how many text attention layers there are."""
     layers = [m for m in model.modules() if hasattr(m, "q_proj") and hasattr(m, "k_proj")]
-    for m in layers:
+    vit = [m for m in tower.modules() if hasattr(m, "qkv") and hasattr(m, "proj")] if tower is not None else []
+    for m in layers + vit:
         m.rlcore_sp = ctx
+    if tower is not None:  # read per call (VL:523): the text model keeps ATTN_NAME
+        tower.config._attn_implementation = VIT_NAME
     return len(layers)
 
 
@@ -92,7 +108,7 @@ def attention(module, query, key, value, attention_mask, dropout: float = 0.0, s
     from veomni.ops.kernels.attention.ulysses import prepare_ulysses_qkv, restore_ulysses_output
 
     ctx: Context | None = getattr(module, "rlcore_sp", None)
-    if ctx is None or ctx.mask is None:
+    if ctx is None or (ctx.mask is None and ctx.segments is None):
         raise RuntimeError(f"{ATTN_NAME} runs only inside VeOmniPolicy.forward_logprobs with ulysses_size > 1")
     q, k, v = (t.transpose(1, 2) for t in (query, key, value))  # (B, S/U, H, D)
     q, k, v, _ = prepare_ulysses_qkv(q, k, v, group=ctx.group, ulysses_size=ctx.size)  # (B, S, H/U, D)
@@ -100,9 +116,36 @@ def attention(module, query, key, value, attention_mask, dropout: float = 0.0, s
     if k.shape[1] != q.shape[1]:  # grouped-query attention: transformers' repeat_kv order
         k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
         v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=ctx.additive(q.dtype, q.device), scale=scaling,
-                                         dropout_p=dropout if module.training else 0.0)  # (B, H/U, S, D)
+    drop = dropout if module.training else 0.0
+    if ctx.segments is not None:  # block-causal: each packed sequence causal by itself, no mask
+        out = torch.cat([F.scaled_dot_product_attention(*(t.narrow(2, a, n) for t in (q, k, v)), is_causal=True,
+                                                        scale=scaling, dropout_p=drop)
+                         for a, n in ctx.segments], 2)  # (B, H/U, S, D)
+    else:
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=ctx.additive(q.dtype, q.device), scale=scaling,
+                                             dropout_p=drop)  # (B, H/U, S, D)
     return restore_ulysses_output(out.transpose(1, 2).contiguous(), group=ctx.group), None  # (B, S/U, H, D)
+
+
+def vision_attention(module, query, key, value, attention_mask, cu_seq_lens_q=None, scaling=None,
+                     dropout: float = 0.0, **_kwargs):
+    """The ViT's attention under Ulysses: ``query``/``key``/``value`` (1, H, P/U, D) of this rank's
+    patches (VeOmni slices ``pixel_values`` and the position embeddings, VL:1187-1236), all-to-all'd
+    to every patch for H/U heads, attended within each image of ``cu_seq_lens_q`` (the whole row's,
+    padding included), back to (1, P/U, H, D)."""
+    from veomni.ops.kernels.attention.ulysses import prepare_ulysses_qkv, restore_ulysses_output
+
+    ctx: Context | None = getattr(module, "rlcore_sp", None)
+    if ctx is None or cu_seq_lens_q is None:
+        raise RuntimeError(f"{VIT_NAME} runs only in a vision tower under VeOmniPolicy with ulysses_size > 1")
+    q, k, v = (t.transpose(1, 2) for t in (query, key, value))  # (1, P/U, H, D)
+    q, k, v, _ = prepare_ulysses_qkv(q, k, v, group=ctx.group, ulysses_size=ctx.size)  # (1, P, H/U, D)
+    q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (1, H/U, P, D)
+    lengths = (cu_seq_lens_q[1:] - cu_seq_lens_q[:-1]).tolist()  # each image, then the patches' padding
+    drop = dropout if module.training else 0.0
+    out = torch.cat([F.scaled_dot_product_attention(*parts, scale=scaling, dropout_p=drop)
+                     for parts in zip(*(t.split(lengths, dim=2) for t in (q, k, v)))], 2)  # (1, H/U, P, D)
+    return restore_ulysses_output(out.transpose(1, 2).contiguous(), group=ctx.group), None  # (1, P/U, H, D)
 
 
 def row_mask(position_ids: torch.Tensor, attention_mask: torch.Tensor | None, padded: int) -> torch.Tensor:
@@ -120,6 +163,16 @@ def row_mask(position_ids: torch.Tensor, attention_mask: torch.Tensor | None, pa
     out[:length, :length] = attention_mask[0, 0].bool()
     out[length:, length:] = causal[length:, length:]
     return out[None, None]
+
+
+def row_segments(position_ids: torch.Tensor, padded: int) -> list[tuple[int, int]]:
+    """(start, length) of each sequence of a packed row (1, L) padded to ``padded`` positions: a new
+    one wherever the position does not step by 1 (``row_mask``'s rule), the padding one of its own."""
+    pos = position_ids[0].tolist()
+    starts = [0] + [i for i in range(1, len(pos)) if pos[i] != pos[i - 1] + 1]
+    ends = starts[1:] + [len(pos)]
+    out = [(a, b - a) for a, b in zip(starts, ends)]
+    return out + ([(len(pos), padded - len(pos))] if padded > len(pos) else [])
 
 
 def shares(select: torch.Tensor, bounds: list[tuple[int, int]]) -> tuple[list[torch.Tensor], torch.Tensor]:
@@ -148,11 +201,15 @@ def run_sliced(ctx: Context, forward, input_ids: torch.Tensor, position_ids: tor
     length, u = input_ids.shape[1], ctx.size
     padded = -(-length // u) * u
     pad = padded - length
-    dev = input_ids.device
-    ctx.set_mask(row_mask(position_ids, attention_mask, padded))
+    text_pos = position_ids[0] if position_ids.dim() == 3 else position_ids  # (1, L): M-RoPE rows follow it
+    if attention_mask is None:
+        ctx.set_mask(None, row_segments(text_pos, padded))
+    else:
+        ctx.set_mask(row_mask(text_pos, attention_mask, padded))
     ctx.pad_tokens, ctx.row_tokens = ctx.pad_tokens + pad, ctx.row_tokens + padded
     ids = torch.cat([input_ids, input_ids.new_zeros(1, pad)], 1)  # (1, S)
-    pos = torch.cat([position_ids, torch.arange(pad, device=position_ids.device, dtype=position_ids.dtype)[None]], 1)
+    tail = torch.arange(pad, device=position_ids.device, dtype=position_ids.dtype)
+    pos = torch.cat([position_ids, tail.expand(*position_ids.shape[:-1], pad)], -1)  # (1, S) or (4, 1, S)
     chunk = padded // u
     bounds = [(r * chunk, (r + 1) * chunk) for r in range(u)]
     lo, hi = bounds[ctx.rank]
@@ -166,7 +223,7 @@ def run_sliced(ctx: Context, forward, input_ids: torch.Tensor, position_ids: tor
         lab = torch.where(mine[None] >= 0, labels[:, mine.clamp(min=0)], -100)
     if keys is not None:
         keys = torch.cat([keys, -1 - torch.arange(pad, device=keys.device, dtype=keys.dtype)[None]], 1)[:, lo:hi]
-    logp, ent = forward(ids[:, lo:hi], pos[:, lo:hi], lab, local_select, keys)
+    logp, ent = forward(ids[:, lo:hi], pos[..., lo:hi], lab, local_select, keys)
 
     def whole(x):
         if x is None:

@@ -135,7 +135,7 @@ def describe(model, frozen: bool) -> str:
 
 
 def forward_kwargs(model, input_ids: torch.Tensor, position_ids: torch.Tensor, mm: dict | None,
-                   device: torch.device) -> dict:
+                   device: torch.device, sp=None) -> dict:
     """The image inputs of one packed row, checked against ``input_ids``, as keyword arguments of
     VeOmni's Qwen3-VL / Qwen2.5-VL forward ({} for a text-only row, but for ``_family_kwargs``).
 
@@ -144,7 +144,14 @@ def forward_kwargs(model, input_ids: torch.Tensor, position_ids: torch.Tensor, m
     Qwen2.5-VL also the windows) is computed here on the host with VeOmni's own collator hook
     (VL:263-315, exposed by ``get_metadata_collate_func`` VL:2545-2549; V25:245-285, V25:2330-2341),
     as VeOmni's data pipeline does, so the ViT forward skips its own host-side build
-    (VL:1201-1206, VL:1258-1259; V25:705-760)."""
+    (VL:1201-1206, VL:1258-1259; V25:705-760).
+
+    ``sp`` (a ``rlcore.engine.ulysses.Context``; Qwen3-VL only): ``input_ids`` is still the whole
+    row, but each rank of the group gets its slice of the patches, as VeOmni's collator slices them
+    (``sp_pad_and_slice``, pad_scale 4 = merge^2: a merged token's patches stay on one rank), and
+    the metadata's ``cu_seqlens`` ends with the padding as an image of its own (VL:275-305). The
+    Qwen3-VL forward then all-gathers the row's ids for the image mask, gathers the image features
+    and slices the embeddings and deepstack features to the rank's positions itself (VL:1866-2017)."""
     tower = vision_tower(model)
     L = input_ids.shape[1]
     if position_ids.dim() == 3 and (tower is None or tuple(position_ids.shape) != (4, 1, L)):
@@ -174,10 +181,23 @@ def forward_kwargs(model, input_ids: torch.Tensor, position_ids: torch.Tensor, m
         # masked_scatter would silently take the leading features (VL:1929-1939)
         raise ValueError(f"image_grid_thw describes {patches} patches = {patches // merge**2} image tokens, but "
                          f"pixel_values has {pixel_values.shape[0]} rows and input_ids {n_tokens} image tokens")
-    batch = {"image_grid_thw": grid_cpu}
-    model.get_metadata_collate_func()(batch, {})  # no sequence-parallel padding
+    batch, sp_pad = {"image_grid_thw": grid_cpu}, {}
+    if sp is not None:
+        pixel_values, sp_pad["pixel_values"] = _patch_slice(pixel_values, sp.size, sp.rank)
+    model.get_metadata_collate_func()(batch, sp_pad)
     return {"pixel_values": pixel_values.to(device), "image_grid_thw": grid_cpu.to(device),
             "multimodal_metadata": batch["multimodal_metadata"], **extra}
+
+
+def _patch_slice(pixel_values: torch.Tensor, size: int, rank: int, scale: int = 4) -> tuple[torch.Tensor, int]:
+    """This rank's rows of ``pixel_values`` (P, C) zero-padded to a multiple of ``size * scale``,
+    and the padding's row count: VeOmni's ``sp_pad_and_slice(dim=0, pad_value=0, pad_scale=4)``
+    (veomni/distributed/sequence_parallel/data.py:40-85), which the ViT applies to its position
+    embeddings the same way (VL:1187-1189, 1233-1236)."""
+    chunk = -(-pixel_values.shape[0] // (size * scale)) * scale
+    pad = chunk * size - pixel_values.shape[0]
+    padded = torch.cat([pixel_values, pixel_values.new_zeros(pad, pixel_values.shape[1])])
+    return padded[rank * chunk: (rank + 1) * chunk], pad
 
 
 # Families whose VeOmni forward needs the two adaptations of ``_family_kwargs``.

@@ -43,6 +43,7 @@ from dataclasses import dataclass, field, replace
 
 from rlcore.plan.judges import JudgePlan, host_lines, teacher_plan
 from rlcore.plan.model_shape import ModelShape
+from rlcore.plan.vision import vision_activation_bytes
 
 GB = 2**30
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -101,6 +102,7 @@ class PlanInputs:
     teacher: JudgePlan | None = None  # distill.teacher's engine (a judge engine that returns log-probs)
     oversample: float = 1.0  # rollout.partial: groups in flight per group trained (KV cache, host memory)
     ulysses: int = 1  # parallel.ulysses_size: a group's ranks share each micro-batch, 1/U of its tokens each
+    share_prompt: bool = False  # algorithm.share_prompt: under Ulysses the row's dense (T, T) mask
 
     @property
     def phase_names(self) -> tuple[str, ...]:
@@ -167,10 +169,11 @@ def activation_bytes(p: PlanInputs) -> int:
     activations (T x sum of layer_activations) plus one layer's gradients. Plus the head: the
     final hidden state the log-prob kernel saves and its gradient (2 x T x h), and the kernel's
     chunk of LOGITS_CHUNK tokens: LOGITS_BUFFERS fp32 (chunk, V) buffers (logits, softmax, one-hot,
-    dlogits and temporaries); the full (T, V) logits never exist. Ulysses: T / U tokens per rank, plus
-    the whole row's (T, T) mask twice (bool, and 0/-inf in c: rlcore.engine.ulysses)."""
+    dlogits and temporaries); the full (T, V) logits never exist. Ulysses: T / U tokens per rank
+    (attended sequence by sequence: no mask), plus with shared prompts the whole row's (T, T) mask
+    twice (bool, and 0/-inf in c: rlcore.engine.ulysses)."""
     s, t, c = p.shape, -(-p.micro_tokens // p.ulysses), p.c
-    mask = 0 if p.ulysses == 1 else (t * p.ulysses) ** 2 * (1 + c)
+    mask = (t * p.ulysses) ** 2 * (1 + c) if p.ulysses > 1 and p.share_prompt else 0
     per_layer = [s.layer_activations(i) for i in range(s.layers)]
     if p.gradient_checkpointing:
         layers = s.layers * t * s.hidden * c + 2 * t * max(per_layer) * c
@@ -178,33 +181,6 @@ def activation_bytes(p: PlanInputs) -> int:
         layers = t * sum(per_layer) * c + t * max(per_layer) * c
     head = 2 * t * s.hidden * c + LOGITS_BUFFERS * min(LOGITS_CHUNK, t) * s.vocab * 4
     return layers + head + mask + vision_activation_bytes(p)
-
-
-def vision_activation_bytes(p: PlanInputs) -> int:
-    """The vision tower's share of one micro-batch (c bytes), for an upper bound of image tokens:
-    each prompt all image, t_img = micro-batch sequences x min(max_prompt_length, images per prompt
-    x the processor's largest image), i.e. m^2 x t_img patches (m = spatial_merge_size).
-
-    Trainable tower, like the decoder: with gradient checkpointing each block's input (depth x
-    patches x v) plus one block recomputed with its gradients (2 x patches x block_activations),
-    without it every block's saved activations plus one block's gradients; the mergers' norm
-    input/output, hidden and activated values (4H per image token per merger) and the tower's
-    output with its gradient (2 x t_img x output_width). A frozen tower (model.freeze_vision_tower)
-    runs without autograd (no parameter or input needs a gradient), so only its output stays.
-    """
-    vis = p.shape.vision
-    if vis is None or p.images_per_prompt <= 0:
-        return 0
-    tokens = p.micro_seqs * min(p.prompt_len, p.images_per_prompt * vis.max_image_tokens)
-    if p.freeze_vision:
-        return tokens * vis.output_width() * p.c
-    patches = tokens * vis.merge ** 2
-    if p.gradient_checkpointing:
-        blocks = vis.depth * patches * vis.hidden + 2 * patches * vis.block_activations()
-    else:
-        blocks = (vis.depth + 1) * patches * vis.block_activations()
-    mergers = tokens * (1 + vis.deepstack) * 4 * vis.merged
-    return (blocks + mergers + 2 * tokens * vis.output_width()) * p.c
 
 
 def fsdp_gathered_bytes(p: PlanInputs, activations: int) -> int:
@@ -556,7 +532,7 @@ def plan_from_config(cfg, world_size: int, device_gb: float, device_type: str = 
         judges=tuple(JudgePlan(ModelShape.from_path(j.path), j.gpu_memory_utilization, j.sleep_level or 1,
                                DTYPE_BYTES[j.dtype or r.dtype or cfg.model.dtype]) for j in cfg.reward.judges()),
         teacher=teacher_plan(cfg, DTYPE_BYTES), oversample=r.partial.oversample if r.partial.enable else 1.0,
-        ulysses=cfg.parallel.ulysses_size)
+        ulysses=cfg.parallel.ulysses_size, share_prompt=bool(cfg.algorithm.share_prompt))
     return build_plan(p)
 
 

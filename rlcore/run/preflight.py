@@ -225,6 +225,12 @@ def _check_experts(cfg: Config, world_size: int) -> None:
               f"it must divide the model's {experts} experts (e.g. {', '.join(fits) or 1})")
 
 
+# Vision-language families whose VeOmni forward slices the patches and the text under Ulysses
+# (patched_modeling_qwen3_vl{,_moe}_gpu.py, the sp_enabled branches) and whose ViT attention takes
+# rlcore.engine.ulysses.VIT_NAME; Qwen2.5-VL's window attention reorders the patches first.
+ULYSSES_VL_FAMILIES = ("qwen3_vl", "qwen3_vl_moe")
+
+
 def _check_sequence_parallel(cfg: Config, world_size: int) -> None:
     """parallel.ulysses_size against the world, the model's heads and what the Ulysses path takes
     (rlcore.engine.ulysses), before anything loads."""
@@ -241,8 +247,13 @@ def _check_sequence_parallel(cfg: Config, world_size: int) -> None:
     check(heads % u == 0, field, u, f"it must divide the model's {heads} attention heads (each rank attends with "
           f"heads / ulysses_size of them)")
     check(kv % u == 0 or u % kv == 0, field, u, f"it and the model's {kv} key/value heads must divide one another")
-    check("vision_config" not in config, field, u, "a vision-language policy under sequence parallelism is not "
-          "supported yet (its vision tower's attention has no Ulysses path here); use 1")
+    if "vision_config" in config:  # the ViT runs 1/U of the patches and all-to-alls its heads too
+        family = config.get("model_type")
+        check(family in ULYSSES_VL_FAMILIES, field, u, f"a {family} policy under sequence parallelism is not "
+              f"supported (its vision tower has no Ulysses path here; {', '.join(ULYSSES_VL_FAMILIES)} have one); "
+              f"use 1")
+        vit_heads = int(config["vision_config"].get("num_heads", 0))
+        check(vit_heads % u == 0, field, u, f"it must divide the vision tower's {vit_heads} attention heads too")
     check(cfg.model.attn_implementation in ("auto", "sdpa"), field, u,
           f"the Ulysses path runs its own sdpa attention over the whole row, not model.attn_implementation="
           f"{cfg.model.attn_implementation}; set model.attn_implementation to auto or sdpa, or ulysses_size 1")

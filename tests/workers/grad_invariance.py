@@ -8,7 +8,7 @@ The batch is two prompt groups of 3 and 5 samples with unequal response lengths,
 lone EOS (a response of one token): on 2 ranks the second group is split, a partial group on each.
 
     torchrun --nproc_per_node=W tests/workers/grad_invariance.py MODEL_DIR OUT.pt [ulysses=U] [ep=E] [replay=1]
-        [lora=R] [env=1]
+        [lora=R] [env=1] [vl=1]
 
 With ``ulysses`` U > 1 the ranks form Ulysses sequence-parallel groups (rlcore.engine.ulysses): each
 rank still holds its own share, and the group's shares are gathered as ``grpo.train_on_batch``
@@ -19,7 +19,9 @@ so under Ulysses a token is routed on another rank than where it was recorded); 
 and the missing-token count are saved too. ``lora=R``: a LoRA policy of rank R (A and B seeded,
 B off zero, so every adapter matrix gets a gradient). ``env=1``: multi-turn batches: two tokens in
 the middle of every response of 4+ tokens are environment (tool) output, masked out of the loss
-(``RolloutBatch.env_mask``) but attended to.
+(``RolloutBatch.env_mask``) but attended to. ``vl=1`` (MODEL_DIR a Qwen3-VL folder): the second
+group's prompt holds an image (the first group stays text-only, so some rows have no image: VeOmni's
+dummy ViT forward), its patches sliced over a Ulysses group; the vision tower trains.
 """
 
 import sys
@@ -43,29 +45,66 @@ VARIANTS = {
 }
 
 
-def global_batch(env: bool = False) -> tuple[RolloutBatch, torch.Tensor]:
+def global_batch(env: bool = False, vl_model: str | None = None) -> tuple[RolloutBatch, torch.Tensor]:
     g = torch.Generator().manual_seed(0)
-    group_a, group_b = (torch.randint(3, 26, (n,), generator=g).tolist() for n in (5, 8))
+    lo, hi = (3, 26) if vl_model is None else (9, 40)  # the VL vocabulary's 5-8 are vision tokens
+    group_a, group_b = (torch.randint(lo, hi, (n,), generator=g).tolist() for n in (5, 8))
+    vision = None
+    if vl_model is not None:
+        group_b, image = vl_prompt(vl_model, group_b)
+        vision = [None] * 3 + [image] * 5
     prompts = [group_a] * 3 + [group_b] * 5
     lengths = [7, 1, 4, 9, 3, 5, 2, 8]
-    responses = [torch.randint(3, 26, (n,), generator=g).tolist() for n in lengths]
-    batch = RolloutBatch(prompts, responses, [[0.0] * n for n in lengths], ["x"] * N, ["stop"] * N, GROUP)
+    responses = [torch.randint(lo, hi, (n,), generator=g).tolist() for n in lengths]
+    batch = RolloutBatch(prompts, responses, [[0.0] * n for n in lengths], ["x"] * N, ["stop"] * N, GROUP,
+                         vision=vision)
     if env:  # tool output inside the conversation: context, not trained
         batch.env_mask = [[0 if n >= 4 and j in (1, 2) else 1 for j in range(n)] for n in lengths]
     rewards = torch.tensor([1.0, 0.0, 0.5, 0.2, 0.0, 1.0, 0.3, 0.0])
     return batch, rewards
 
 
+def vl_prompt(model_dir: str, text: list[int]):
+    """``text`` with a drawn image in the middle, expanded by the model's own processor (its
+    image tokens, pixel patches and M-RoPE positions: rlcore.task.images.VisionProcessor)."""
+    import random
+
+    from rlcore.demo.vl import draw_shapes
+    from rlcore.task.images import VisionProcessor
+
+    proc = VisionProcessor(model_dir)
+    image, _ = draw_shapes(random.Random(0))
+    return proc.prepare(text[:4] + [proc.image_token_id] + text[4:], [image])
+
+
+def count_vit_attention() -> list[int]:
+    """Re-register the Ulysses ViT attention with a call counter (transformers looks the name up per call)."""
+    from transformers import AttentionInterface
+
+    from rlcore.engine import ulysses
+
+    calls = [0]
+
+    def counted(*args, **kwargs):
+        calls[0] += 1
+        return ulysses.vision_attention(*args, **kwargs)
+
+    AttentionInterface.register(ulysses.VIT_NAME, counted)
+    return calls
+
+
 @torch.no_grad()
-def grad_vector(policy) -> torch.Tensor:
-    """All accumulated gradients of the engine, unsharded (every rank's experts too, under EP) and
-    flattened in parameter order (collective)."""
+def grad_vector(policy, prefix: str = "") -> torch.Tensor:
+    """The accumulated gradients of the engine's parameters named ``prefix*`` (all by default),
+    unsharded (every rank's experts too, under EP) and flattened in parameter order (collective)."""
     from torch.distributed.tensor import DTensor
 
     from rlcore.engine import moe as engine_moe
 
     parts = []
     for name, p in policy.model.named_parameters():
+        if not name.startswith(prefix):
+            continue
         g = p.grad if p.grad is not None else torch.zeros_like(p)
         g = g.full_tensor() if isinstance(g, DTensor) else g
         dim = engine_moe.ep_dim(policy.model, name)
@@ -106,7 +145,8 @@ def main():
         policy = lora_policy(model_dir, info, opts["lora"], kwargs)
     else:
         policy = VeOmniPolicy(model_dir, info, **kwargs)
-    batch, rewards = global_batch(bool(opts.get("env", 0)))
+    batch, rewards = global_batch(bool(opts.get("env", 0)), model_dir if opts.get("vl") else None)
+    vit_calls = count_vit_attention() if opts.get("vl") and ulysses > 1 else None
     adv = advantage.compute_advantages("grpo", rewards, batch.response_mask(), GROUP)  # (N, T) global
     # Old/ref log-probs off the current ones, so clipping, dual clip and KL are all active.
     cur = grpo.compute_logprobs_in_chunks(policy, batch, 0.9, N, info.device, shared=True)  # the same everywhere
@@ -133,8 +173,12 @@ def main():
                 with policy.routing("replay" if replay else None):
                     grpo.accumulate_gradients(policy, local, list(range(len(local))), inp, cfg)
                 results[f"{mode}/{loss}/{name}"] = grad_vector(policy)
+                if opts.get("vl") and name == "full":  # the vision tower's part: it trains too
+                    results[f"{mode}/{loss}/{name}/vision"] = grad_vector(policy, "model.visual.")
     if replay:  # over every variant's update
         results.update({k: torch.tensor(float(v)) for k, v in policy.routing_metrics().items() if k.startswith("actor/")})
+    if vit_calls is not None:  # the ViT blocks attended through the Ulysses ViT attention
+        results["sp/vit_calls"] = torch.tensor(float(vit_calls[0]))
     if policy.sp is not None:  # the Ulysses path really ran: rows sliced, padding counted
         results["sp/row_tokens"] = torch.tensor(float(policy.sp.row_tokens))
         results["sp/pad_tokens"] = torch.tensor(float(policy.sp.pad_tokens))
