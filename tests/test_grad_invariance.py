@@ -79,7 +79,8 @@ def _compare(sp: dict, dp: dict, what: str, tol: float = 1e-6) -> tuple[float, f
 def test_ulysses_with_experts_parallel_and_routing_replay_equals_data_parallel(tmp_path):
     """A tiny Qwen3-MoE (2 attention heads, 1 KV head: VeOmni's all-to-all repeats it for the
     group) with its 4 experts split over the 2 ranks (EP 2) and R2 replay: as one Ulysses group the
-    gradients equal data parallel's for every mode, loss and packing variant. The recording forward
+    gradients equal data parallel's for a token- and a sequence-level mode (``FEW_MODES``), both
+    losses and every packing variant. The recording forward
     packs one sample per row, the updates pack 1-4 per row (and share prompts): each token is
     replayed, wherever its slice now falls (agreement 1, nothing missing)."""
     from rlcore.demo.toy import make_tiny_moe_model
@@ -87,7 +88,7 @@ def test_ulysses_with_experts_parallel_and_routing_replay_equals_data_parallel(t
     moe = make_tiny_moe_model(str(tmp_path / "moe"))
     runs = {}
     for name, extra in (("dp", ()), ("sp", ("ulysses=2",))):
-        run_torchrun(WORKER, 2, moe, str(tmp_path / f"{name}.pt"), "ep=2", "replay=1", *extra)
+        run_torchrun(WORKER, 2, moe, str(tmp_path / f"{name}.pt"), "ep=2", "replay=1", "few=1", *extra)
         runs[name] = torch.load(tmp_path / f"{name}.pt", weights_only=True)
     sp, dp = runs["sp"], runs["dp"]
     assert sp.pop("sp/row_tokens") > 0 and sp.pop("sp/pad_tokens") > 0
@@ -101,15 +102,15 @@ def test_ulysses_with_experts_parallel_and_routing_replay_equals_data_parallel(t
 
 def test_ulysses_with_lora_on_multi_turn_batches_equals_data_parallel(tiny_model, tmp_path):
     """A rank-4 LoRA policy (B moved off zero) on batches whose responses hold tool output
-    (``env_mask`` 0: attended to, not trained): Ulysses 2 equals data parallel 2 for every mode,
-    loss and packing variant, and the adapters really get gradients."""
+    (``env_mask`` 0: attended to, not trained): Ulysses 2 equals data parallel 2 for ``FEW_MODES``,
+    both losses and every packing variant, and the adapters really get gradients."""
     runs = {}
     for name, extra in (("dp", ()), ("sp", ("ulysses=2",))):
-        run_torchrun(WORKER, 2, tiny_model, str(tmp_path / f"{name}.pt"), "lora=4", "env=1", *extra)
+        run_torchrun(WORKER, 2, tiny_model, str(tmp_path / f"{name}.pt"), "lora=4", "env=1", "few=1", *extra)
         runs[name] = torch.load(tmp_path / f"{name}.pt", weights_only=True)
     sp, dp = runs["sp"], runs["dp"]
     assert sp.pop("sp/row_tokens") > 0 and sp.pop("sp/pad_tokens") > 0
-    worst_rel, worst_abs = _compare(sp, dp, "LoRA + env mask")
+    worst_rel, worst_abs = _compare(sp, dp, "LoRA + env mask", tol=2e-6)  # measured 9.4e-7: small adapter grads
     print(f"LoRA 4, multi-turn masks: Ulysses 2 vs data parallel 2: largest relative gradient difference "
           f"{worst_rel:.2e}, largest absolute {worst_abs:.2e}")
 
@@ -120,8 +121,8 @@ def test_ulysses_with_a_vision_language_policy_equals_data_parallel(tmp_path, fa
     experts split over the 2 ranks (EP 2), on a batch whose second group has an image and whose first
     is text-only: as one Ulysses group each rank runs half of every row's positions and half of its
     image patches (the ViT's attention all-to-all'd within each image,
-    ``rlcore.engine.ulysses.vision_attention``), and every mode, loss and packing variant gives data
-    parallel's gradient, the vision tower's part included."""
+    ``rlcore.engine.ulysses.vision_attention``), and ``FEW_MODES`` x both losses x every packing
+    variant give data parallel's gradient, the vision tower's part included."""
     if family == "qwen3_vl":
         from rlcore.demo.vl import make_tiny_vl_model
 
@@ -132,7 +133,7 @@ def test_ulysses_with_a_vision_language_policy_equals_data_parallel(tmp_path, fa
         vl, ep = make_tiny_vl_moe_model(str(tmp_path / "vl")), "ep=2"
     runs = {}
     for name, extra in (("dp", ()), ("sp", ("ulysses=2",))):
-        run_torchrun(WORKER, 2, vl, str(tmp_path / f"{name}.pt"), "vl=1", ep, *extra)
+        run_torchrun(WORKER, 2, vl, str(tmp_path / f"{name}.pt"), "vl=1", ep, "few=1", *extra)
         runs[name] = torch.load(tmp_path / f"{name}.pt", weights_only=True)
     sp, dp = runs["sp"], runs["dp"]
     assert sp.pop("sp/row_tokens") > 0 and sp.pop("sp/pad_tokens") > 0

@@ -8,7 +8,7 @@ The batch is two prompt groups of 3 and 5 samples with unequal response lengths,
 lone EOS (a response of one token): on 2 ranks the second group is split, a partial group on each.
 
     torchrun --nproc_per_node=W tests/workers/grad_invariance.py MODEL_DIR OUT.pt [ulysses=U] [ep=E] [replay=1]
-        [lora=R] [env=1] [vl=1]
+        [lora=R] [env=1] [vl=1] [few=1]
 
 With ``ulysses`` U > 1 the ranks form Ulysses sequence-parallel groups (rlcore.engine.ulysses): each
 rank still holds its own share, and the group's shares are gathered as ``grpo.train_on_batch``
@@ -21,7 +21,10 @@ B off zero, so every adapter matrix gets a gradient). ``env=1``: multi-turn batc
 the middle of every response of 4+ tokens are environment (tool) output, masked out of the loss
 (``RolloutBatch.env_mask``) but attended to. ``vl=1`` (MODEL_DIR a Qwen3-VL folder): the second
 group's prompt holds an image (the first group stays text-only, so some rows have no image: VeOmni's
-dummy ViT forward), its patches sliced over a Ulysses group; the vision tower trains.
+dummy ViT forward), its patches sliced over a Ulysses group; the vision tower trains. ``few=1``:
+only the aggregation modes of ``FEW_MODES``, a token-level and a sequence-level normaliser (the model
+families' runs: the aggregation is the same code for every model, the packing variants are what
+meets it).
 """
 
 import sys
@@ -34,6 +37,7 @@ from rlcore.config import AlgorithmConfig
 from rlcore.dist import init_distributed
 
 N, GROUP = 8, 4
+FEW_MODES = ("token-mean", "seq-mean-token-sum-norm")
 # name -> AlgorithmConfig fields; "full" is the reference: every position through the LM head
 VARIANTS = {
     "full": dict(response_only_logits=False, micro_batch_size=4),
@@ -161,7 +165,7 @@ def main():
             grpo.compute_logprobs_in_chunks(policy, local, 0.9, AlgorithmConfig(micro_batch_size=1, **routing),
                                             info.device, shared=True)
     results = {}
-    for mode in advantage.AGG_MODES:
+    for mode in FEW_MODES if opts.get("few") else advantage.AGG_MODES:
         for loss in ("vanilla", "gspo"):
             for name, fields in VARIANTS.items():
                 cfg = AlgorithmConfig(loss_agg_mode=mode, policy_loss=loss, kl_loss_coef=0.1, entropy_coef=0.01,
