@@ -51,7 +51,8 @@ def test_gradients_invariant_to_micro_batch_and_world_size(by_ranks):
 def test_ulysses_sequence_parallel_gradients_equal_the_data_parallel_ones(by_ranks, tiny_model, tmp_path):
     """The same per-rank shares, once data parallel and once as one Ulysses group of 2 (the group's
     shares gathered, every packed row split in halves, attention over the whole row for 2 of the
-    4 heads each): every mode, loss and packing variant gives the same gradient (fp32)."""
+    4 heads each): every mode, loss and packing variant gives the same gradient and the same policy
+    loss (fp32)."""
     path = tmp_path / "sp2.pt"
     run_torchrun(WORKER, 2, tiny_model, str(path), "ulysses=2")
     sp, dp = torch.load(path, weights_only=True), by_ranks[2]

@@ -145,7 +145,12 @@ class VeOmniPolicy:
         self.sp = None  # rlcore.engine.ulysses.Context when ulysses_size > 1
         if ulysses_size > 1:
             self.sp = engine_ulysses.Context(state.ulysses_group, ulysses_size, state.ulysses_rank)
-            if not engine_ulysses.install(self.model, self.sp, engine_vl.vision_tower(self.model)):
+            tower = engine_vl.vision_tower(self.model)
+            family = getattr(getattr(self.model, "config", None), "model_type", None)
+            if tower is not None and family not in engine_ulysses.VL_FAMILIES:
+                raise ValueError(f"ulysses_size {ulysses_size}: a {family} vision tower has no Ulysses path "
+                                 f"(only {', '.join(engine_ulysses.VL_FAMILIES)})")
+            if not engine_ulysses.install(self.model, self.sp, tower):
                 raise ValueError(f"ulysses_size {ulysses_size}: no attention layer with q_proj/k_proj in {model_path}")
         self.freeze_vision_tower = freeze_vision_tower and trainable
         if self.freeze_vision_tower:  # before the optimizer, which then leaves the tower out

@@ -39,6 +39,10 @@ ATTN_NAME = "rlcore_ulysses_sdpa"
 # The vision tower's (Qwen3-VL): "flash" in the name makes VeOmni's ViT attention pass the images'
 # ``cu_seqlens`` instead of splitting its (sliced) patches per image itself (VL:527-567).
 VIT_NAME = "rlcore_ulysses_flash_vit"
+# Vision-language families whose VeOmni forward slices the patches and the text under Ulysses
+# (patched_modeling_qwen3_vl{,_moe}_gpu.py, the sp_enabled branches) and whose ViT attention takes
+# VIT_NAME; Qwen2.5-VL's window attention reorders the patches first (not wired).
+VL_FAMILIES = ("qwen3_vl", "qwen3_vl_moe")
 
 
 @dataclass

@@ -225,15 +225,11 @@ def _check_experts(cfg: Config, world_size: int) -> None:
               f"it must divide the model's {experts} experts (e.g. {', '.join(fits) or 1})")
 
 
-# Vision-language families whose VeOmni forward slices the patches and the text under Ulysses
-# (patched_modeling_qwen3_vl{,_moe}_gpu.py, the sp_enabled branches) and whose ViT attention takes
-# rlcore.engine.ulysses.VIT_NAME; Qwen2.5-VL's window attention reorders the patches first.
-ULYSSES_VL_FAMILIES = ("qwen3_vl", "qwen3_vl_moe")
-
-
 def _check_sequence_parallel(cfg: Config, world_size: int) -> None:
     """parallel.ulysses_size against the world, the model's heads and what the Ulysses path takes
     (rlcore.engine.ulysses), before anything loads."""
+    from rlcore.engine.ulysses import VL_FAMILIES
+
     u = cfg.parallel.ulysses_size
     if u == 1:
         return
@@ -249,9 +245,8 @@ def _check_sequence_parallel(cfg: Config, world_size: int) -> None:
     check(kv % u == 0 or u % kv == 0, field, u, f"it and the model's {kv} key/value heads must divide one another")
     if "vision_config" in config:  # the ViT runs 1/U of the patches and all-to-alls its heads too
         family = config.get("model_type")
-        check(family in ULYSSES_VL_FAMILIES, field, u, f"a {family} policy under sequence parallelism is not "
-              f"supported (its vision tower has no Ulysses path here; {', '.join(ULYSSES_VL_FAMILIES)} have one); "
-              f"use 1")
+        check(family in VL_FAMILIES, field, u, f"a {family} policy under sequence parallelism is not "
+              f"supported (its vision tower has no Ulysses path here; {', '.join(VL_FAMILIES)} have one); use 1")
         vit_heads = int(config["vision_config"].get("num_heads", 0))
         check(vit_heads % u == 0, field, u, f"it must divide the vision tower's {vit_heads} attention heads too")
     check(cfg.model.attn_implementation in ("auto", "sdpa"), field, u,

@@ -2,7 +2,7 @@
 mode and each packing variant (``VARIANTS``: micro-batch sizes 1, 2 and 4, every position through
 the LM head or only the response-predicting ones, shared-prompt packing, token-budget
 micro-batches), through the real FSDP2 engine. Rank r of W trains on its contiguous share of one
-fixed global batch; rank 0 saves the unsharded gradients.
+fixed global batch; rank 0 saves the unsharded gradients and the policy loss summed over ranks.
 
 The batch is two prompt groups of 3 and 5 samples with unequal response lengths, one of them a
 lone EOS (a response of one token): on 2 ranks the second group is split, a partial group on each.
@@ -34,7 +34,7 @@ import torch
 from rlcore.algo import advantage, grpo
 from rlcore.algo.batch import RolloutBatch
 from rlcore.config import AlgorithmConfig
-from rlcore.dist import init_distributed
+from rlcore.dist import all_reduce_sum, init_distributed
 
 N, GROUP = 8, 4
 FEW_MODES = ("token-mean", "seq-mean-token-sum-norm")
@@ -174,9 +174,13 @@ def main():
                     opt.zero_grad(set_to_none=True)
                 inp = grpo.UpdateInputs(l_adv, l_old, l_ref, torch.zeros_like(l_old), local.response_mask(), 0.9,
                                         info.world_size, norm_len=10)
+                sums = {}
                 with policy.routing("replay" if replay else None):
-                    grpo.accumulate_gradients(policy, local, list(range(len(local))), inp, cfg)
+                    grpo.accumulate_gradients(policy, local, list(range(len(local))), inp, cfg, sums)
                 results[f"{mode}/{loss}/{name}"] = grad_vector(policy)
+                # the policy loss summed over ranks: each rank's share of it with data parallelism,
+                # the group's whole batch over U x the counts under Ulysses: the same number
+                results[f"{mode}/{loss}/{name}/loss"] = torch.tensor(all_reduce_sum([sums["actor/pg_loss"]]))
                 if opts.get("vl") and name == "full":  # the vision tower's part: it trains too
                     results[f"{mode}/{loss}/{name}/vision"] = grad_vector(policy, "model.visual.")
     if replay:  # over every variant's update
