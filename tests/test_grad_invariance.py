@@ -79,6 +79,17 @@ def _compare(sp: dict, dp: dict, what: str, tol: float = 1e-6) -> tuple[float, f
     return worst_rel, worst_abs
 
 
+def _dp_and_sp(tmp_path, model: str, *opts: str) -> tuple[dict, dict]:
+    """The worker's results for ``model`` with ``opts`` on 2 ranks, as one Ulysses group and data
+    parallel; the Ulysses run really sliced (and padded) its rows."""
+    runs = {}
+    for name, extra in (("sp", ("ulysses=2",)), ("dp", ())):
+        run_torchrun(WORKER, 2, model, str(tmp_path / f"{name}.pt"), *opts, *extra)
+        runs[name] = torch.load(tmp_path / f"{name}.pt", weights_only=True)
+    assert runs["sp"].pop("sp/row_tokens") > 0 and runs["sp"].pop("sp/pad_tokens") > 0
+    return runs["sp"], runs["dp"]
+
+
 def _loss_diff(sp: dict, dp: dict) -> float:
     return max(abs(sp[k].item() - v.item()) for k, v in dp.items() if k.endswith("/loss"))
 
@@ -92,13 +103,7 @@ def test_ulysses_with_experts_parallel_and_routing_replay_equals_data_parallel(t
     replayed, wherever its slice now falls (agreement 1, nothing missing)."""
     from rlcore.demo.toy import make_tiny_moe_model
 
-    moe = make_tiny_moe_model(str(tmp_path / "moe"))
-    runs = {}
-    for name, extra in (("dp", ()), ("sp", ("ulysses=2",))):
-        run_torchrun(WORKER, 2, moe, str(tmp_path / f"{name}.pt"), "ep=2", "replay=1", "few=1", *extra)
-        runs[name] = torch.load(tmp_path / f"{name}.pt", weights_only=True)
-    sp, dp = runs["sp"], runs["dp"]
-    assert sp.pop("sp/row_tokens") > 0 and sp.pop("sp/pad_tokens") > 0
+    sp, dp = _dp_and_sp(tmp_path, make_tiny_moe_model(str(tmp_path / "moe")), "ep=2", "replay=1", "few=1")
     for r in (sp, dp):  # every replayed token found its recording, and the weights did not move
         assert r.pop("actor/router_replay_missing").item() == 0
         assert r.pop("actor/router_agreement").item() == 1.0
@@ -111,12 +116,7 @@ def test_ulysses_with_lora_on_multi_turn_batches_equals_data_parallel(tiny_model
     """A rank-4 LoRA policy (B moved off zero) on batches whose responses hold tool output
     (``env_mask`` 0: attended to, not trained): Ulysses 2 equals data parallel 2 for ``FEW_MODES``,
     both losses and every packing variant, and the adapters really get gradients."""
-    runs = {}
-    for name, extra in (("dp", ()), ("sp", ("ulysses=2",))):
-        run_torchrun(WORKER, 2, tiny_model, str(tmp_path / f"{name}.pt"), "lora=4", "env=1", "few=1", *extra)
-        runs[name] = torch.load(tmp_path / f"{name}.pt", weights_only=True)
-    sp, dp = runs["sp"], runs["dp"]
-    assert sp.pop("sp/row_tokens") > 0 and sp.pop("sp/pad_tokens") > 0
+    sp, dp = _dp_and_sp(tmp_path, tiny_model, "lora=4", "env=1", "few=1")
     worst_rel, worst_abs = _compare(sp, dp, "LoRA + env mask", tol=2e-6)  # measured 9.4e-7: small adapter grads
     print(f"LoRA 4, multi-turn masks: Ulysses 2 vs data parallel 2: largest relative gradient difference "
           f"{worst_rel:.2e}, largest absolute {worst_abs:.2e}; policy loss {_loss_diff(sp, dp):.2e}")
@@ -138,12 +138,7 @@ def test_ulysses_with_a_vision_language_policy_equals_data_parallel(tmp_path, fa
         from workers.vl_moe import make_tiny_vl_moe_model
 
         vl, ep = make_tiny_vl_moe_model(str(tmp_path / "vl")), "ep=2"
-    runs = {}
-    for name, extra in (("dp", ()), ("sp", ("ulysses=2",))):
-        run_torchrun(WORKER, 2, vl, str(tmp_path / f"{name}.pt"), "vl=1", ep, "few=1", *extra)
-        runs[name] = torch.load(tmp_path / f"{name}.pt", weights_only=True)
-    sp, dp = runs["sp"], runs["dp"]
-    assert sp.pop("sp/row_tokens") > 0 and sp.pop("sp/pad_tokens") > 0
+    sp, dp = _dp_and_sp(tmp_path, vl, "vl=1", ep, "few=1")
     assert sp.pop("sp/vit_calls") > 0
     assert dp["token-mean/vanilla/full/vision"].norm() > 0
     worst_rel, worst_abs = _compare(sp, dp, family)

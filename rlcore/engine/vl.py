@@ -182,22 +182,15 @@ def forward_kwargs(model, input_ids: torch.Tensor, position_ids: torch.Tensor, m
         raise ValueError(f"image_grid_thw describes {patches} patches = {patches // merge**2} image tokens, but "
                          f"pixel_values has {pixel_values.shape[0]} rows and input_ids {n_tokens} image tokens")
     batch, sp_pad = {"image_grid_thw": grid_cpu}, {}
-    if sp is not None:
-        pixel_values, sp_pad["pixel_values"] = _patch_slice(pixel_values, sp.size, sp.rank)
+    if sp is not None:  # the function the ViT slices its position embeddings with (VL:1187-1189, 1233-1236)
+        from veomni.distributed.sequence_parallel.data import sp_pad_and_slice
+
+        whole = pixel_values.shape[0]
+        pixel_values = sp_pad_and_slice(pixel_values, dim=0, pad_value=0, pad_scale=4)
+        sp_pad["pixel_values"] = pixel_values.shape[0] * sp.size - whole
     model.get_metadata_collate_func()(batch, sp_pad)
     return {"pixel_values": pixel_values.to(device), "image_grid_thw": grid_cpu.to(device),
             "multimodal_metadata": batch["multimodal_metadata"], **extra}
-
-
-def _patch_slice(pixel_values: torch.Tensor, size: int, rank: int, scale: int = 4) -> tuple[torch.Tensor, int]:
-    """This rank's rows of ``pixel_values`` (P, C) zero-padded to a multiple of ``size * scale``,
-    and the padding's row count: VeOmni's ``sp_pad_and_slice(dim=0, pad_value=0, pad_scale=4)``
-    (veomni/distributed/sequence_parallel/data.py:40-85), which the ViT applies to its position
-    embeddings the same way (VL:1187-1189, 1233-1236)."""
-    chunk = -(-pixel_values.shape[0] // (size * scale)) * scale
-    pad = chunk * size - pixel_values.shape[0]
-    padded = torch.cat([pixel_values, pixel_values.new_zeros(pad, pixel_values.shape[1])])
-    return padded[rank * chunk: (rank + 1) * chunk], pad
 
 
 # Families whose VeOmni forward needs the two adaptations of ``_family_kwargs``.
