@@ -178,7 +178,26 @@ def summarise(name: str, rows: list[dict], budget_min: float) -> dict:
         "sampling_rounds_mean": window_mean(rows, "rollout/sampling_rounds", 0, 10**9),
         "zero_var_frac_mean": window_mean(rows, "rollout/zero_variance_groups_frac", 0, 10**9),
         "final_entropy": last.get("entropy"), "final_reward": last.get("reward"), "validations": table,
+        **tail_figures(rows, steps),
     }
+
+
+# The long tail (rollout.partial, docs/partial_rollouts.md): per-step means of these metrics.
+TAIL_KEYS = {"tail_decode_frac": "rollout/tail_decode_frac", "response_len_mean": "rollout/response_len_mean",
+             "partial_frac": "rollout/partial_frac", "staleness_mean": "rollout/staleness_mean",
+             "suspended_groups": "rollout/suspended_groups", "dropped_stale": "rollout/dropped_stale",
+             "partial_len_bias": "rollout/partial_len_bias", "mismatch_kl": "rollout/mismatch_kl",
+             "mismatch_kl_fresh": "rollout/mismatch_kl_fresh", "mismatch_kl_resumed": "rollout/mismatch_kl_resumed"}
+
+
+def tail_figures(rows: list[dict], steps: list[dict]) -> dict:
+    """Generated tokens per second of generate time (all steps together), the most stale token,
+    and the TAIL_KEYS means: the tail's share of decode iterations, staleness, mismatch."""
+    gen_s = sum(r.get("timing/generate_s", 0.0) for r in steps)
+    out = {"gen_tokens_per_s": sum(r.get("rollout/tokens", 0.0) for r in steps) / max(gen_s, 1e-9),
+           "staleness_max": max((r.get("rollout/staleness_max", 0.0) for r in steps), default=0.0)}
+    out.update({k: window_mean(rows, key, 0, 10**9) for k, key in TAIL_KEYS.items()})
+    return out
 
 
 def field_accuracy(run_dir: str, val_file: str, fields: str) -> dict[int, dict[str, tuple[int, int]]]:
@@ -217,10 +236,11 @@ def print_tables(results: list[dict]) -> None:
     keys = ["steps", "final_accuracy", "accuracy_at_two_thirds", "last_third_rise", "best_accuracy",
             "final_entropy", "final_reward",
             "step_s_median", "generate_s_median", "train_s_median", "generate_s_per_trained_sample",
-            "gen_per_trained_mean", "sampling_rounds_mean", "zero_var_frac_mean"]
+            "gen_per_trained_mean", "sampling_rounds_mean", "zero_var_frac_mean", "gen_tokens_per_s",
+            *TAIL_KEYS, "staleness_max"]
     print("\n" + f"{'':34}" + "".join(f"{r['name']:>14}" for r in results))
     for k in keys:
-        cells = "".join(f"{r[k]:>14.4g}" if isinstance(r[k], (int, float)) else f"{'-':>14}" for r in results)
+        cells = "".join(f"{r.get(k):>14.4g}" if isinstance(r.get(k), (int, float)) else f"{'-':>14}" for r in results)
         print(f"{k:34}{cells}")
 
 

@@ -18,7 +18,8 @@ trainer's figures; the sampled tokens must come out identical).
 
 Prints the phase breakdown (medians over the steps after ``--warmup``), memory after each phase,
 and as the last line a JSON object with ``overhead_ratio`` = step time / (generate + train +
-weight sync) and ``rollout_efficiency`` = the trainer's generation tokens/s / the bare vLLM
+weight sync) (``overhead_ratio_total``: the same over the measured steps together, where a cost
+paid every k-th step counts at its share; the last step, which writes the final checkpoint, left out) and ``rollout_efficiency`` = the trainer's generation tokens/s / the bare vLLM
 call's, both medians over the measured steps (see ``summarize`` for the exact definitions).
 """
 
@@ -225,6 +226,11 @@ def summarize(steps_by_rank: list[list[dict]]) -> dict:
                  for i in range(n)]
     return {
         "overhead_ratio": bc.median(ratio), "rollout_efficiency": bc.median(eff),
+        # Over the measured steps together: a cost paid every k-th step (rollout.check_sync_every)
+        # counts at its share, which the per-step median would leave out. The last step is left
+        # out: it writes the run's final checkpoint, once per run.
+        "overhead_ratio_total": sum(step_s[:-1]) / sum(max(core(r[i]) for r in ranks) for i in range(n - 1))
+        if n > 1 else ratio[0],
         "rollout_efficiency_cpu_time": bc.median(eff_cpu), "overhead_ratio_cpu_time": bc.median(ratio_cpu),
         "step_s": bc.median(step_s), "generate_s": phases["timing/generate_s"], "train_s": phases["timing/train_s"],
         "weight_sync_s": phases["timing/weight_sync_s"], "gen_imbalance_s": bc.median(imbalance),
@@ -291,13 +297,15 @@ def compare(argv: list[str]) -> None:
         r = bc.relaunch(os.path.abspath(__file__), [*base, "--extra", f"{args.extra} {overrides}"], args.nproc,
                         args.timeout_s)
         rows.append({"variant": name, "overrides": overrides, "step_s": r["step_s"], "train_s": r["train_s"],
+                     "overhead_ratio": r["overhead_ratio"], "overhead_ratio_total": r["overhead_ratio_total"],
                      "generate_s": r["generate_s"], "weight_sync_s": r["weight_sync_s"], "result": r})
     first = rows[0]
-    print(f"{'variant':16s} {'step_s':>8s} {'train_s':>8s} {'train/first':>12s} {'step/first':>11s}")
+    print(f"{'variant':16s} {'step_s':>8s} {'train_s':>8s} {'train/first':>12s} {'step/first':>11s} "
+          f"{'overhead':>9s} {'ovh_total':>9s}")
     for row in rows:
         row.update(train_ratio=row["train_s"] / first["train_s"], step_ratio=row["step_s"] / first["step_s"])
         print(f"{row['variant']:16s} {row['step_s']:8.3f} {row['train_s']:8.3f} {row['train_ratio']:12.3f} "
-              f"{row['step_ratio']:11.3f}")
+              f"{row['step_ratio']:11.3f} {row['overhead_ratio']:9.3f} {row['overhead_ratio_total']:9.3f}")
     print(json.dumps({"variants": rows}))
 
 
@@ -308,7 +316,7 @@ def main(argv: list[str]) -> None:
     if r is None:  # this process was a rank
         return
     print(f"step {r['step_s']:.3f}s = generate {r['generate_s']:.3f} + train {r['train_s']:.3f} + weight sync "
-          f"{r['weight_sync_s']:.3f} + rest; overhead_ratio {r['overhead_ratio']:.3f}; rollout tokens/s "
+          f"{r['weight_sync_s']:.3f} + rest; overhead_ratio {r['overhead_ratio']:.3f} (all steps together {r['overhead_ratio_total']:.3f}); rollout tokens/s "
           f"{r['gen_tokens_per_s']:.0f} vs bare vLLM {r['bare_tokens_per_s']:.0f}: efficiency {r['rollout_efficiency']:.3f}")
     for k, v in r["phases"].items():
         print(f"  {k:40s} {v:.4f}")

@@ -353,7 +353,7 @@ def test_first_turn_prefix_is_prompt_and_the_parser_reads_the_turn_with_it(chatm
     kind, parsed = agent.take_turn(c, Sample(ids, [0.0] * len(ids), "stop"))
     assert kind == "calls" and parsed.calls == [("calculator", '{"expression": "2 + 3"}')]
     [outcome] = agent.outcomes([(c, (kind, parsed))])
-    agent.apply([(c, (kind, parsed))], [outcome], last=False)
+    agent.apply([(c, (kind, parsed))], [outcome])
     agent.runner.shutdown()
     assert c.tool_calls == 1 and c.finish is None
     assert tok.decode(c.response_ids).endswith("<tool_response>\n5\n</tool_response><|im_end|>\n<|im_start|>assistant\n")

@@ -6,6 +6,7 @@ suspended groups in the checkpoint are in tests/test_resume.py."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import types
@@ -40,7 +41,10 @@ class ScriptedEngine:
         return out
 
 
-def sampler(lengths: list[int], target: int, oversample: float, chunk: int, max_staleness: int = 2, n: int = 2):
+def sampler(lengths: list[int], target: int, oversample: float, chunk: int, max_staleness: int = 2, n: int = 2,
+            informative: set | None = None, max_rounds: int = 1):
+    """``informative``: with it, dynamic sampling on, and the groups of these prompt indices have
+    rewards 0, 1, ... (the others all 1: filtered)."""
     from rlcore.config import PartialConfig, RolloutConfig
     from rlcore.metrics import Timer
     from rlcore.step.partial import PartialRollouts
@@ -51,8 +55,13 @@ def sampler(lengths: list[int], target: int, oversample: float, chunk: int, max_
     s = types.SimpleNamespace(per_replica=lambda: target, cfg=cfg, switch=None, timer=Timer(), seed=0,
                               rollout=ScriptedEngine())
     s.next_prompts = lambda k: [queue.pop(0) for _ in range(k)]
+    s.scored, s.decoded = [], []
+    s.count_decode = s.decoded.append
+    s.score = lambda b, collective=True: (s.scored.append([int(a) for a in b.answers[::n]]) or torch.tensor(
+        [float(j % n) if int(a) in informative else 1.0 for j, a in enumerate(b.answers)]), {})
     part = PartialRollouts(PartialConfig(enable=True, chunk_tokens=chunk, oversample=oversample,
-                                         max_staleness=max_staleness), n, cfg.max_response_length)
+                                         max_staleness=max_staleness), n, cfg.max_response_length,
+                           dynamic=informative is not None, max_rounds=max_rounds)
     return s, part
 
 
@@ -169,17 +178,58 @@ def test_the_memory_plan_counts_the_groups_in_flight_and_the_suspended_state():
 
 
 @pytest.mark.unit
+def test_dynamic_sampling_filters_finished_groups_and_refills_the_pool():
+    """Target 2, in flight 2, prompts 0 and 2 informative: prompt 1 finishes first, all rewards equal,
+    and leaves the pool; the refill starts prompt 2 (round 2), which trains with prompt 0. Each group
+    is scored once, when it finishes."""
+    s, part = sampler([2, 3, 1, 4], target=2, oversample=1.0, chunk=4, informative={0, 2}, max_rounds=3)
+    batch, m = part.sample(s, step=1)
+    assert [int(a) for a in batch.answers[::2]] == [0, 2] and batch.keep == [1.0] * 4
+    assert sorted(i for call in s.scored for i in call) == [0, 1, 2]  # prompt 3 was never drawn
+    assert m["rollout/filtered_groups_frac"] == pytest.approx(1 / 3) and m["rollout/sampling_rounds"] == 2.0
+    assert m["rollout/generated_per_trained"] == pytest.approx(1.5) and part.pool == []
+
+
+@pytest.mark.unit
+def test_dynamic_sampling_pads_with_filtered_groups_masked_once_the_rounds_are_used_up():
+    s, part = sampler([2, 3, 1, 4, 2, 2], target=2, oversample=1.0, chunk=4, informative={3}, max_rounds=2)
+    batch, m = part.sample(s, step=1)
+    # round 1: prompts 0, 1 (both filtered); round 2 (the last): prompts 2 (filtered) and 3 (trained)
+    assert [int(a) for a in batch.answers[::2]] == [3, 0] and batch.keep == [1.0, 1.0, 0.0, 0.0]
+    assert m["rollout/sampling_rounds"] == 2.0 and m["rollout/filtered_groups_frac"] == pytest.approx(3 / 4)
+    state = part.state_dict()
+    assert state == [] and len(s.rollout.calls) == 2
+
+
+@pytest.mark.unit
+def test_tail_iterations_count_what_the_longest_tenth_costs_a_batched_call():
+    from rlcore.step.sampling import tail_iterations
+
+    assert tail_iterations(list(range(1, 11))) == (1.0, 10.0)  # 90% done after 9 of 10 iterations
+    assert tail_iterations([40] * 18 + [200, 256]) == (216.0, 256.0)  # 2 of 20 long: 216 iterations for them
+    assert tail_iterations([5]) == (0.0, 5.0) and tail_iterations([]) == (0.0, 0.0)
+    s, part = sampler([5, 2, 9, 1], target=2, oversample=1.0, chunk=3)
+    part.sample(s, step=1)
+    assert s.decoded == [[3, 3, 2, 2], [2, 2]]  # two groups of 2 (5 and 2 tokens) in chunks of 3
+
+
+@pytest.mark.unit
 def test_partial_rollouts_refuse_what_they_do_not_support():
-    from rlcore.config import AlgorithmConfig, Config, PartialConfig, RolloutConfig
+    from rlcore.config import AlgorithmConfig, Config, PartialConfig, RewardConfig, RolloutConfig
     from rlcore.config.resolve import check_partial
     from rlcore.errors import ConfigError
 
     with pytest.raises(ConfigError, match=r"rollout\.partial\.oversample.*>= 1"):
         PartialConfig(enable=True, oversample=0.5)
     cfg = Config(rollout=RolloutConfig(partial=PartialConfig(enable=True)),
-                 algorithm=AlgorithmConfig(dynamic_sampling=True))
-    with pytest.raises(ConfigError, match=r"algorithm\.dynamic_sampling=True.*single-turn text prompts"):
+                 algorithm=AlgorithmConfig(routing_replay="r3"))
+    with pytest.raises(ConfigError, match=r"algorithm\.routing_replay='r3'.*text prompts without routing replay"):
         check_partial(cfg)
+    check_partial(dataclasses.replace(cfg, algorithm=AlgorithmConfig(dynamic_sampling=True)))  # supported
+    judged = dataclasses.replace(cfg, algorithm=AlgorithmConfig(dynamic_sampling=True),
+                                 reward=RewardConfig(components={"rm": 1.0}, models=[{"name": "rm", "path": "/m", "kind": "discriminative"}]))
+    with pytest.raises(ConfigError, match=r"dynamic_sampling=true and reward\.models=\['rm'\].*rule-based"):
+        check_partial(judged)
 
 
 def test_resumed_sequences_are_what_vllm_returned_in_each_step(tiny_model, tmp_path):
@@ -187,9 +237,14 @@ def test_resumed_sequences_are_what_vllm_returned_in_each_step(tiny_model, tmp_p
     weight update between steps (the engine's weights perturbed, as a sync would change them); on
     each rank every trained sequence's ids and log-probs equal the concatenation of what vLLM
     returned for it, call by call; and the TP group's two ranks suspended, resumed and trained the
-    same sequences (their pools move in step: one early-stop decision, the same outputs)."""
+    same sequences (their pools move in step: one early-stop decision, the same outputs). Dynamic
+    sampling on (rewards: each sample's length parity): every trained group is informative, and the
+    filter removed some."""
+    from rlcore.demo.tool import make_chatml_tool_model
+
+    chatml = make_chatml_tool_model(str(tmp_path / "chatml"), os.path.join(REPO, "configs", "chat_templates", "qwen3.jinja"))
     out = str(tmp_path / "partial.json")
-    run_torchrun(WORKER, 2, tiny_model, out, "2")
+    run_torchrun(WORKER, 2, tiny_model, out, "2", chatml)
     ranks = []
     for rank in (0, 1):
         with open(f"{out}.rank{rank}") as f:
@@ -198,8 +253,48 @@ def test_resumed_sequences_are_what_vllm_returned_in_each_step(tiny_model, tmp_p
         assert m["resumed_samples"] > 0, m  # some trained sequence spans two steps
         assert m["mismatched"] == [], m["mismatched"][:3]
         assert m["max_staleness_seen"] >= 1
+        assert m["kept_informative"] and all(m["kept_informative"]), m["kept_informative"]
+        assert any(s["rollout/filtered_groups_frac"] > 0 for s in m["metrics"]), m["metrics"]
     assert ranks[0]["trained_ids"] == ranks[1]["trained_ids"] and ranks[0]["pool_left"] == ranks[1]["pool_left"]
     assert ranks[0]["metrics"] == ranks[1]["metrics"]
+    agents = []
+    for rank in (0, 1):
+        with open(f"{out}.agent.rank{rank}") as f:
+            agents.append(json.load(f))
+    check_suspended_conversations(agents[0])
+    assert agents[0]["trained"] == agents[1]["trained"]  # the TP group's ranks: one pool, the leader's tool answers
+
+
+def check_suspended_conversations(run: dict) -> None:
+    """Multi-turn partial rollouts on the real engine (chunks of 2 tokens): each trained conversation
+    is its prompt, then model spans that are exactly what vLLM returned call by call (ids and
+    log-probs, env_mask 1), each call continuing from the conversation so far, and tool answers
+    between them (env_mask 0); turns spanned chunks and steps, and tools answered between steps."""
+    calls = [c for call in run["calls"] for c in call]  # (context, ids, logprobs) of every request
+    inside, across_steps, between = 0, 0, 0
+    for conv in run["trained"]:
+        seq, p = conv["prompt_ids"] + conv["response_ids"], len(conv["prompt_ids"])
+        pos, mask, spans = p, conv["env_mask"], 0
+        while pos < len(seq):
+            if not mask[pos - p]:
+                pos += 1
+                continue
+            end = next((i + p for i in range(pos - p, len(mask)) if not mask[i]), len(seq))  # the model span
+            match = [(ids, lp) for ctx, ids, lp in calls if ctx == seq[:pos] and ids and ids[:end - pos] ==
+                     seq[pos:pos + len(ids[:end - pos])]]
+            assert match, (conv, pos)
+            ids, lp = match[0]
+            k = min(len(ids), end - pos)
+            assert conv["logprobs"][pos - p: pos - p + k] == lp[:k]
+            pos, spans = pos + k, spans + 1
+        v, m = conv["versions"], mask
+        assert len(v) == len(m) == len(conv["staleness"])
+        inside += spans > conv["turns"]  # some turn took more than one generate call
+        across_steps += v[0] != v[-1]
+        between += any(m[i] == 0 and m[i + 1] == 1 and v[i] < v[i + 1] for i in range(len(m) - 1))
+    assert max(c["turns"] for c in run["trained"]) >= 2 and any(0 in c["env_mask"] for c in run["trained"])
+    assert inside > 0 and across_steps > 0 and between > 0, (inside, across_steps, between)
+    assert run["state_round_trip"] is True
 
 
 def partial_args(model, data, out, *extra):

@@ -220,3 +220,26 @@ def test_check_sync_every_checks_the_first_sync_and_every_nth():
         done.append(not check.before_sync(_Policy()).startswith("no-op"))
         check.after_sync(rollout)
     assert done == [True, False, False, True, False, False, True] and rollout.calls == 3
+
+
+@pytest.mark.unit
+def test_a_resumed_run_checks_its_resume_sync_and_then_the_uninterrupted_schedule():
+    """Uninterrupted, every=3: the syncs after steps 1, 4, 7 are checked. Resumed from step 4's
+    checkpoint: the resume's sync (step 4's weights) is checked whatever the schedule, then 7."""
+    check = sync_check.SyncCheck("warn", "float32", [[1, 2, 3, 4]], "cpu", every=3)
+    check.at_resume(5)  # a checkpoint of step 5: its sync is not due (5 - 1 = 4 is not a multiple of 3)
+    assert not check.before_sync(_Policy()).startswith("no-op")
+    check.after_sync(_Rollout(0.0))
+    done = [not check.before_sync(_Policy()).startswith("no-op") for _ in (6, 7, 8)]  # steps 6, 7, 8
+    assert done == [False, True, False]
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("mode,every,expect", [("warn", None, 10), ("strict", None, 1), ("warn", 3, 3),
+                                               ("strict", 4, 4)])
+def test_check_sync_every_defaults_to_every_sync_only_under_strict(mode, every, expect):
+    from rlcore.config import Config, RolloutConfig
+    from rlcore.config.resolve import resolve
+
+    cfg = Config(rollout=RolloutConfig(check_sync=mode, check_sync_every=every))
+    assert resolve(cfg, "cpu").rollout.check_sync_every == expect

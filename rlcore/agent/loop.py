@@ -39,6 +39,10 @@ class Conversation:
     malformed: int = 0
     env_reward: float | None = None
     finish: str | None = None  # None while active
+    # Partial rollouts (rlcore.step.partial): the policy version of each response token, and where
+    # the turn being generated chunk by chunk began in response_ids (None: between turns).
+    versions: list[int] = field(default_factory=list)
+    turn_start: int | None = None
 
     def final_text_ids(self) -> list[int]:
         return self.response_ids[self.last_turn[0]: self.last_turn[1]]
@@ -83,19 +87,14 @@ class Agent:
         prompts = [g[0].prompt_ids for g in groups]
         flat = [c for g in groups for c in g]
         sampling = {**sampling, "stop_token_ids": self.stop_token_ids}
-        self.stats = {"generate_s": [], "tool_s": 0.0}
+        self.stats = {"generate_s": [], "tool_s": 0.0, "turn_lengths": []}
         for turn in range(self.max_turns):
             active = [c for c in flat if c.finish is None]
             if not active and self.share is None:
                 break  # with TP ranks every rank keeps the turn count: each turn ends in a collective
             outs = self.generate_turn(rollout, prompts, active, n, seed, turn, sampling, per_turn_tokens)
             pending = [(c, p) for c, p in ((c, self.take_turn(c, s)) for c, s in zip(active, outs)) if p is not None]
-            start = time.perf_counter()
-            outcomes = self.outcomes(pending) if self.leader else None
-            if self.share is not None:  # the TP ranks of a replica continue with its leader's tool answers
-                outcomes = self.share(outcomes)
-            self.apply(pending, outcomes, last=turn + 1 == self.max_turns)
-            self.stats["tool_s"] += time.perf_counter() - start
+            self.answer(pending)
         for c in flat:
             c.finish = c.finish or "max_turns"
         return groups
@@ -114,6 +113,7 @@ class Agent:
                                                    seed=seed + turn * _TURN_SEED,
                                                    max_tokens=min(per_turn_tokens, room), **sampling)]
         self.stats["generate_s"].append(time.perf_counter() - start)
+        self.stats["turn_lengths"].append([len(o.response_ids) for o in outs])
         return outs
 
     def take_turn(self, c: Conversation, sample) -> tuple | None:
@@ -121,10 +121,17 @@ class Agent:
         (``(kind, parsed turn)``), or None when the conversation ended here."""
         budget = self.max_total_tokens - len(c.response_ids)
         ids, logp = list(sample.response_ids[:budget]), list(sample.logprobs[:budget])
-        c.last_turn = (len(c.response_ids), len(c.response_ids) + len(ids))
+        start = len(c.response_ids)
         c.response_ids += ids
         c.env_mask += [1] * len(ids)
         c.logprobs += logp
+        return self.close_turn(c, start, cut=sample.finish_reason == "length" or len(ids) < len(sample.response_ids))
+
+    def close_turn(self, c: Conversation, start: int, cut: bool) -> tuple | None:
+        """The model turn ``response_ids[start:]`` is complete (``cut``: by a token budget): parse it
+        and say what must answer it (see take_turn)."""
+        ids = c.response_ids[start:]
+        c.last_turn, c.turn_start = (start, len(c.response_ids)), None
         c.turns += 1
         prefix = self.renderer.first_turn_prefix if c.turns == 1 else ""  # the first turn continues it
         parsed = self.parser.parse(prefix + self.turn_text(ids))
@@ -132,7 +139,7 @@ class Agent:
         c.messages.append({"role": "assistant", "content": parsed.content,
                            **({"tool_calls": [{"type": "function", "function": {"name": nm, "arguments": a}}
                                               for nm, a in parsed.calls]} if parsed.calls else {})})
-        if sample.finish_reason == "length" or len(ids) < len(sample.response_ids):
+        if cut:
             c.finish = "length"  # cut: no call of it runs; an environment still scores the conversation
             return ("env_final", parsed) if c.env is not None else None
         if c.env is not None:
@@ -143,6 +150,16 @@ class Agent:
             c.finish = "stop"
             return None
         return ("calls", parsed)
+
+    def answer(self, pending: list[tuple[Conversation, tuple]]) -> None:
+        """The turn's tools and environments answer every pending conversation together (with TP,
+        the leader runs them and the replica's other ranks take its answers: call it on every rank)."""
+        start = time.perf_counter()
+        outcomes = self.outcomes(pending) if self.leader else None
+        if self.share is not None:  # the TP ranks of a replica continue with its leader's tool answers
+            outcomes = self.share(outcomes)
+        self.apply(pending, outcomes)
+        self.stats["tool_s"] = self.stats.get("tool_s", 0.0) + time.perf_counter() - start
 
     def turn_text(self, ids: list[int]) -> str:
         """A turn's text for the parser: special tokens kept (some templates' call markers are
@@ -175,8 +192,9 @@ class Agent:
             out.append(o)
         return out
 
-    def apply(self, pending: list[tuple[Conversation, tuple]], outcomes: list[dict], last: bool) -> None:
-        """Each conversation gets its answers as template-rendered delta ids, or ends."""
+    def apply(self, pending: list[tuple[Conversation, tuple]], outcomes: list[dict]) -> None:
+        """Each conversation gets its answers as template-rendered delta ids, or ends (after its
+        ``max_turns``-th turn: "max_turns")."""
         for (c, (kind, _)), o in zip(pending, outcomes):
             c.env_reward = c.env_reward if o["reward"] is None else float(o["reward"])
             c.tool_calls, c.tool_errors, c.tool_timeouts = (c.tool_calls + o["calls"], c.tool_errors + o["errors"],
@@ -186,7 +204,7 @@ class Agent:
             if o["new"] is None:
                 c.finish = "env_done"
                 continue
-            if last:
+            if c.turns >= self.max_turns:
                 c.finish = "max_turns"
                 continue
             new = [self.clip(m) for m in o["new"]]

@@ -35,6 +35,9 @@ def _lora_sleep_level(cfg: Config, level: int) -> int:
     return min(level, 1)
 
 
+SYNC_CHECK_EVERY_WARN = 10  # rollout.check_sync_every's default under warn (see its field)
+
+
 def _check_sync(cfg: Config) -> str:
     """The sync check scores prompt log-probs in vLLM, which an engine built with LoRA cannot (vllm
     0.32: its LoRA logits processor indexes only the sampled rows, lora/punica_wrapper/punica_cpu.py:
@@ -47,6 +50,14 @@ def _check_sync(cfg: Config) -> str:
                           f"cannot score the probe's prompt log-probs; set rollout.check_sync: off (or null). The "
                           f"adapter's sync shows in rollout/mismatch_kl and rollout/mismatch_max every step")
     return "off"
+
+
+def _check_sync_every(r, mode: str) -> int:
+    """null: every sync under strict (it promises to stop before a bad sync's samples train), every
+    SYNC_CHECK_EVERY_WARN-th under warn (the probe costs a trainer all-gather of the weights)."""
+    if r.check_sync_every is not None:
+        return r.check_sync_every
+    return 1 if mode == "strict" else SYNC_CHECK_EVERY_WARN
 
 
 def _has_vision(model_path: str) -> bool:
@@ -77,14 +88,21 @@ def check_partial(cfg: Config) -> None:
     """rollout.partial against what it supports (single-turn text prompts, one group size)."""
     if not cfg.rollout.partial.enable:
         return
-    others = {"rollout.multi_turn.enable": cfg.rollout.multi_turn.enable, "data.image_key": cfg.data.image_key,
-              "algorithm.routing_replay": cfg.algorithm.routing_replay,
-              "algorithm.dynamic_sampling": cfg.algorithm.dynamic_sampling}
+    others = {"data.image_key": cfg.data.image_key, "algorithm.routing_replay": cfg.algorithm.routing_replay}
     for key, value in others.items():
         if value:
             raise ConfigError(f"rollout.partial.enable=true with {key}={value!r}: partial rollouts support "
-                              f"single-turn text prompts without dynamic sampling or routing replay for now; "
-                              f"turn one of them off")
+                              f"text prompts without routing replay for now; turn one of them off")
+    if cfg.rollout.multi_turn.enable and cfg.env.cls:
+        raise ConfigError(f"rollout.partial.enable=true with env.cls={cfg.env.cls!r}: a suspended conversation is "
+                          f"checkpointed as plain data, and an environment's state is not; use plain tools "
+                          f"(tools: ...) with partial rollouts, or turn rollout.partial off")
+    if cfg.algorithm.dynamic_sampling and cfg.reward.models:
+        raise ConfigError(f"rollout.partial.enable=true with algorithm.dynamic_sampling=true and reward.models="
+                          f"{[m.get('name') if isinstance(m, dict) else m for m in cfg.reward.models]!r}: the filter "
+                          f"scores each group as it finishes, a chunk at a time, and a judge's engine would be woken "
+                          f"for every chunk; turn algorithm.dynamic_sampling or rollout.partial off, or score with "
+                          f"rule-based rewards")
 
 
 def resolve(cfg: Config, device_type: str) -> Config:
@@ -97,13 +115,13 @@ def resolve(cfg: Config, device_type: str) -> Config:
         check_npu_moe, pick_block_size, pick_enforce_eager, pick_sleep_level, pick_weight_load,
     )
 
-
     accel = device_type != "cpu"
     m, r, o = cfg.model, cfg.rollout, cfg.offload
     if r.emulate_sleep and accel:
         raise ConfigError(f"rollout.emulate_sleep=true is for CPU runs (tests, debugging); on {device_type} vLLM's "
                           f"sleep mode is real: set rollout.emulate_sleep: false")
     params = accel if o.params is None else o.params
+    check_sync = _check_sync(cfg)
     experts = model_num_experts(m.path)
     try:
         check_npu_moe(device_type, experts)
@@ -150,7 +168,8 @@ def resolve(cfg: Config, device_type: str) -> Config:
         rollout=dataclasses.replace(
             r, sleep_level=_lora_sleep_level(cfg, pick_sleep_level(device_type, r.sleep_level, r.emulate_sleep)),
             weight_load=weight_load,
-            dtype=r.dtype or dtype, check_sync=_check_sync(cfg), block_size=block_size,
+            dtype=r.dtype or dtype, check_sync=check_sync, check_sync_every=_check_sync_every(r, check_sync),
+            block_size=block_size,
             enforce_eager=pick_enforce_eager(device_type, r.enforce_eager)),
         offload=dataclasses.replace(o, params=params, optimizer=accel if o.optimizer is None else o.optimizer,
                                     ref=params if o.ref is None else o.ref),

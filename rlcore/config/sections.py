@@ -183,11 +183,14 @@ class RolloutConfig:
     tool_parser: str = "hermes"
     """vLLM tool parser that reads the model's calls (vllm.tool_parsers: hermes for Qwen2.5/Qwen3
     <tool_call> JSON, llama3_json, pythonic, ...); used with multi_turn.enable."""
-    check_sync_every: int = 1
+    check_sync_every: Optional[int] = None
     """Check the first sync and every N-th after it. Each check costs one trainer forward of the
-    probe (an FSDP all-gather of the weights, like a training forward) and one small vLLM prefill:
-    1.0 s per check for SmolLM2-135M on 2 CPU ranks measured alone, 2.2 s median in a 12-step run
-    on a busy host (3-5% of its step); 0.02 s for the tiny demo model."""
+    probe (an FSDP all-gather of the weights, as much as the sync's own gather: 20 ms beside the
+    sync's 24 ms on the tiny bench model, 1.0 s per check for SmolLM2-135M on 2 CPU ranks, 3-5% of
+    its step) and one small vLLM prefill. null = 1 with check_sync=strict (every sync verified
+    before its samples train), 10 with warn: the defects found so far (a stale tied head, split
+    q/k/v loads, a stale prefix cache) repeat at every sync, so the first check sees them, and
+    rollout/mismatch_* compares the step's own samples every step for free."""
 
     def __post_init__(self):
         check_positive("rollout", self, "n", "max_response_length", "tensor_parallel_size", "max_model_len",

@@ -66,8 +66,13 @@ def resume(run: Run) -> None:
         run.entropy.load_state_dict(state.get("exploration", {}))
     skips = state.get("skips", {})
     run.state.skips_total, run.state.skips_consecutive = skips.get("total", 0), skips.get("consecutive", 0)
+    if switch.checker is not None:
+        switch.checker.at_resume(run.state.step)
     switch.to_generation()  # the engine still holds the initial weights: push the resumed ones
+    probe = switch.pop_metrics().get("rollout/sync_probe_max")  # not step + 1's row: the uninterrupted run has none
     if run.info.is_main:
+        if probe is not None:
+            print(f"sync check of the resumed weights: max |d log-prob| {probe:.2e}", flush=True)
         # Rows and events a killed run wrote after this checkpoint are written again below.
         dropped = checkpoint.trim_metrics(run.cfg.trainer.output_dir, run.state.step)
         checkpoint.purge_tensorboard(run.logger, run.state.step)

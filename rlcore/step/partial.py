@@ -22,8 +22,16 @@ without generating; their tokens are then one policy version old (rollout/stalen
 ``oversample`` 1 waits for every group (synchronous, in chunks); above 1 the stragglers are suspended,
 not thrown away. A group trains once all its samples have finished, so GRPO's baseline compares
 complete responses. The suspended state is part of the checkpoint (StepSampler.state_dict).
-Single-turn text prompts only (multi-turn, images, routing replay and dynamic sampling are refused
-by the config check).
+
+With dynamic sampling (``algorithm.dynamic_sampling``) each group is scored when it finishes and,
+if its rewards are all equal, leaves the pool (DAPO's filter: only informative groups count toward
+``target``); the pool is refilled from the prompt order, at most ``max_sampling_rounds - 1`` times a
+step. A rank still short once no rank can get more trains filtered groups masked out of the loss,
+as without partial rollouts.
+Multi-turn conversations (``rollout.multi_turn``, plain tools) are suspended between turns or
+inside one: a chunk continues each conversation's current turn; a turn that ends is parsed and its
+tool calls run, as rlcore.agent.loop does, and the next chunk starts the next turn. Images, routing
+replay and environments (env.cls: state a checkpoint cannot carry) are refused by the config check.
 """
 
 from __future__ import annotations
@@ -45,12 +53,17 @@ class Seq:
     versions: list[int] = field(default_factory=list)
     finish: str | None = None  # "stop" | "length" once finished
 
+    @property
+    def response_ids(self) -> list[int]:  # as a Conversation's (multi-turn groups hold those)
+        return self.ids
+
 
 @dataclass
 class Group:
     prompt: Prompt
     start: int  # the step that started it
-    seqs: list[Seq]
+    seqs: list  # Seq, or rlcore.agent.loop.Conversation (multi-turn)
+    informative: bool | None = None  # dynamic sampling: rewards not all equal (None: not scored yet)
 
     @property
     def done(self) -> bool:
@@ -63,8 +76,11 @@ class Group:
 class PartialRollouts:
     """The suspended groups of this rank and the step's generation (see the module docstring)."""
 
-    def __init__(self, cfg, n: int, max_response_length: int):
+    def __init__(self, cfg, n: int, max_response_length: int, dynamic: bool = False, max_rounds: int = 1,
+                 agent=None):
         self.cfg, self.n, self.max_len = cfg, n, max_response_length  # cfg: rlcore.config.PartialConfig
+        self.dynamic, self.max_rounds = dynamic, max_rounds  # algorithm.dynamic_sampling, max_sampling_rounds
+        self.agent = agent  # rlcore.agent.loop.Agent: multi-turn conversations (max_response_length: per turn)
         self.pool: list[Group] = []
 
     # ------------------------------------------------------------------------- the step
@@ -72,19 +88,58 @@ class PartialRollouts:
     def sample(self, sampler, step: int) -> tuple[rollout_batch.RolloutBatch, dict]:
         """This rank's ``target`` finished groups for ``step`` as a batch (groups of n), and metrics."""
         version, target = step - 1, sampler.per_replica()  # the policy generating now has had step - 1 updates
-        dropped = self._drop_stale(version)
-        self._start_groups(sampler, step, math.ceil(self.cfg.oversample * target))
-        chunks, resumed_at_start = 0, {id(g) for g in self.pool if any(x.ids for x in g.seqs)}  # from earlier steps
+        dropped, in_flight = self._drop_stale(version), math.ceil(self.cfg.oversample * target)
+        self._start_groups(sampler, step, in_flight)
+        chunks, rounds, filtered, judged = 0, 1, [], 0
+        if self.agent is not None:
+            self.agent.stats = {"generate_s": [], "tool_s": 0.0, "turn_lengths": []}
+        resumed_at_start = {id(g) for g in self.pool if any(x.response_ids for x in g.seqs)}  # from earlier steps
         while True:
+            if self.dynamic:  # the filter: finished groups whose rewards are all equal leave the pool
+                new, out = self._filter(sampler, version)
+                judged, filtered = judged + new, filtered + out
+                if rounds < self.max_rounds and self._start_groups(sampler, step, in_flight):
+                    rounds += 1  # a refill for the filtered ones (collective: the same on every rank)
             ready = sum(g.done for g in self.pool)
-            if all_reduce_max([float(target - min(ready, target))])[0] == 0:  # every rank has enough
+            unfinished = any(s.finish is None for g in self.pool for s in g.seqs)
+            short, moving = all_reduce_max([float(target - min(ready, target)), float(unfinished)])
+            if short == 0 or not moving:  # every rank has enough, or no rank can get more (rounds used up)
                 break
             self._generate_chunk(sampler, step, chunks, version)
             chunks += 1
+        if self.agent is not None:
+            sampler.timer.add("tool", self.agent.stats["tool_s"])  # inside timing/generate_s
         chosen = sorted((g for g in self.pool if g.done), key=lambda g: g.start)[:target]
         self.pool = [g for g in self.pool if all(g is not c for c in chosen)]
-        batch = self._batch(chosen, version)
-        return batch, self._metrics(chosen, resumed_at_start, dropped, chunks, batch, sampler.rollout.tp_size)
+        pads = filtered[: target - len(chosen)]  # a rank still short trains filtered groups masked out
+        batch = self._batch(chosen + pads, version)
+        if pads:
+            batch.keep = [1.0] * (len(chosen) * self.n) + [0.0] * (len(pads) * self.n)
+        metrics = self._metrics(chosen, resumed_at_start, dropped, chunks, batch, sampler.rollout.tp_size)
+        if self.dynamic:
+            metrics.update(self._filter_metrics(judged, len(filtered), rounds, target, sampler.rollout))
+        return batch, metrics
+
+    def _filter(self, sampler, version: int) -> tuple[int, list[Group]]:
+        """Score the groups that finished since the last call (DAPO's filter): those whose rewards
+        are all equal leave the pool. Returns (groups scored, the filtered ones)."""
+        new = [g for g in self.pool if g.done and g.informative is None]
+        if not new:
+            return 0, []
+        scores, _ = sampler.score(self._batch(new, version), collective=False)  # only this rank scores here
+        good = set(rollout_batch.informative_groups(scores, self.n))
+        for i, g in enumerate(new):
+            g.informative = i in good
+        out = [g for g in new if not g.informative]
+        self.pool = [g for g in self.pool if g.informative is not False]
+        return len(new), out
+
+    def _filter_metrics(self, judged: int, filtered: int, rounds: int, target: int, rollout) -> dict[str, float]:
+        total_judged, total_filtered = (v / rollout.tp_size for v in all_reduce_sum([float(judged), float(filtered)]))
+        frac = total_filtered / max(total_judged, 1.0)
+        return {"rollout/filtered_groups_frac": frac, "rollout/zero_variance_groups_frac": frac,
+                "rollout/sampling_rounds": float(rounds),
+                "rollout/generated_per_trained": total_judged / max(target * rollout.dp_size, 1)}
 
     def _drop_stale(self, version: int) -> int:
         keep = [g for g in self.pool if g.oldest() is None or version - g.oldest() <= self.cfg.max_staleness]
@@ -92,27 +147,37 @@ class PartialRollouts:
         self.pool = keep
         return dropped
 
-    def _start_groups(self, sampler, step: int, in_flight: int) -> None:
+    def _start_groups(self, sampler, step: int, in_flight: int) -> bool:
         """Fill the pool to ``in_flight`` groups; every rank draws max-over-ranks prompts per replica
-        from the shared order (a collective), and uses its slice's first ones."""
+        from the shared order (a collective), and uses its slice's first ones. False: none needed."""
         need = int(all_reduce_max([float(max(in_flight - len(self.pool), 0))])[0])
         if need == 0:
-            return
+            return False
         mine = sampler.next_prompts(need)[: max(in_flight - len(self.pool), 0)]
-        self.pool += [Group(p, step, [Seq() for _ in range(self.n)]) for p in mine]
+        self.pool += [Group(p, step, self.agent.start(p.ids, p.row, self.n) if self.agent is not None
+                            else [Seq() for _ in range(self.n)]) for p in mine]
+        return True
 
     def _generate_chunk(self, sampler, step: int, chunk: int, version: int) -> None:
-        """One generate call: every unfinished sequence continues by up to ``chunk_tokens`` tokens."""
+        """One generate call: every unfinished sequence continues by up to ``chunk_tokens`` tokens
+        (a conversation: its current turn, which may have begun in an earlier chunk or step)."""
         todo = [(g, s) for g in self.pool for s in g.seqs if s.finish is None]
         if not todo:
+            if self.agent is not None:
+                self.agent.answer([])  # with TP every rank ends each chunk in the tools' collective
             return
         r = sampler.cfg
         if sampler.switch is not None:
             sampler.switch.ensure_generation()
+        stop = {"stop_token_ids": self.agent.stop_token_ids} if self.agent is not None else {}
+        contexts = [(s.prompt_ids if self.agent is not None else g.prompt.ids) + s.response_ids for g, s in todo]
         with sampler.timer("generate"):
-            out = sampler.rollout.generate([g.prompt.ids + s.ids for g, s in todo], n=1, temperature=r.temperature,
-                                           top_p=r.top_p, top_k=r.top_k, max_tokens=self.cfg.chunk_tokens,
-                                           seed=generation_seed(sampler.seed, step, chunk))
+            out = sampler.rollout.generate(contexts, n=1, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
+                                           max_tokens=self.cfg.chunk_tokens,
+                                           seed=generation_seed(sampler.seed, step, chunk), **stop)
+        sampler.count_decode([len(sample.response_ids) for (sample,) in out])
+        if self.agent is not None:
+            return self._continue_turns([s for _, s in todo], [o for (o,) in out], version)
         for (_, s), (sample,) in zip(todo, out):
             room = self.max_len - len(s.ids)
             ids, lps = sample.response_ids[:room], sample.logprobs[:room]
@@ -124,20 +189,52 @@ class PartialRollouts:
             elif len(s.ids) >= self.max_len:
                 s.finish = "length"
 
+    def _continue_turns(self, convs: list, samples: list, version: int) -> None:
+        """Each conversation's turn grows by its chunk; a turn that ended (end of turn, or its
+        per-turn or total token budget) is closed as rlcore.agent.loop does it, and the tools of
+        all closed turns answer together (their tokens are context: env_mask 0)."""
+        agent, pending = self.agent, []
+        for c, sample in zip(convs, samples):
+            if c.turn_start is None:
+                c.turn_start = len(c.response_ids)
+            room = min(self.max_len - (len(c.response_ids) - c.turn_start), agent.max_total_tokens - len(c.response_ids))
+            ids, lps = list(sample.response_ids[:room]), list(sample.logprobs[:room])
+            c.response_ids += ids
+            c.env_mask += [1] * len(ids)
+            c.logprobs += lps
+            ended = sample.finish_reason == "stop" and len(sample.response_ids) <= room
+            if ended or len(ids) >= room:
+                answer = agent.close_turn(c, c.turn_start, cut=not ended)
+                if answer is not None:
+                    pending.append((c, answer))
+        agent.answer(pending)
+        for c in convs:  # the sampled tokens and the tools' answers: this version's
+            c.versions += [version] * (len(c.response_ids) - len(c.versions))
+
     # ------------------------------------------------------------------------- the batch and metrics
 
     def _batch(self, groups: list[Group], version: int) -> rollout_batch.RolloutBatch:
         flat = [(g, s) for g in groups for s in g.seqs]
+        stale = [[version - v for v in s.versions] for _, s in flat]
+        if self.agent is not None:  # conversations, as rlcore.step.sampling.multi_turn_batch builds them
+            return rollout_batch.RolloutBatch(
+                prompt_ids=[c.prompt_ids for _, c in flat], response_ids=[list(c.response_ids) for _, c in flat],
+                rollout_logp=[list(c.logprobs) for _, c in flat], answers=[g.prompt.answer for g, _ in flat],
+                finish_reasons=[c.finish for _, c in flat], group_size=self.n,
+                env_mask=[list(c.env_mask) for _, c in flat], final_ids=[c.final_text_ids() for _, c in flat],
+                env_rewards=[c.env_reward for _, c in flat], conversations=[c for _, c in flat],
+                rows=[g.prompt.row for g, _ in flat], staleness=stale)
         return rollout_batch.RolloutBatch(
             prompt_ids=[g.prompt.ids for g, _ in flat], response_ids=[list(s.ids) for _, s in flat],
             rollout_logp=[list(s.logprobs) for _, s in flat], answers=[g.prompt.answer for g, _ in flat],
             finish_reasons=[s.finish for _, s in flat], group_size=self.n, rows=[g.prompt.row for g, _ in flat],
-            staleness=[[version - v for v in s.versions] for _, s in flat])
+            staleness=stale)
 
     def _metrics(self, chosen: list[Group], resumed: set, dropped: int, chunks: int,
                  batch: rollout_batch.RolloutBatch, tp_size: int) -> dict[str, float]:
-        stale = [x for row in batch.staleness for x in row]
-        in_flight = [len(s.ids) for g in [*chosen, *self.pool] for s in g.seqs if s.ids]  # every started sequence
+        masks = batch.env_mask or [[1] * len(row) for row in batch.staleness]  # the policy's own tokens
+        stale = [x for row, m in zip(batch.staleness, masks) for x, k in zip(row, m) if k]
+        in_flight = [len(s.response_ids) for g in [*chosen, *self.pool] for s in g.seqs if s.response_ids]
         local = [float(sum(id(g) in resumed for g in chosen)), float(len(chosen)), float(sum(stale)),
                  float(len(stale)), float(dropped), float(len(self.pool)), float(sum(len(r) for r in batch.response_ids)),
                  float(len(batch)), float(sum(in_flight)), float(len(in_flight))]
@@ -150,7 +247,13 @@ class PartialRollouts:
     # ------------------------------------------------------------------------- checkpoint
 
     def state_dict(self) -> list[dict]:
-        return [{"prompt": vars(g.prompt), "start": g.start, "seqs": [vars(s) for s in g.seqs]} for g in self.pool]
+        """The pool as plain data (a conversation without its environment: partial rollouts refuse env.cls)."""
+        return [{"prompt": vars(g.prompt), "start": g.start, "informative": g.informative,
+                 "seqs": [{k: v for k, v in vars(s).items() if k != "env"} for s in g.seqs]} for g in self.pool]
 
     def load_state_dict(self, pool: list[dict]) -> None:
-        self.pool = [Group(Prompt(**g["prompt"]), g["start"], [Seq(**s) for s in g["seqs"]]) for g in pool]
+        from rlcore.agent.loop import Conversation
+
+        kind = Seq if self.agent is None else Conversation
+        self.pool = [Group(Prompt(**g["prompt"]), g["start"], [kind(**s) for s in g["seqs"]], g.get("informative"))
+                     for g in pool]

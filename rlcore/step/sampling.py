@@ -78,13 +78,16 @@ class StepSampler:
     keep_rate: float = field(default=KEEP_RATE_PRIOR)  # running estimate of the kept-group fraction
     switch: object = None  # rlcore.step.switch.PhaseSwitcher: wakes the policy's engine after judging
     partial: object = None  # rlcore.step.partial.PartialRollouts (rollout.partial.enable), made here
+    decode: list = field(default_factory=lambda: [0.0, 0.0])  # this step's (tail, total) decode iterations
 
     def __post_init__(self):
         partial = getattr(self.cfg, "partial", None)  # a section without it (tests' stand-ins): off
         if partial is not None and partial.enable and self.partial is None:
             from rlcore.step.partial import PartialRollouts
 
-            self.partial = PartialRollouts(self.cfg.partial, self.cfg.n, self.cfg.max_response_length)
+            self.partial = PartialRollouts(self.cfg.partial, self.cfg.n, self.cfg.max_response_length,
+                                           dynamic=self.algo.dynamic_sampling, max_rounds=self.algo.max_sampling_rounds,
+                                           agent=self.agent)
 
     def state_dict(self) -> dict:
         return {"keep_rate": self.keep_rate, **({"partial": self.partial.state_dict()} if self.partial else {})}
@@ -95,13 +98,27 @@ class StepSampler:
             self.partial.load_state_dict(state.get("partial", []))
 
     def sample(self, step: int) -> tuple[rollout_batch.RolloutBatch, torch.Tensor, dict]:
-        """This replica's samples of ``step``, their shaped rewards (N,) and reward metrics."""
+        """This replica's samples of ``step``, their shaped rewards (N,) and reward metrics, with
+        rollout/tail_decode_frac (tail_iterations over the step's generate calls, all ranks)."""
+        self.decode = [0.0, 0.0]
+        batch, scores, metrics = self._sample(step)
+        tail, total = all_reduce_sum(self.decode)
+        metrics["rollout/tail_decode_frac"] = tail / max(total, 1.0)
+        return batch, scores, metrics
+
+    def count_decode(self, lengths: list[int]) -> None:
+        """One generate call's tokens per request: its decode iterations, and the tail's."""
+        tail, total = tail_iterations(lengths)
+        self.decode[0] += tail
+        self.decode[1] += total
+
+    def _sample(self, step: int) -> tuple[rollout_batch.RolloutBatch, torch.Tensor, dict]:
         if self.partial is not None:  # suspended groups continue; the step stops once enough are done
             batch, partial_metrics = self.partial.sample(self, step)
             scores, metrics = self.score(batch)
             groups = max(len(scores) // batch.group_size, 1)
             informative = len(rollout_batch.informative_groups(scores, batch.group_size))
-            metrics["rollout/zero_variance_groups_frac"] = 1.0 - informative / groups
+            metrics["rollout/zero_variance_groups_frac"] = 1.0 - informative / groups  # dynamic: the filter's
             return batch, scores, {**metrics, **partial_metrics}
         if not self.algo.dynamic_sampling:
             batch = self.generate(self.next_prompts(self.per_replica()), step)
@@ -169,14 +186,18 @@ class StepSampler:
             self.switch.ensure_generation()  # a previous round's judging put the engine to sleep
         if self.agent is not None:
             with self.timer("generate"):
-                return multi_turn_batch(self.agent, self.rollout, prompts, r, generation_seed(self.seed, step, round_),
-                                        self.timer)
+                batch = multi_turn_batch(self.agent, self.rollout, prompts, r, generation_seed(self.seed, step, round_),
+                                         self.timer)
+            for lengths in self.agent.stats["turn_lengths"]:  # one generate call per turn
+                self.count_decode(lengths)
+            return batch
         images = vision.prompt_images(prompts)  # None for text-only prompts
         with self.timer("generate"):
             out = self.rollout.generate([p.ids for p in prompts], n=r.n, temperature=r.temperature, top_p=r.top_p,
                                         top_k=r.top_k, max_tokens=r.max_response_length,
                                         seed=generation_seed(self.seed, step, round_),
                                         **({"images": images} if images else {}))
+        self.count_decode([len(x.response_ids) for samples in out for x in samples])
         # The policy's form of each prompt: image tokens expanded, pixels and M-RoPE positions
         # (one object per prompt, shared by its group: the shared-prompt packing keys on it).
         policy_form = [(p.ids, None) if not im else self.processor.prepare(p.ids, im)
@@ -192,16 +213,29 @@ class StepSampler:
             engine_prompt_ids=[p.ids for p, _, _ in flat] if images else None,
             images=[im for im, samples in zip(images, out) for _ in samples] if images else None)
 
-    def score(self, batch: rollout_batch.RolloutBatch) -> tuple[torch.Tensor, dict]:
-        """Rule-based rewards (N,), then DAPO overlong shaping / truncation masking when configured."""
+    def score(self, batch: rollout_batch.RolloutBatch, collective: bool = True) -> tuple[torch.Tensor, dict]:
+        """Rule-based rewards (N,), then DAPO overlong shaping / truncation masking when configured.
+        ``collective`` False: no all-rank conversation metrics (one rank scoring alone)."""
         with self.timer("reward"):
             texts = self.tokenizer.batch_decode(batch.final_ids or batch.response_ids, skip_special_tokens=True)
             values, metrics = self.scorer.score(texts, batch.answers, batch.env_rewards, rows=batch.rows)
-            if batch.conversations is not None:
+            if batch.conversations is not None and collective:
                 metrics.update(agent_metrics(batch.conversations, self.rollout.tp_size))
             shaped, shape_metrics = rollout_batch.shape_rewards(torch.tensor(values, dtype=torch.float32), batch,
                                                        self.algo, response_budget(self.cfg))
         return shaped, {**metrics, **shape_metrics}
+
+
+def tail_iterations(lengths: list[int], tail: float = 0.1) -> tuple[float, float]:
+    """(tail, total) decode iterations of one batched generate call whose requests produced
+    ``lengths`` tokens: the batch decodes as long as its longest request (total = max), and the
+    iterations after all but the longest ``tail`` share of its requests finished (max - the
+    (1 - tail) quantile) are spent on that share alone: the long tail a step waits for."""
+    if not lengths:
+        return 0.0, 0.0
+    ordered = sorted(lengths)
+    k = max(math.ceil((1.0 - tail) * len(ordered)) - 1, 0)  # the (1 - tail) quantile, nearest rank
+    return float(ordered[-1] - ordered[k]), float(ordered[-1])
 
 
 def agent_metrics(conversations: list, tp_size: int = 1) -> dict[str, float]:

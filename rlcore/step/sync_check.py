@@ -167,6 +167,7 @@ class SyncCheck:
             raise ValueError(f"check_sync={mode!r}: choose off, warn or strict")
         self.mode, self.dtype, self.device, self.is_main = mode, dtype, device, is_main
         self.every, self.syncs = max(1, every), 0  # check the 1st sync and every ``every``-th after it
+        self._force = False
         self.tol = TOLERANCE.get(dtype, 0.1) if tol is None else tol
         self.batch = probe_batch(probe) if probe else None
         self._trainer_lp: torch.Tensor | None = None
@@ -189,8 +190,9 @@ class SyncCheck:
         if not self.enabled:
             return "no-op (rollout.check_sync off)"
         self.syncs += 1
-        if (self.syncs - 1) % self.every:
+        if (self.syncs - 1) % self.every and not self._force:
             return f"no-op (rollout.check_sync_every={self.every})"
+        self._force = False
         # Under Ulysses sequence parallelism a rank's layers see a slice of the row: no per-layer
         # comparison then (a breach is reported without its first differing group).
         capture = capture_groups(policy.model) if getattr(policy, "sp", None) is None else nullcontext({})
@@ -198,6 +200,12 @@ class SyncCheck:
             lp = grpo.compute_logprobs_in_chunks(policy, self.batch, 1.0, len(self.batch), self.device)
         self._trainer_lp, self._trainer_groups = lp.cpu(), dict(groups)
         return f"trainer scored {int(self.batch.response_mask().sum())} probe tokens"
+
+    def at_resume(self, step: int) -> None:
+        """The next sync pushes the weights of ``step`` from a checkpoint: check it whatever the
+        schedule (a resume is a path of its own), and count it as ``step``'s sync, so that the
+        syncs after it are checked as in the run that was not interrupted."""
+        self.syncs, self._force = step - 1, True
 
     def after_sync(self, rollout) -> str:
         """vLLM's log-probs of the same tokens; compare, log, and on a breach warn or raise."""
