@@ -202,15 +202,48 @@ def test_dynamic_sampling_pads_with_filtered_groups_masked_once_the_rounds_are_u
 
 
 @pytest.mark.unit
-def test_tail_iterations_count_what_the_longest_tenth_costs_a_batched_call():
+def test_the_pool_state_is_a_copy_that_the_next_step_does_not_change():
+    """The loop snapshots the sampler's state at each step's start (what a preemption saves when it
+    abandons the step): the step's growth of the suspended sequences must not reach into it."""
+    import copy
+
+    s, part = sampler([9, 2, 3, 12, 1, 2, 1, 1], target=2, oversample=2.0, chunk=4)
+    part.sample(s, step=1)
+    snapshot = part.state_dict()
+    frozen = copy.deepcopy(snapshot)
+    assert any(seq["ids"] for g in snapshot for seq in g["seqs"])  # suspended sequences with tokens
+    part.sample(s, step=2)
+    assert snapshot == frozen
+
+
+@pytest.mark.unit
+def test_tail_iterations_count_what_the_longest_tenth_costs_a_step():
     from rlcore.step.sampling import tail_iterations
 
-    assert tail_iterations(list(range(1, 11))) == (1.0, 10.0)  # 90% done after 9 of 10 iterations
-    assert tail_iterations([40] * 18 + [200, 256]) == (216.0, 256.0)  # 2 of 20 long: 216 iterations for them
-    assert tail_iterations([5]) == (0.0, 5.0) and tail_iterations([]) == (0.0, 0.0)
+    assert tail_iterations([list(range(1, 11))]) == (1.0, 10.0)  # 1 of 10 left for the last iteration
+    assert tail_iterations([[40] * 18 + [200, 256]]) == (256.0 - 40.0, 256.0)  # 2 of 20 long: 216 for them
+    # In chunks of 64: the first call waits for nobody; the second holds 2 of the step's 20 sequences
+    # (the tail's share): all its 64 iterations are theirs; so are the third's 64 (1 left).
+    assert tail_iterations([[64] * 20, [64, 64], [64]]) == (128.0, 192.0)
+    assert tail_iterations([[5]]) == (0.0, 5.0) and tail_iterations([]) == (0.0, 0.0)
     s, part = sampler([5, 2, 9, 1], target=2, oversample=1.0, chunk=3)
     part.sample(s, step=1)
     assert s.decoded == [[3, 3, 2, 2], [2, 2]]  # two groups of 2 (5 and 2 tokens) in chunks of 3
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("partial,correction,expect", [
+    (True, {}, "token"), (True, {"is_level": "off"}, None), (True, {"is_level": "geometric"}, "geometric"),
+    (True, {"tis_cap": 2.0}, None), (False, {}, None)])
+def test_partial_rollouts_default_to_token_level_correction(partial, correction, expect):
+    from rlcore.config import Config, PartialConfig, RolloutConfig, RolloutCorrectionConfig
+    from rlcore.config.resolve import resolve
+
+    cfg = resolve(Config(rollout=RolloutConfig(partial=PartialConfig(enable=partial)),
+                         rollout_correction=RolloutCorrectionConfig(**correction)), "cpu")
+    options = cfg.rollout_correction.options()
+    assert (options or {}).get("is_level") == expect
+    assert resolve(cfg, "cpu") == cfg  # resolving twice changes nothing
 
 
 @pytest.mark.unit
@@ -304,22 +337,33 @@ def partial_args(model, data, out, *extra):
             "--rollout.max_response_length", "8", "--rollout.partial.enable", "true",
             "--rollout.partial.chunk_tokens", "3", "--rollout.partial.oversample", "2",
             "--rollout_correction.is_level", "token",  # resumed tokens weighed by their own behaviour log-probs
+            "--algorithm.micro_batch_tokens", "96",  # token-budget micro-batches; shared prompts: on (sdpa)
             "--checkpoint.keep_last", "10", "--checkpoint.save_hf_final", "false", *extra]
 
 
 def test_kill9_with_suspended_groups_then_resume_is_exact(tiny_model, toy_data, tmp_path):
     """2 ranks, 4 steps of partial rollouts (2 groups trained per rank and step, 4 in flight), against
     the same run killed (-9) after step 2's checkpoint (suspended groups inside it) and step 3's row,
-    then resumed: every metric row equal, including the staleness and the resumed tokens' mismatch."""
-    from workers.launch import TRAIN, comparable, kill9_when, read_rows
+    resumed, preempted in step 4 (step_3 saved from the step's start) and resumed again: every metric
+    row equal, including the staleness and the resumed tokens' mismatch."""
+    from workers.launch import FAULTY, TRAIN, Launch, comparable, kill9_when, rank_exit_codes, read_rows
 
     a, b = str(tmp_path / "a"), str(tmp_path / "b")
-    run_torchrun(TRAIN, 2, *partial_args(tiny_model, toy_data[0], a))
-    kill9_when(2, partial_args(tiny_model, toy_data[0], b, "--checkpoint.save_every", "2", "--checkpoint.resume",
-                               "auto"), r"saved checkpoint .*step_2$", r"^step +3/")
-    proc = run_torchrun(TRAIN, 2, *partial_args(tiny_model, toy_data[0], b, "--checkpoint.save_every", "2",
-                                                "--checkpoint.resume", "auto"))
-    assert "resumed from" in proc.stdout
+    straight = run_torchrun(TRAIN, 2, *partial_args(tiny_model, toy_data[0], a))
+    assert "one prompt per group (block mask), micro-batches up to 96 tokens" in straight.stdout, straight.stdout
+    b_args = partial_args(tiny_model, toy_data[0], b, "--checkpoint.save_every", "2", "--checkpoint.resume", "auto")
+    kill9_when(2, b_args, r"saved checkpoint .*step_2$", r"^step +3/")
+    # Resumed from step_2, then preempted in step 4's generation: step 4 is abandoned and step_3 is
+    # written from the snapshot taken at step 4's start, the pool as it was before step 4 grew it.
+    preempted = Launch(2, b_args, env={"RLCORE_TEST_SIGNAL_STEP": "4"}, script=FAULTY,
+                       launcher_args=("--monitor-interval=5",))
+    try:
+        preempted.wait(timeout=600)
+    finally:
+        preempted.close()
+    assert rank_exit_codes(preempted.output) == {0: 75, 1: 75}, preempted.output[-3000:]
+    proc = run_torchrun(TRAIN, 2, *b_args)
+    assert "resumed from" in proc.stdout and "step_3 at step 3" in proc.stdout, proc.stdout[-2000:]
     rows_a, rows_b = read_rows(a), read_rows(b)
     assert [r["step"] for r in rows_b] == [1, 2, 3, 4]
     for ra, rb in zip(rows_a, rows_b):
@@ -329,3 +373,32 @@ def test_kill9_with_suspended_groups_then_resume_is_exact(tiny_model, toy_data, 
     assert len(state) == 2 and all(len(g["seqs"]) == 4 for g in state)  # 4 in flight - 2 trained, carried over
     assert any(r["rollout/partial_frac"] > 0 and r["rollout/staleness_max"] >= 1 for r in rows_a), rows_a
     assert all("rollout/mismatch_kl_resumed" in r and "rollout/mismatch_kl_fresh" in r for r in rows_a[1:])
+
+
+def test_multi_turn_conversations_suspend_through_the_trainer(tmp_path):
+    """train_grpo.py on 2 ranks: the tool demo's model and prompts with a plain tool (the calculator:
+    its lookup calls get an error answer and another turn), partial rollouts with 2 x the groups in
+    flight, chunks of 2 tokens (a turn is 3). Suspended conversations carry into later steps and
+    into step 2's checkpoint as plain data; the conversation metrics are logged as without them."""
+    from rlcore.demo.tool import make_tool_data, make_tool_model
+    from workers.launch import TRAIN, read_rows
+
+    model = make_tool_model(str(tmp_path / "model"))
+    data, _ = make_tool_data(str(tmp_path / "data"), n_train=64, n_val=8)
+    out = str(tmp_path / "out")
+    run_torchrun(TRAIN, 2, "--config", os.path.join(REPO, "configs", "demo_tool_cpu.yaml"), "--model.path", model,
+                 "--data.train_files", json.dumps([data]), "--data.val_files", "[]", "--trainer.output_dir", out,
+                 "--trainer.total_steps", "3", "--trainer.prompts_per_step", "4", "--rollout.n", "4",
+                 "--trainer.val_before_train", "false", "--trainer.val_every", "0", "--env.cls", "null", "--tools", '["calculator"]',
+                 "--reward.components", '{"first_word_match": 1.0}', "--rollout.partial.enable", "true",
+                 "--rollout.partial.chunk_tokens", "2", "--rollout.partial.oversample", "2",
+                 "--checkpoint.save_every", "2", "--checkpoint.keep_last", "5")
+    rows = read_rows(out)
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert any(r["rollout/partial_frac"] > 0 for r in rows[1:]) and rows[0]["rollout/chunks"] >= 2, rows
+    assert max(r["rollout/turns_mean"] for r in rows) > 1 and max(r["rollout/tool_calls_mean"] for r in rows) > 0
+    state = torch.load(os.path.join(out, "checkpoints", "step_2", "extra_state", "extra_state_rank_0.pt"),
+                       weights_only=True)["user"]["trainer"]["sampling"]["partial"]
+    convs = [c for g in state for c in g["seqs"]]
+    assert len(state) == 2 and all({"messages", "env_mask", "versions", "turn_start"} <= set(c) for c in convs)
+    assert any(c["response_ids"] for c in convs)  # suspended with tokens: inside or between turns

@@ -126,8 +126,9 @@ class RolloutCorrectionConfig:
 
     is_level: Optional[str] = None
     """Importance weights pi_trainer / pi_rollout per token, sequence (product) or geometric
-    (the sequence's geometric mean); null = off. Needs the trainer's old log-probs: with one PPO
-    epoch and mini-batch they cost one extra forward per step."""
+    (the sequence's geometric mean); off; null = off, or token with rollout.partial (resumed tokens
+    were sampled by older policies: docs/partial_rollouts.md). Needs the trainer's old log-probs:
+    with one PPO epoch and mini-batch they cost one extra forward per step."""
     is_mode: str = "truncate"
     """truncate (TIS: min(w, is_high)) or mask (MIS / IcePop: tokens or sequences with w outside
     [is_low, is_high] get weight 0; is_mask_normalizer says whether they still count in the
@@ -154,13 +155,13 @@ class RolloutCorrectionConfig:
     def __post_init__(self):
         check(self.tis_cap is None or self.tis_cap >= 1, "rollout_correction.tis_cap", self.tis_cap,
               "it must be >= 1 (e.g. 2.0), or null to turn truncated importance sampling off")
-        check(self.is_level is None or self.is_level in IS_LEVELS, "rollout_correction.is_level", self.is_level,
-              f"choose one of {', '.join(IS_LEVELS)}, or null")
+        check(self.is_level is None or self.is_level in (*IS_LEVELS, "off"), "rollout_correction.is_level",
+              self.is_level, f"choose one of {', '.join(IS_LEVELS)}, off, or null")
         check(self.is_mode in IS_MODES, "rollout_correction.is_mode", self.is_mode, f"choose one of {', '.join(IS_MODES)}")
         check(self.is_mask_normalizer in IS_MASK_NORMALIZERS, "rollout_correction.is_mask_normalizer",
               self.is_mask_normalizer, "choose all (masked tokens count in the normaliser, as IcePop and verl) "
               "or kept (they leave it)")
-        check(self.tis_cap is None or self.is_level is None, "rollout_correction.tis_cap", self.tis_cap,
+        check(self.tis_cap is None or self.is_level in (None, "off"), "rollout_correction.tis_cap", self.tis_cap,
               "tis_cap is token-level TIS, which is_level: token with is_mode: truncate and is_high replaces: set one")
         check(self.is_high > 0 and (self.is_low is None or 0 < self.is_low < self.is_high),
               "rollout_correction.is_low/is_high", (self.is_low, self.is_high), "need 0 < is_low < is_high")
@@ -172,9 +173,10 @@ class RolloutCorrectionConfig:
 
     def options(self) -> dict | None:
         """rlcore.algo.rollout_correction.correct's settings; None when neither is_level nor rs is on."""
-        if self.is_level is None and self.rs is None:
+        level = None if self.is_level == "off" else self.is_level
+        if level is None and self.rs is None:
             return None
-        return {"is_level": self.is_level, "is_mode": self.is_mode, "is_mask_normalizer": self.is_mask_normalizer,
+        return {"is_level": level, "is_mode": self.is_mode, "is_mask_normalizer": self.is_mask_normalizer,
                 "is_high": self.is_high,
                 "is_low": self.is_low if self.is_low is not None else 1.0 / self.is_high,
                 "rs": self.rs, "rs_threshold": self.rs_threshold, "rs_low": self.rs_low}

@@ -36,6 +36,18 @@ def _lora_sleep_level(cfg: Config, level: int) -> int:
 
 
 SYNC_CHECK_EVERY_WARN = 10  # rollout.check_sync_every's default under warn (see its field)
+PARTIAL_IS_LEVEL = "token"  # rollout_correction.is_level's default with rollout.partial (docs/partial_rollouts.md)
+
+
+def _correction(cfg: Config):
+    """rollout_correction with its partial-rollouts default: null is_level becomes PARTIAL_IS_LEVEL
+    when rollout.partial is on and no other correction (tis_cap, rs) or vLLM's own log-probs as the
+    ratio's denominator (algorithm.use_rollout_logprobs) is set; ``off`` stays off."""
+    c = cfg.rollout_correction
+    if (cfg.rollout.partial.enable and c.is_level is None and c.tis_cap is None and c.rs is None
+            and not cfg.algorithm.use_rollout_logprobs):
+        return dataclasses.replace(c, is_level=PARTIAL_IS_LEVEL)
+    return c
 
 
 def _check_sync(cfg: Config) -> str:
@@ -174,6 +186,7 @@ def resolve(cfg: Config, device_type: str) -> Config:
         offload=dataclasses.replace(o, params=params, optimizer=accel if o.optimizer is None else o.optimizer,
                                     ref=params if o.ref is None else o.ref),
         reward=dataclasses.replace(cfg.reward, components=cfg.reward.effective_components()),
+        rollout_correction=_correction(cfg),
         val=dataclasses.replace(cfg.val, max_response_length=cfg.val.max_response_length or r.max_response_length),
         distill=dataclasses.replace(cfg.distill, temperature=cfg.distill.temperature or r.temperature,
                                     max_model_len=cfg.distill.max_model_len or r.max_model_len + 1),

@@ -25,9 +25,11 @@ complete responses. The suspended state is part of the checkpoint (StepSampler.s
 
 With dynamic sampling (``algorithm.dynamic_sampling``) each group is scored when it finishes and,
 if its rewards are all equal, leaves the pool (DAPO's filter: only informative groups count toward
-``target``); the pool is refilled from the prompt order, at most ``max_sampling_rounds - 1`` times a
-step. A rank still short once no rank can get more trains filtered groups masked out of the loss,
-as without partial rollouts.
+``target``); the pool is refilled from the prompt order with up to ``(max_sampling_rounds - 1) x
+target`` new groups a step, as many prompts as dynamic sampling's extra rounds draw without partial
+rollouts. A rank still short once no rank can get more trains filtered groups masked out of the
+loss, as without partial rollouts.
+
 Multi-turn conversations (``rollout.multi_turn``, plain tools) are suspended between turns or
 inside one: a chunk continues each conversation's current turn; a turn that ends is parsed and its
 tool calls run, as rlcore.agent.loop does, and the next chunk starts the next turn. Images, routing
@@ -90,7 +92,8 @@ class PartialRollouts:
         version, target = step - 1, sampler.per_replica()  # the policy generating now has had step - 1 updates
         dropped, in_flight = self._drop_stale(version), math.ceil(self.cfg.oversample * target)
         self._start_groups(sampler, step, in_flight)
-        chunks, rounds, filtered, judged = 0, 1, [], 0
+        chunks, filtered, judged = 0, [], 0
+        refill = (self.max_rounds - 1) * target  # dynamic sampling: groups a step may start beyond the first fill
         if self.agent is not None:
             self.agent.stats = {"generate_s": [], "tool_s": 0.0, "turn_lengths": []}
         resumed_at_start = {id(g) for g in self.pool if any(x.response_ids for x in g.seqs)}  # from earlier steps
@@ -98,11 +101,11 @@ class PartialRollouts:
             if self.dynamic:  # the filter: finished groups whose rewards are all equal leave the pool
                 new, out = self._filter(sampler, version)
                 judged, filtered = judged + new, filtered + out
-                if rounds < self.max_rounds and self._start_groups(sampler, step, in_flight):
-                    rounds += 1  # a refill for the filtered ones (collective: the same on every rank)
+                refill -= self._start_groups(sampler, step, in_flight, cap=refill)  # for the filtered ones
             ready = sum(g.done for g in self.pool)
             unfinished = any(s.finish is None for g in self.pool for s in g.seqs)
-            short, moving = all_reduce_max([float(target - min(ready, target)), float(unfinished)])
+            with sampler.timer("stop_rule"):  # timing/stop_rule_s: mostly waiting for the slowest rank's chunk
+                short, moving = all_reduce_max([float(target - min(ready, target)), float(unfinished)])
             if short == 0 or not moving:  # every rank has enough, or no rank can get more (rounds used up)
                 break
             self._generate_chunk(sampler, step, chunks, version)
@@ -117,7 +120,8 @@ class PartialRollouts:
             batch.keep = [1.0] * (len(chosen) * self.n) + [0.0] * (len(pads) * self.n)
         metrics = self._metrics(chosen, resumed_at_start, dropped, chunks, batch, sampler.rollout.tp_size)
         if self.dynamic:
-            metrics.update(self._filter_metrics(judged, len(filtered), rounds, target, sampler.rollout))
+            started = (self.max_rounds - 1) * target - refill  # beyond the first fill
+            metrics.update(self._filter_metrics(judged, len(filtered), started, target, sampler.rollout))
         return batch, metrics
 
     def _filter(self, sampler, version: int) -> tuple[int, list[Group]]:
@@ -134,8 +138,10 @@ class PartialRollouts:
         self.pool = [g for g in self.pool if g.informative is not False]
         return len(new), out
 
-    def _filter_metrics(self, judged: int, filtered: int, rounds: int, target: int, rollout) -> dict[str, float]:
+    def _filter_metrics(self, judged: int, filtered: int, started: int, target: int, rollout) -> dict[str, float]:
+        """rollout/sampling_rounds: 1 + the refills in rounds' worth of ``target`` groups (the most of any rank)."""
         total_judged, total_filtered = (v / rollout.tp_size for v in all_reduce_sum([float(judged), float(filtered)]))
+        rounds = 1 + math.ceil(all_reduce_max([float(started)])[0] / max(target, 1))
         frac = total_filtered / max(total_judged, 1.0)
         return {"rollout/filtered_groups_frac": frac, "rollout/zero_variance_groups_frac": frac,
                 "rollout/sampling_rounds": float(rounds),
@@ -147,16 +153,18 @@ class PartialRollouts:
         self.pool = keep
         return dropped
 
-    def _start_groups(self, sampler, step: int, in_flight: int) -> bool:
-        """Fill the pool to ``in_flight`` groups; every rank draws max-over-ranks prompts per replica
-        from the shared order (a collective), and uses its slice's first ones. False: none needed."""
-        need = int(all_reduce_max([float(max(in_flight - len(self.pool), 0))])[0])
+    def _start_groups(self, sampler, step: int, in_flight: int, cap: int | None = None) -> int:
+        """Fill the pool to ``in_flight`` groups, at most ``cap`` new ones; every rank draws max-over-
+        ranks prompts per replica from the shared order (a collective) and uses its slice's first
+        ones. Returns how many this rank started."""
+        want = max(in_flight - len(self.pool), 0) if cap is None else min(max(in_flight - len(self.pool), 0), cap)
+        need = int(all_reduce_max([float(want)])[0])
         if need == 0:
-            return False
-        mine = sampler.next_prompts(need)[: max(in_flight - len(self.pool), 0)]
+            return 0
+        mine = sampler.next_prompts(need)[:want]
         self.pool += [Group(p, step, self.agent.start(p.ids, p.row, self.n) if self.agent is not None
                             else [Seq() for _ in range(self.n)]) for p in mine]
-        return True
+        return len(mine)
 
     def _generate_chunk(self, sampler, step: int, chunk: int, version: int) -> None:
         """One generate call: every unfinished sequence continues by up to ``chunk_tokens`` tokens
@@ -247,9 +255,11 @@ class PartialRollouts:
     # ------------------------------------------------------------------------- checkpoint
 
     def state_dict(self) -> list[dict]:
-        """The pool as plain data (a conversation without its environment: partial rollouts refuse env.cls)."""
-        return [{"prompt": vars(g.prompt), "start": g.start, "informative": g.informative,
-                 "seqs": [{k: v for k, v in vars(s).items() if k != "env"} for s in g.seqs]} for g in self.pool]
+        """The pool as plain data, a copy: the loop snapshots it at each step's start (the state a
+        preemption saves when it abandons the step), and the step then grows the live lists. A
+        conversation goes without its environment (partial rollouts refuse env.cls)."""
+        return [{"prompt": dict(vars(g.prompt)), "start": g.start, "informative": g.informative,
+                 "seqs": [_plain(s) for s in g.seqs]} for g in self.pool]
 
     def load_state_dict(self, pool: list[dict]) -> None:
         from rlcore.agent.loop import Conversation
@@ -257,3 +267,8 @@ class PartialRollouts:
         kind = Seq if self.agent is None else Conversation
         self.pool = [Group(Prompt(**g["prompt"]), g["start"], [kind(**s) for s in g["seqs"]], g.get("informative"))
                      for g in pool]
+
+
+def _plain(seq) -> dict:
+    """A Seq's or a Conversation's fields, each list copied (their items are not mutated after)."""
+    return {k: list(v) if isinstance(v, list) else v for k, v in vars(seq).items() if k != "env"}

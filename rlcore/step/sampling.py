@@ -78,7 +78,7 @@ class StepSampler:
     keep_rate: float = field(default=KEEP_RATE_PRIOR)  # running estimate of the kept-group fraction
     switch: object = None  # rlcore.step.switch.PhaseSwitcher: wakes the policy's engine after judging
     partial: object = None  # rlcore.step.partial.PartialRollouts (rollout.partial.enable), made here
-    decode: list = field(default_factory=lambda: [0.0, 0.0])  # this step's (tail, total) decode iterations
+    decode: list = field(default_factory=list)  # this step's generate calls: tokens per request
 
     def __post_init__(self):
         partial = getattr(self.cfg, "partial", None)  # a section without it (tests' stand-ins): off
@@ -100,17 +100,15 @@ class StepSampler:
     def sample(self, step: int) -> tuple[rollout_batch.RolloutBatch, torch.Tensor, dict]:
         """This replica's samples of ``step``, their shaped rewards (N,) and reward metrics, with
         rollout/tail_decode_frac (tail_iterations over the step's generate calls, all ranks)."""
-        self.decode = [0.0, 0.0]
+        self.decode = []
         batch, scores, metrics = self._sample(step)
-        tail, total = all_reduce_sum(self.decode)
+        tail, total = all_reduce_sum(list(tail_iterations(self.decode)))
         metrics["rollout/tail_decode_frac"] = tail / max(total, 1.0)
         return batch, scores, metrics
 
     def count_decode(self, lengths: list[int]) -> None:
-        """One generate call's tokens per request: its decode iterations, and the tail's."""
-        tail, total = tail_iterations(lengths)
-        self.decode[0] += tail
-        self.decode[1] += total
+        """One generate call's tokens per request (rollout/tail_decode_frac)."""
+        self.decode.append(list(lengths))
 
     def _sample(self, step: int) -> tuple[rollout_batch.RolloutBatch, torch.Tensor, dict]:
         if self.partial is not None:  # suspended groups continue; the step stops once enough are done
@@ -226,16 +224,22 @@ class StepSampler:
         return shaped, {**metrics, **shape_metrics}
 
 
-def tail_iterations(lengths: list[int], tail: float = 0.1) -> tuple[float, float]:
-    """(tail, total) decode iterations of one batched generate call whose requests produced
-    ``lengths`` tokens: the batch decodes as long as its longest request (total = max), and the
-    iterations after all but the longest ``tail`` share of its requests finished (max - the
-    (1 - tail) quantile) are spent on that share alone: the long tail a step waits for."""
-    if not lengths:
-        return 0.0, 0.0
-    ordered = sorted(lengths)
-    k = max(math.ceil((1.0 - tail) * len(ordered)) - 1, 0)  # the (1 - tail) quantile, nearest rank
-    return float(ordered[-1] - ordered[k]), float(ordered[-1])
+def tail_iterations(calls: list[list[int]], tail: float = 0.1) -> tuple[float, float]:
+    """(tail, total) decode iterations of a step whose generate calls, in order, had requests
+    producing these token counts. A batched call decodes as long as its longest request (total:
+    the sum of each call's max); an iteration is the tail's when at most ``tail`` x the step's
+    sequences (the most requests of any call) are still decoding in it: the iterations spent on
+    the last 10% while the rest wait, whether within one call or in a step's late, thin chunks."""
+    peak = max((len(c) for c in calls), default=0)
+    few = math.floor(tail * peak)  # at most this many still decoding: the tail
+    tail_n = total = 0.0
+    for lengths in calls:
+        if not lengths:
+            continue
+        desc = sorted(lengths, reverse=True)
+        total += desc[0]
+        tail_n += desc[0] - (desc[few] if few < len(desc) else 0)  # iterations with <= few requests left
+    return tail_n, total
 
 
 def agent_metrics(conversations: list, tp_size: int = 1) -> dict[str, float]:
