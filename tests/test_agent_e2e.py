@@ -20,7 +20,7 @@ import os
 import pytest
 
 from conftest import REPO, run_torchrun
-from workers.launch import FAULTY, TRAIN, Launch, comparable, kill9_when, rank_exit_codes, read_rows
+from workers.launch import TRAIN, comparable, kill9_when, preempt_at, rank_exit_codes, read_rows
 
 STEPS = 4
 
@@ -48,13 +48,8 @@ def runs(tmp_path_factory):
     straight = run_torchrun(TRAIN, 2, *args(model, data, a))
     b_args = args(model, data, b, "--checkpoint.resume", "auto")
     kill9_when(2, b_args, r"saved checkpoint .*step_2$", r"^step +3/")
-    preempted = Launch(2, b_args, env={"RLCORE_TEST_SIGNAL_STEP": "4"}, script=FAULTY,
-                       launcher_args=("--monitor-interval=5",))
-    try:
-        preempted.wait(timeout=600)
-    finally:
-        preempted.close()
-    return {"a": a, "b": b, "straight": straight.stdout, "preempted": preempted.output}
+    preempted = preempt_at(2, b_args, 4)
+    return {"a": a, "b": b, "straight": straight.stdout, "preempted": preempted}
 
 
 def test_multi_turn_run_logs_tool_metrics_and_conversations(runs):

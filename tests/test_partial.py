@@ -346,7 +346,7 @@ def test_kill9_with_suspended_groups_then_resume_is_exact(tiny_model, toy_data, 
     the same run killed (-9) after step 2's checkpoint (suspended groups inside it) and step 3's row,
     resumed, preempted in step 4 (step_3 saved from the step's start) and resumed again: every metric
     row equal, including the staleness and the resumed tokens' mismatch."""
-    from workers.launch import FAULTY, TRAIN, Launch, comparable, kill9_when, rank_exit_codes, read_rows
+    from workers.launch import TRAIN, comparable, kill9_when, preempt_at, rank_exit_codes, read_rows
 
     a, b = str(tmp_path / "a"), str(tmp_path / "b")
     straight = run_torchrun(TRAIN, 2, *partial_args(tiny_model, toy_data[0], a))
@@ -355,13 +355,8 @@ def test_kill9_with_suspended_groups_then_resume_is_exact(tiny_model, toy_data, 
     kill9_when(2, b_args, r"saved checkpoint .*step_2$", r"^step +3/")
     # Resumed from step_2, then preempted in step 4's generation: step 4 is abandoned and step_3 is
     # written from the snapshot taken at step 4's start, the pool as it was before step 4 grew it.
-    preempted = Launch(2, b_args, env={"RLCORE_TEST_SIGNAL_STEP": "4"}, script=FAULTY,
-                       launcher_args=("--monitor-interval=5",))
-    try:
-        preempted.wait(timeout=600)
-    finally:
-        preempted.close()
-    assert rank_exit_codes(preempted.output) == {0: 75, 1: 75}, preempted.output[-3000:]
+    preempted = preempt_at(2, b_args, 4)
+    assert rank_exit_codes(preempted) == {0: 75, 1: 75}, preempted[-3000:]
     proc = run_torchrun(TRAIN, 2, *b_args)
     assert "resumed from" in proc.stdout and "step_3 at step 3" in proc.stdout, proc.stdout[-2000:]
     rows_a, rows_b = read_rows(a), read_rows(b)

@@ -30,7 +30,7 @@ import pytest
 import torch
 
 from conftest import REPO, run_torchrun
-from workers.launch import (FAULTY, TRAIN, Launch, become_subreaper, checkpoint_events, comparable, dcp_state,
+from workers.launch import (TRAIN, Launch, become_subreaper, checkpoint_events, comparable, dcp_state, preempt_at,
                             rank_exit_codes, read_rows, reap, same)
 
 STEPS = 6
@@ -95,16 +95,12 @@ def runs(tiny_model, toy_data, tmp_path_factory):
     finally:
         killed.close()
         become_subreaper(False)
-    preempted = Launch(2, b_args, env={"RLCORE_TEST_SIGNAL_STEP": "5"}, script=FAULTY, launcher_args=("--monitor-interval=5",))
-    try:
-        preempted.wait(timeout=600)
-    finally:
-        preempted.close()
+    preempted = preempt_at(2, b_args, 5)
     finished = run_torchrun(TRAIN, 2, *args(tiny_model, data, b, "--checkpoint.save_every", "3",
                                             "--checkpoint.resume", b, "--checkpoint.hf_every", "2",
                                             "--checkpoint.hf_dtype", "bfloat16", *TRACE, *judge))
     return {"a": a, "b": b, "rows_at_kill": rows_at_kill, "rows_after_kill": rows_after_kill, "ranks": ranks,
-            "orphans": orphans, "orphans_gone_s": orphans_gone_s, "preempted_out": preempted.output,
+            "orphans": orphans, "orphans_gone_s": orphans_gone_s, "preempted_out": preempted,
             "straight_out": straight.stdout + straight.stderr, "finished_out": finished.stdout,
             "finished_err": finished.stderr, "model": tiny_model}
 

@@ -118,6 +118,18 @@ def kill9_when(nproc: int, args: list[str], *patterns: str, timeout: float = 600
         killed.close()
 
 
+def preempt_at(nproc: int, args: list[str], step: int, timeout: float = 600) -> str:
+    """Launch tests/workers/faulty_train.py, whose last rank sends itself SIGUSR1 in ``step``'s
+    generation phase (a preemption mid-step); wait for the ranks to exit. Returns the output."""
+    preempted = Launch(nproc, args, env={"RLCORE_TEST_SIGNAL_STEP": str(step)}, script=FAULTY,
+                       launcher_args=("--monitor-interval=5",))
+    try:
+        preempted.wait(timeout=timeout)
+    finally:
+        preempted.close()
+    return preempted.output
+
+
 def _is_zombie(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as f:
