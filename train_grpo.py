@@ -6,7 +6,11 @@
 
 from __future__ import annotations
 
-from rlcore import quiet
+import gc
+
+gc.disable()  # no collections while the stack imports and the engines build (rlcore.heap; main() settles)
+
+from rlcore import heap, quiet  # noqa: E402
 
 quiet.install()  # offline, quiet environment and warning filters: before the heavy imports
 
@@ -46,6 +50,7 @@ def main(argv: list[str] | None = None) -> None:
     watchdog = preempt.Watchdog(info.rank, cfg.trainer.watchdog_s, cfg.parallel.timeout_s)
     with watchdog.phase("build"):
         run = build(cfg, info, stop, watchdog)
+    heap.settle()  # what the build made lives for the run: out of the collector's walk, collector on
     run.started_at = started
     with watchdog.phase("resume"):
         resume(run)

@@ -159,3 +159,28 @@ def pytest_sessionfinish(session):
     with open(out, "w") as f:
         json.dump(dict(sorted(table.items(), key=lambda kv: -kv[1])), f, indent=1)
         f.write("\n")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """With RLCORE_TEST_CPU_OUT=DIR: one line per test (wall s, CPU s of this process and of the
+    children it waited for: torchrun launches, interpreters) appended to DIR/<worker>.tsv, to see
+    where the suite's CPU goes (the suite is CPU-bound on 2 cores: wall time alone hides it)."""
+    out = os.environ.get("RLCORE_TEST_CPU_OUT")
+    if not out:
+        yield
+        return
+    import resource
+    import time
+
+    def cpu() -> float:
+        s, c = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+        return s.ru_utime + s.ru_stime, c.ru_utime + c.ru_stime
+
+    t0, (s0, c0) = time.perf_counter(), cpu()
+    yield
+    t1, (s1, c1) = time.perf_counter(), cpu()
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, f"{worker}.tsv"), "a") as f:
+        f.write(f"{item.nodeid}\t{t1 - t0:.2f}\t{s1 - s0:.2f}\t{c1 - c0:.2f}\n")

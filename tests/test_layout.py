@@ -16,8 +16,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ROOT = os.path.join(REPO, "rlcore")
 
 # rlcore/ itself: only the ground floor, which every wing may use and which imports no wing.
-GROUND = {"rlcore", "rlcore.dist", "rlcore.errors", "rlcore.hf_folder", "rlcore.metrics", "rlcore.protocols",
-          "rlcore.quiet", "rlcore.torchvision_shim"}
+GROUND = {"rlcore", "rlcore.dist", "rlcore.errors", "rlcore.heap", "rlcore.hf_folder", "rlcore.metrics",
+          "rlcore.protocols", "rlcore.quiet", "rlcore.torchvision_shim"}
 WINGS = ("agent", "algo", "config", "demo", "distill", "engine", "judge", "plan", "rollout", "run", "step", "task")
 MAX_LINES = 600
 

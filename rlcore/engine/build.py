@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from rlcore import heap
 from rlcore.hf_folder import model_num_experts
 from rlcore.dist import DistInfo
 from rlcore.engine import moe as engine_moe, vl as engine_vl
@@ -60,6 +61,7 @@ def build_sharded_model(model_path: str, info: DistInfo, *, master_dtype: str, c
     from veomni.distributed.torch_parallelize import build_parallelize_model, parallelize_model_fsdp2
     from veomni.models import build_foundation_model
 
+    heap.freeze()  # VeOmni collects after loading the weights (rlcore.heap): not over the imports
     model = build_foundation_model(
         config_path=model_path,
         weights_path=model_path,

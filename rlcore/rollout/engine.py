@@ -32,10 +32,9 @@ from typing import Any
 
 import torch
 
-from rlcore import hf_folder, torchvision_shim
-from rlcore.hf_folder import model_num_experts
+from rlcore import heap, hf_folder, torchvision_shim
 from rlcore.dist import DistInfo
-from rlcore.hf_folder import config_or_empty
+from rlcore.hf_folder import config_or_empty, model_num_experts
 from rlcore.rollout import cpu_sleep, lora as rollout_lora, vllm_globals
 from rlcore.rollout.checks import (
     align_sampler_logprobs_mode, capture_load_weights, check_encoder_cache_reset, check_engine_kwargs,
@@ -189,6 +188,7 @@ class ColocateRollout:
             from vllm.model_executor.models import registry
         except ImportError:  # another vLLM layout: nothing to patch
             registry = None
+        heap.freeze()  # vLLM's loader collects 4 times while it builds (rlcore.heap): not over the imports
         check_engine_kwargs((f.name for f in dataclasses.fields(EngineArgs)), kwargs)
         # A model class vLLM has not inspected before is inspected in a fresh interpreter, which
         # needs rlcore's torchvision shim too (rollout.checks.registry_subprocess_command).

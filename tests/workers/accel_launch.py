@@ -4,6 +4,10 @@ shared by tests/test_rollout_accel.py and tests/test_vllm_api.py (importable as
 
 from __future__ import annotations
 
+import gc
+
+gc.disable()  # a short-lived worker: no automatic collections over the imports' heap (rlcore.heap)
+
 import functools
 import glob
 import json

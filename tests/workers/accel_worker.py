@@ -10,6 +10,10 @@ reload path (a push that skips parameters raises naming them; a full push passes
 
 from __future__ import annotations
 
+import gc
+
+gc.disable()  # a short-lived worker: no automatic collections over the imports' heap (rlcore.heap)
+
 import json
 import os
 import random

@@ -10,6 +10,10 @@ side checks that each conversation is exactly prompt ids + the ids vLLM returned
 
 from __future__ import annotations
 
+import gc
+
+gc.disable()  # a short-lived worker: no automatic collections over the imports' heap (rlcore.heap)
+
 import json
 import os
 import sys

@@ -18,6 +18,10 @@ alone and with transformers:
     torchrun --nproc_per_node=1 tests/workers/distill_worker.py POLICY TEACHER OUT.json
 """
 
+import gc
+
+gc.disable()  # a short-lived worker: no automatic collections over the imports' heap (rlcore.heap)
+
 import dataclasses
 import json
 import sys

@@ -27,6 +27,10 @@ families' runs: the aggregation is the same code for every model, the packing va
 meets it).
 """
 
+import gc
+
+gc.disable()  # a short-lived worker: no automatic collections over the imports' heap (rlcore.heap)
+
 import sys
 
 import torch

@@ -4,6 +4,10 @@ on the judge inputs the trainer-side judge sent; writes each answer's text.
     python tests/workers/judge_alone.py JUDGE_DIR IN.json OUT.json MAX_TOKENS
 """
 
+import gc
+
+gc.disable()  # a short-lived worker: no automatic collections over the imports' heap (rlcore.heap)
+
 import json
 import os
 import sys

@@ -15,6 +15,10 @@ scored through rlcore.task.rewards.Scorer inside the phase switch's judging. Rec
     torchrun --nproc_per_node=2 tests/workers/judge_worker.py POLICY GEN_JUDGE RM QWEN2_RM OUT.json
 """
 
+import gc
+
+gc.disable()  # a short-lived worker: no automatic collections over the imports' heap (rlcore.heap)
+
 import json
 import sys
 

@@ -13,6 +13,10 @@
     torchrun --nproc_per_node=1 tests/workers/lora_worker.py MODEL_DIR OUT.pt
 """
 
+import gc
+
+gc.disable()  # a short-lived worker: no automatic collections over the imports' heap (rlcore.heap)
+
 import os
 import sys
 

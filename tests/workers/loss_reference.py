@@ -17,6 +17,10 @@ Rank 0 saves both gradients and both sets of metrics.
     torchrun --nproc_per_node=2 tests/workers/loss_reference.py MODEL_DIR OUT.pt
 """
 
+import gc
+
+gc.disable()  # a short-lived worker: no automatic collections over the imports' heap (rlcore.heap)
+
 import sys
 
 import torch

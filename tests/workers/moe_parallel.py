@@ -6,6 +6,10 @@ step, and the exported HF weights. Rank 0 saves them.
     torchrun --nproc_per_node=W tests/workers/moe_parallel.py MODEL_DIR OUT.pt EP
 """
 
+import gc
+
+gc.disable()  # a short-lived worker: no automatic collections over the imports' heap (rlcore.heap)
+
 import sys
 
 import torch

@@ -18,6 +18,9 @@ Rank 0 writes results.json and params_{a,b,c,d}.pt.
 from __future__ import annotations
 
 import gc
+
+gc.disable()  # a short-lived worker: no automatic collections over the imports' heap (rlcore.heap)
+
 import json
 import os
 import sys

@@ -13,6 +13,10 @@ them (the TP leader runs the tools, the other rank takes its answers). Written a
     torchrun --nproc_per_node=TP tests/workers/partial_worker.py MODEL OUT.json [TP [CHATML_MODEL]]
 """
 
+import gc
+
+gc.disable()  # a short-lived worker: no automatic collections over the imports' heap (rlcore.heap)
+
 import io
 import json
 import os

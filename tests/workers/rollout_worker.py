@@ -9,6 +9,10 @@ compare, push perturbed weights and compare, release/resume, shutdown, then a co
 
 from __future__ import annotations
 
+import gc
+
+gc.disable()  # a short-lived worker: no automatic collections over the imports' heap (rlcore.heap)
+
 import json
 import os
 import sys

@@ -14,6 +14,10 @@ Rank 0 saves the figures; every rank's numbers are reduced first.
     torchrun --nproc_per_node=W tests/workers/routing_replay.py MODEL_DIR OUT.pt
 """
 
+import gc
+
+gc.disable()  # a short-lived worker: no automatic collections over the imports' heap (rlcore.heap)
+
 import dataclasses
 import sys
 

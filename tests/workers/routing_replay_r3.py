@@ -20,6 +20,10 @@ first, as ``grpo.train_on_batch`` gathers them (``grpo.sp_group_batch``), so eve
 the group's batch, each rank routing its slice of every packed row.
 """
 
+import gc
+
+gc.disable()  # a short-lived worker: no automatic collections over the imports' heap (rlcore.heap)
+
 import dataclasses
 import sys
 

@@ -12,6 +12,10 @@ compared with the trainer's. Also: bucketed export == per-tensor export bit for 
 "weights valid" guard, switch order, metrics. Export mode: only the bit-for-bit comparison.
 """
 
+import gc
+
+gc.disable()  # a short-lived worker: no automatic collections over the imports' heap (rlcore.heap)
+
 import json
 import os
 import sys

@@ -10,6 +10,10 @@ experts sharded by expert parallelism over both ranks. ``vs-transformers``: vLLM
 the sync are also compared with transformers' forward of the trainer's exported weights.
 """
 
+import gc
+
+gc.disable()  # a short-lived worker: no automatic collections over the imports' heap (rlcore.heap)
+
 import json
 import sys
 

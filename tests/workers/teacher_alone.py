@@ -5,6 +5,10 @@ log-probs of every token after the first of each sequence, and the top K tokens 
     python tests/workers/teacher_alone.py TEACHER_DIR IN.json OUT.json K
 """
 
+import gc
+
+gc.disable()  # a short-lived worker: no automatic collections over the imports' heap (rlcore.heap)
+
 import json
 import os
 import sys

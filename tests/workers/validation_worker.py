@@ -7,6 +7,10 @@ gathered from every rank. Also holds the reward functions the tests load by file
 
 from __future__ import annotations
 
+import gc
+
+gc.disable()  # a short-lived worker: no automatic collections over the imports' heap (rlcore.heap)
+
 import json
 import sys
 

@@ -6,6 +6,10 @@ Worker:  torchrun --nproc_per_node=2 tests/workers/vl_moe.py MODEL_DIR INPUTS_PT
 
 from __future__ import annotations
 
+import gc
+
+gc.disable()  # a short-lived worker: no automatic collections over the imports' heap (rlcore.heap)
+
 import os
 
 

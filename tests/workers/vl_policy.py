@@ -11,6 +11,10 @@ weights) and OUT_DIR/hf (save_hf).
 
 from __future__ import annotations
 
+import gc
+
+gc.disable()  # a short-lived worker: no automatic collections over the imports' heap (rlcore.heap)
+
 import json
 import os
 import sys

@@ -15,6 +15,10 @@ the model family), shutdown.
 
 from __future__ import annotations
 
+import gc
+
+gc.disable()  # a short-lived worker: no automatic collections over the imports' heap (rlcore.heap)
+
 import json
 import os
 import sys
