@@ -1,8 +1,8 @@
 """ColocateRollout under a real 2-rank torchrun on CPU: tp=1 (two DP replicas) and tp=2.
 
-Each layout is one torchrun launch (tests/workers/rollout_worker.py, ~30 s on 2 cores) held by a
-module-scoped fixture; the tests below assert on what its ranks measured, so every property
-fails with its own message. pytest groups the tests by layout, so there are two launches.
+Both layouts run one after the other in one torchrun launch (tests/workers/rollout_worker.py)
+held by a module-scoped fixture; the tests below assert on what each layout's ranks measured, so
+every property fails with its own message.
 """
 
 from __future__ import annotations
@@ -18,12 +18,19 @@ WORKER = os.path.join(REPO, "tests", "workers", "rollout_worker.py")
 LOGPROB_TOL = 1e-4  # fp32 vLLM vs fp32 transformers forward; measured ~1e-6
 
 
+@pytest.fixture(scope="module")
+def launch(tiny_model, tmp_path_factory):
+    """One 2-rank launch of the worker: tensor_parallel_size 1, then 2."""
+    out = tmp_path_factory.mktemp("rollout")
+    proc = run_torchrun(WORKER, 2, tiny_model, str(out), "1,2")
+    return out, proc
+
+
 @pytest.fixture(scope="module", params=[1, 2], ids=["tp1", "tp2"])
-def run(request, tiny_model, tmp_path_factory) -> dict:
-    """Launch the worker on 2 ranks with tensor_parallel_size=param; its per-rank results."""
-    tp = request.param
-    out = tmp_path_factory.mktemp(f"rollout_tp{tp}") / "result.json"
-    proc = run_torchrun(WORKER, 2, tiny_model, str(out), str(tp))
+def run(request, launch) -> dict:
+    """The per-rank results of the layout with tensor_parallel_size=param."""
+    out_dir, proc = launch
+    out = out_dir / f"tp{request.param}.json"
     assert out.exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads(out.read_text())
     # Measurements (timings, logprob diffs) for `pytest -s`; the samples are long.

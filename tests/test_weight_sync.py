@@ -2,7 +2,8 @@
 trainer's log-probs of the same tokens (fp32), with tp=1 and tp=2 on 2 ranks, for untied and tied
 (``tie_word_embeddings``) models: the tied LM head once kept the first checkpoint's CPU packed copy
 (rlcore/rollout/cpu_repack.py; SmolLM2 and the small Qwen3 / Qwen2.5 releases are tied). The sync check
-(rlcore/step/sync_check.py) runs on the same switch and must agree."""
+(rlcore/step/sync_check.py) runs on the same switch and must agree. The cases without expert
+parallelism run one after the other in one launch (``synced``), each with its own policy and engine."""
 
 import json
 import os
@@ -28,15 +29,36 @@ def models(tiny_model, tiny_tied_model, tmp_path_factory) -> dict[str, str]:
     return out
 
 
-def sync_once(model: str, tp: int, out, *flags: str) -> dict:
-    run_torchrun(WORKER, 2, model, str(tp), str(out), *flags)
-    return json.loads(out.read_text())
+def sync_cases(tmp_dir, cases: dict[str, tuple[str, int, list[str]]]) -> dict[str, dict]:
+    """Run ``cases`` (name -> (model dir, tp, flags)) one after the other in one 2-rank launch of the
+    worker (each case builds and tears down its own policy and engine); name -> its result."""
+    spec = [{"model": m, "tp": tp, "flags": flags, "out": str(tmp_dir / f"{name}.json")}
+            for name, (m, tp, flags) in cases.items()]
+    (tmp_dir / "cases.json").write_text(json.dumps(spec))
+    run_torchrun(WORKER, 2, str(tmp_dir / "cases.json"))
+    return {name: json.loads((tmp_dir / f"{name}.json").read_text()) for name in cases}
+
+
+@pytest.fixture(scope="module")
+def synced(models, tmp_path_factory) -> dict[str, dict]:
+    """Every case without expert parallelism, in one launch: each (model, tp) pair, the MoE model
+    with its experts FSDP-sharded, and the tied model without the tied-head re-pack."""
+    cases = {f"{model}-{tp}": (models[model], tp, []) for model in MODELS for tp in (1, 2)}
+    cases["moe-ep1"] = (models["qwen3-moe"], 1, ["vs-transformers"])
+    cases["no-tied-repack"] = (models["qwen3-tied"], 1, ["no-tied-repack"])
+    return sync_cases(tmp_path_factory.mktemp("sync"), cases)
+
+
+def sync_once(synced, models, tmp_path, name: str) -> dict:
+    if name == "moe-ep2":  # VeOmni's parallel state is per process: expert parallelism has its own launch
+        return sync_cases(tmp_path, {name: (models["qwen3-moe"], 1, ["vs-transformers", "ep2"])})[name]
+    return synced[name]
 
 
 @pytest.mark.parametrize("tp", [1, 2])
 @pytest.mark.parametrize("model", list(MODELS))
-def test_vllm_logprobs_match_trainer_after_sync(models, tmp_path, model, tp):
-    r = sync_once(models[model], tp, tmp_path / "result.json")
+def test_vllm_logprobs_match_trainer_after_sync(synced, model, tp):
+    r = synced[f"{model}-{tp}"]
     print(f"{model} tp={tp}: {r}")
     assert r["tokens"] > 20
     assert r["before"] < 1e-4, r  # same initial weights on both sides
@@ -48,13 +70,12 @@ def test_vllm_logprobs_match_trainer_after_sync(models, tmp_path, model, tp):
 
 
 @pytest.mark.parametrize("ep", [1, 2])
-def test_moe_experts_pushed_fused_match_the_trainer_and_transformers(models, tmp_path, ep):
+def test_moe_experts_pushed_fused_match_the_trainer_and_transformers(synced, models, tmp_path, ep):
     """A Qwen3-MoE checkpoint with per-expert names, its experts FSDP-sharded (EP 1) or split over
     both ranks (EP 2): the sync pushes each layer's experts as two fused tensors
     (engine_moe.sync_layout), and vLLM's log-probs equal the trainer's and transformers' forward of
     the exported weights (per-expert names, as the checkpoint) within 1e-4."""
-    flags = ["vs-transformers"] + (["ep2"] if ep == 2 else [])
-    r = sync_once(models["qwen3-moe"], 1, tmp_path / "result.json", *flags)
+    r = sync_once(synced, models, tmp_path, f"moe-ep{ep}")
     print(r)
     assert r["before"] < 1e-4 and r["moved"] > 1e-3 and r["after"] < 1e-4 and r["probe_max"] < 1e-4, r
     assert r["after_vs_transformers"] < 1e-4, r
@@ -62,11 +83,11 @@ def test_moe_experts_pushed_fused_match_the_trainer_and_transformers(models, tmp
     assert r["refilled"] == 3 + 2 * 11, r
 
 
-def test_sync_check_catches_and_locates_a_stale_tied_head(models, tmp_path):
+def test_sync_check_catches_and_locates_a_stale_tied_head(synced):
     """Without the tied-head re-pack (the behaviour of vllm 0.32 on CPU) the sampled log-probs
     drift by O(0.1-1) after one lr-1e-2 step; the check sees it and names the LM head, because the
     embedding, both layers and the final norm still agree."""
-    r = sync_once(models["qwen3-tied"], 1, tmp_path / "result.json", "no-tied-repack")
+    r = synced["no-tied-repack"]
     print(r)
     assert r["after"] > 1e-2 and r["probe_max"] > 1e-2, r
     group, detail = r["breach"]

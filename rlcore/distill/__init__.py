@@ -52,6 +52,6 @@ def advantages(teacher, batch, reward_adv):
     return teacher.advantages(batch, reward_adv)
 
 
-def shutdown(teacher) -> None:
+def shutdown(teacher, exiting: bool = False) -> None:
     if teacher is not None:
-        teacher.engine.shutdown()
+        teacher.engine.shutdown(exiting)

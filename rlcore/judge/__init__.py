@@ -48,6 +48,6 @@ def describe(judges: dict) -> str:
     return "judges: " + ", ".join(parts)
 
 
-def shutdown(judges: dict) -> None:
+def shutdown(judges: dict, exiting: bool = False) -> None:
     for j in judges.values():
-        j.engine.shutdown()
+        j.engine.shutdown(exiting)

@@ -159,5 +159,5 @@ class JudgeEngine:
             outputs = ro.llm.encode(prompts, pooling_params=params, pooling_task="token_classify", use_tqdm=False)
         return [float(o.outputs.data[-1].reshape(-1)[0]) for o in outputs]
 
-    def shutdown(self) -> None:
-        self.rollout.shutdown()
+    def shutdown(self, exiting: bool = False) -> None:
+        self.rollout.shutdown(exiting)

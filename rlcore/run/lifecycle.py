@@ -121,6 +121,7 @@ def stop_preempted(run: Run, at_start: dict | None) -> None:
     # which a resume on this host needs gone.
     run.watchdog.close()
     run.logger.close()
+    run.engines.rollout.shutdown(exiting=True)  # a LoRA engine's adapter folder in /dev/shm
     exit_process(Exit.PREEMPTED, run_atexit=False)
 
 
@@ -203,9 +204,11 @@ def teardown(run: Run) -> None:
     if run.watchdog is not None:
         run.watchdog.close()
     run.logger.close()
-    judge.shutdown(run.engines.judges)  # before the policy's engine: theirs share its vLLM groups
-    distill.shutdown(run.engines.teacher)
-    run.engines.rollout.shutdown()
+    # The process ends next (rlcore.dist.run_then_exit): the engines go with it (rollout.engine's
+    # shutdown(exiting=True)); judges before the policy's engine, as theirs share its vLLM groups.
+    judge.shutdown(run.engines.judges, exiting=True)
+    distill.shutdown(run.engines.teacher, exiting=True)
+    run.engines.rollout.shutdown(exiting=True)
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()

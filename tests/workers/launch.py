@@ -82,6 +82,18 @@ class Launch:
                 continue
         return pids
 
+    def master_port(self) -> str:
+        """torchrun's MASTER_PORT for this launch's ranks (read from a live rank's environment): it
+        scopes the launch's CPU tensor-parallel /dev/shm files (rollout.cpu_kv.scope_cpu_shm_names)."""
+        for pid in self.worker_pids().values():
+            try:
+                with open(f"/proc/{pid}/environ", "rb") as f:
+                    env = dict(kv.split(b"=", 1) for kv in f.read().split(b"\0") if b"=" in kv)
+                return env[b"MASTER_PORT"].decode()
+            except (OSError, KeyError):
+                continue
+        raise AssertionError("no live rank to read MASTER_PORT from")
+
     def kill9(self) -> None:
         """kill -9 the launcher and every worker at once (a node dying)."""
         workers = self.worker_pids()

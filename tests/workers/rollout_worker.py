@@ -1,6 +1,9 @@
 """torchrun worker for tests/test_rollout.py: ColocateRollout on N CPU ranks.
 
-usage: rollout_worker.py MODEL_DIR OUT_JSON TP_SIZE
+usage: rollout_worker.py MODEL_DIR OUT_DIR TP_SIZE[,TP_SIZE...]
+
+Each layout runs in turn in this one launch (its engines built and shut down within it) and
+writes OUT_DIR/tp<N>.json.
 
 Every rank measures; rank 0 writes all ranks' measurements to OUT_JSON and the pytest side
 asserts on them (so each check fails with its own message). Order matters: generate and
@@ -123,10 +126,16 @@ def prefix_checks(ro, m: dict) -> None:
 
 
 def main() -> None:
-    model_dir, out_json, tp = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    model_dir, out_dir = sys.argv[1], sys.argv[2]
     info = init_distributed("cpu")
     torch._C.set_num_threads(1)
-    hf = load_hf(model_dir)
+    for tp in map(int, sys.argv[3].split(",")):
+        run_layout(model_dir, os.path.join(out_dir, f"tp{tp}.json"), tp, info)
+    dist.destroy_process_group()
+
+
+def run_layout(model_dir: str, out_json: str, tp: int, info) -> None:
+    hf = load_hf(model_dir)  # a fresh copy: update_checks perturbs it
     prompts = toy_prompts(3)
     ro, m = build(model_dir, info, tp)
     m["engine_tp_size"] = ro.llm.llm_engine.vllm_config.parallel_config.tensor_parallel_size
@@ -152,7 +161,6 @@ def main() -> None:
         with open(out_json, "w") as f:
             json.dump({"world_size": info.world_size, "tp": tp, "ranks": gathered}, f)
     dist.barrier()
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

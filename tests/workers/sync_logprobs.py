@@ -2,9 +2,12 @@
 its sampled tokens against the trainer's log-probs of the same tokens; the sync check
 (rlcore.step.sync_check, warn mode) runs on the switch and its figures and verdict are reported.
 
-    torchrun --nproc_per_node=2 tests/workers/sync_logprobs.py MODEL_DIR TP OUT_JSON [flags]
+    torchrun --nproc_per_node=2 tests/workers/sync_logprobs.py CASES_JSON
 
-Flags: ``no-tied-repack`` takes rlcore's CPU tied-head re-pack out (rlcore/rollout/cpu_repack.py), i.e. the
+CASES_JSON lists the cases, run one after the other in this one launch (each builds its own policy
+and engine and tears them down: the imports and the process group are the launch's only shared
+state): ``[{"model": DIR, "tp": 1, "flags": [...], "out": RESULT_JSON}, ...]``. The cases of one
+launch share VeOmni's parallel state, so they share one expert-parallel size. Flags: ``no-tied-repack`` takes rlcore's CPU tied-head re-pack out (rlcore/rollout/cpu_repack.py), i.e. the
 behaviour before the fix: the tests show the check catching it and naming the LM head. ``ep2``:
 experts sharded by expert parallelism over both ranks. ``vs-transformers``: vLLM's log-probs after
 the sync are also compared with transformers' forward of the trainer's exported weights.
@@ -66,17 +69,26 @@ def transformers_diff(policy, batch, temperature, out) -> float:
 
 
 def main():
-    model_dir, tp, out = sys.argv[1], int(sys.argv[2]), sys.argv[3]
-    if "no-tied-repack" in sys.argv[4:]:
-        from rlcore.rollout import cpu_repack
-
-        cpu_repack.cpu_tied_linears = lambda model: []
+    with open(sys.argv[1]) as f:
+        cases = json.load(f)
     info = init_distributed("cpu")
+    from rlcore.rollout import cpu_repack
+
+    tied_linears = cpu_repack.cpu_tied_linears
+    for case in cases:
+        flags = case["flags"]
+        cpu_repack.cpu_tied_linears = (lambda model: []) if "no-tied-repack" in flags else tied_linears
+        run_case(info, case["model"], case["tp"], case["out"], flags)
+        gc.collect()  # the case's policy and engine are gone before the next one builds
+    torch.distributed.destroy_process_group()
+
+
+def run_case(info, model_dir: str, tp: int, out: str, flags: list[str]) -> None:
     from rlcore.engine.policy import VeOmniPolicy
     from rlcore.rollout.engine import ColocateRollout
 
     torch.manual_seed(0)
-    policy = VeOmniPolicy(model_dir, info, lr=1e-2, total_steps=10, ep_size=2 if "ep2" in sys.argv[4:] else 1)
+    policy = VeOmniPolicy(model_dir, info, lr=1e-2, total_steps=10, ep_size=2 if "ep2" in flags else 1)
     rollout = ColocateRollout(model_dir, info, tp_size=tp, seed=0, max_model_len=64, kv_cache_gb=0.1)
     probe = [[13, 4 + i, 5, 6, 7, 14, 18, 15, 4, 5, 9, 7] for i in range(2)]
     checker = SyncCheck("warn", "float32", probe, info.device, is_main=info.is_main)
@@ -108,7 +120,7 @@ def main():
     diff = max_diff(policy, rollout, after, temperature, info.device)
     mask = after.response_mask()
     new_lp = grpo.compute_logprobs_in_chunks(policy, after, temperature, 8, info.device).cpu()
-    vs_hf = transformers_diff(policy, after, temperature, out) if "vs-transformers" in sys.argv[4:] else None
+    vs_hf = transformers_diff(policy, after, temperature, out) if "vs-transformers" in flags else None
     if info.rank == 0:
         json.dump({"before": before, "after": diff, "moved": moved, "grad_norm": metrics["actor/grad_norm"],
                    "tokens": int(mask.sum().item()),
@@ -118,7 +130,6 @@ def main():
                    "refilled": refilled, "valid": rollout.weights_valid, "after_vs_transformers": vs_hf},
                   open(out, "w"))
     rollout.shutdown()
-    torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
