@@ -57,7 +57,7 @@ AS_BEFORE = """
 import gc, runpy, sys
 gc.disable = lambda: None
 from rlcore import heap
-heap.pause = heap.freeze = heap.settle = lambda: None
+heap.freeze = heap.settle = lambda: None
 sys.argv = sys.argv[1:]
 runpy.run_path(sys.argv[0], run_name="__main__")
 """

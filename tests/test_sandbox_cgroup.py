@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 import uuid
 
 import pytest
@@ -41,9 +42,19 @@ def _limits(backend: str, **kw):
     return Limits(backend=backend, python=python, **{"timeout_s": 10.0, "cpu_s": 10, "memory_mb": 256, **kw})
 
 
-def _alive(token: str) -> list[str]:
-    out = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True).stdout
-    return [ln for ln in out.splitlines() if token in ln and "ps -eo" not in ln]
+def _alive(token: str, settle_s: float = 5.0) -> list[str]:
+    """The processes whose command line holds ``token``, once the kills sent have landed: SIGKILL
+    to 60 processes is asynchronous, and on a loaded machine a few are still listed a moment after
+    the call returned (seen once with the whole suite running beside it). A process that outlives
+    ``settle_s`` really got out."""
+    deadline = time.monotonic() + settle_s
+    while True:
+        out = subprocess.run(["ps", "-eo", "pid,stat,args"], capture_output=True, text=True).stdout
+        alive = [ln for ln in out.splitlines()
+                 if token in ln and "ps -eo" not in ln and ln.split()[1][:1] != "Z"]
+        if not alive or time.monotonic() > deadline:
+            return alive
+        time.sleep(0.1)
 
 
 def _groups_left(place) -> list[str]:

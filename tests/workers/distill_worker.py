@@ -122,8 +122,8 @@ def main() -> None:
     m["policy_same_after"] = (again.response_ids == batch.response_ids and again.rollout_logp == batch.rollout_logp)
     sequences = [p + r for p, r in zip(batch.prompt_ids, batch.response_ids)][:4]
     m.update(storage_discipline(cfg, info, sequences))
-    distill.shutdown(teacher)
-    rollout.shutdown()
+    distill.shutdown(teacher, exiting=True)  # the worker ends next, as a run's teardown
+    rollout.shutdown(exiting=True)
     with open(out_path, "w") as f:
         json.dump(m, f)
 

@@ -138,8 +138,8 @@ def main() -> None:
     m["policy_same_ids"] = [a[0] for a in after] == [b[0] for b in before]
     m["policy_max_logprob_diff"] = max(abs(x - y) for a, b in zip(after, before) for x, y in zip(a[1], b[1]))
     m.update(storage_sleep(cfg.reward.judges()[0], info, m["gen_inputs"][:4]))
-    judge.shutdown(judges)
-    rollout.shutdown()
+    judge.shutdown(judges, exiting=True)  # the worker ends next, as a run's teardown
+    rollout.shutdown(exiting=True)
     ranks = all_gather_objects(m)
     if info.rank == 0:
         with open(out_path, "w") as f:

@@ -151,7 +151,7 @@ def agent_phase(info, model_dir: str, out_path: str, tp: int) -> None:
     with open(out_path, "w") as f:
         json.dump({"calls": calls, "trained": trained, "state_round_trip": state, "pool_left": len(part.pool)}, f)
     agent.runner.shutdown()
-    rollout.shutdown()
+    rollout.shutdown(exiting=True)  # the worker ends next, as a run's teardown
 
 
 if __name__ == "__main__":
