@@ -7,7 +7,9 @@ its sampled tokens against the trainer's log-probs of the same tokens; the sync 
 CASES_JSON lists the cases, run one after the other in this one launch (each builds its own policy
 and engine and tears them down: the imports and the process group are the launch's only shared
 state): ``[{"model": DIR, "tp": 1, "flags": [...], "out": RESULT_JSON}, ...]``. The cases of one
-launch share VeOmni's parallel state, so they share one expert-parallel size. Flags: ``no-tied-repack`` takes rlcore's CPU tied-head re-pack out (rlcore/rollout/cpu_repack.py), i.e. the
+launch share VeOmni's parallel state, so they share one expert-parallel size.
+
+Flags: ``no-tied-repack`` takes rlcore's CPU tied-head re-pack out (rlcore/rollout/cpu_repack.py), i.e. the
 behaviour before the fix: the tests show the check catching it and naming the LM head. ``ep2``:
 experts sharded by expert parallelism over both ranks. ``vs-transformers``: vLLM's log-probs after
 the sync are also compared with transformers' forward of the trainer's exported weights.
