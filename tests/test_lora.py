@@ -125,3 +125,28 @@ def test_vllm_lora_engine_keywords():
     assert engine_kwargs(12)["max_lora_rank"] == 16  # vLLM's next size (config/lora.py:26)
     with pytest.raises(ValueError, match="above vLLM's largest LoRA rank 512"):
         engine_kwargs(1024)
+
+
+@pytest.mark.unit
+def test_adapter_folders_of_gone_processes_are_removed(tmp_path):
+    """A run killed with kill -9 leaves its /dev/shm adapter folder (the adapter's bytes in memory):
+    the next engine's adapter_dir removes the folders whose process is gone and keeps live ones."""
+    import subprocess
+
+    from rlcore.rollout import lora as rollout_lora
+
+    gone = subprocess.Popen(["true"])
+    gone.wait()  # reaped: its pid names no process now
+    alive = subprocess.Popen(["sleep", "30"])
+    try:
+        for pid in (gone.pid, alive.pid):
+            (tmp_path / f"rlcore-lora-{pid}").mkdir()
+            (tmp_path / f"rlcore-lora-{pid}" / "adapter_model.safetensors").write_bytes(b"x" * 16)
+        (tmp_path / "rlcore-lora-notapid").mkdir()
+        mine = rollout_lora.adapter_dir(str(tmp_path))
+        assert mine == str(tmp_path / f"rlcore-lora-{os.getpid()}")
+        left = sorted(p.name for p in tmp_path.iterdir())
+        assert left == sorted([f"rlcore-lora-{alive.pid}", "rlcore-lora-notapid"]), left
+    finally:
+        alive.kill()
+        alive.wait()

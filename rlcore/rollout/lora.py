@@ -41,10 +41,39 @@ def engine_kwargs(rank: int) -> dict:
     return {"enable_lora": True, "max_lora_rank": fits[0], "max_loras": 1}
 
 
-def adapter_dir() -> str:
-    """This process's adapter folder: in tmpfs where there is one."""
-    root = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
-    return os.path.join(root, f"rlcore-lora-{os.getpid()}")
+PREFIX = "rlcore-lora-"
+
+
+def adapter_dir(root: str | None = None) -> str:
+    """This process's adapter folder: in tmpfs where there is one. The folders of processes that
+    are gone go first: a run ended by kill -9 (or a node's OOM killer) cannot remove its own, and
+    in /dev/shm each one holds the adapter's bytes in memory until the host reboots."""
+    if root is None:
+        root = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+    remove_stale_adapter_dirs(root)
+    return os.path.join(root, f"{PREFIX}{os.getpid()}")
+
+
+def remove_stale_adapter_dirs(root: str) -> list[str]:
+    """Remove ``root``'s adapter folders whose process no longer exists; returns their paths. A
+    live pid keeps its folder, whoever holds it now (a reused pid costs one folder, never a live one)."""
+    import shutil
+
+    removed = []
+    for name in os.listdir(root) if os.path.isdir(root) else []:
+        pid = name[len(PREFIX):]
+        if not (name.startswith(PREFIX) and pid.isdigit()) or int(pid) == os.getpid():
+            continue
+        try:
+            os.kill(int(pid), 0)
+            continue  # alive
+        except ProcessLookupError:
+            pass
+        except PermissionError:
+            continue  # alive, another user's
+        shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+        removed.append(os.path.join(root, name))
+    return removed
 
 
 def load(llm, path: str):
