@@ -80,7 +80,7 @@ def launch(model: str, data: str, out: str, steps: int, nproc: int, as_before: b
     train = os.path.join(bc.REPO, "train_grpo.py")
     script = [train]
     if as_before:
-        wrapper = os.path.join(out + "_wrapper.py")
+        wrapper = out + "_wrapper.py"
         with open(wrapper, "w") as f:
             f.write(AS_BEFORE)
         script = [wrapper, train]

@@ -49,12 +49,6 @@ def synced(models, tmp_path_factory) -> dict[str, dict]:
     return sync_cases(tmp_path_factory.mktemp("sync"), cases)
 
 
-def sync_once(synced, models, tmp_path, name: str) -> dict:
-    if name == "moe-ep2":  # VeOmni's parallel state is per process: expert parallelism has its own launch
-        return sync_cases(tmp_path, {name: (models["qwen3-moe"], 1, ["vs-transformers", "ep2"])})[name]
-    return synced[name]
-
-
 @pytest.mark.parametrize("tp", [1, 2])
 @pytest.mark.parametrize("model", list(MODELS))
 def test_vllm_logprobs_match_trainer_after_sync(synced, model, tp):
@@ -70,12 +64,15 @@ def test_vllm_logprobs_match_trainer_after_sync(synced, model, tp):
 
 
 @pytest.mark.parametrize("ep", [1, 2])
-def test_moe_experts_pushed_fused_match_the_trainer_and_transformers(synced, models, tmp_path, ep):
+def test_moe_experts_pushed_fused_match_the_trainer_and_transformers(request, models, tmp_path, ep):
     """A Qwen3-MoE checkpoint with per-expert names, its experts FSDP-sharded (EP 1) or split over
     both ranks (EP 2): the sync pushes each layer's experts as two fused tensors
     (engine_moe.sync_layout), and vLLM's log-probs equal the trainer's and transformers' forward of
     the exported weights (per-expert names, as the checkpoint) within 1e-4."""
-    r = sync_once(synced, models, tmp_path, f"moe-ep{ep}")
+    if ep == 1:
+        r = request.getfixturevalue("synced")["moe-ep1"]
+    else:  # VeOmni's parallel state is per process: expert parallelism has a launch of its own
+        r = sync_cases(tmp_path, {"moe-ep2": (models["qwen3-moe"], 1, ["vs-transformers", "ep2"])})["moe-ep2"]
     print(r)
     assert r["before"] < 1e-4 and r["moved"] > 1e-3 and r["after"] < 1e-4 and r["probe_max"] < 1e-4, r
     assert r["after_vs_transformers"] < 1e-4, r

@@ -15,6 +15,7 @@ smaller adapter is padded to it.
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
 
 NAME, ADAPTER_ID = "policy", 1
@@ -57,8 +58,6 @@ def adapter_dir(root: str | None = None) -> str:
 def remove_stale_adapter_dirs(root: str) -> list[str]:
     """Remove ``root``'s adapter folders whose process no longer exists; returns their paths. A
     live pid keeps its folder, whoever holds it now (a reused pid costs one folder, never a live one)."""
-    import shutil
-
     removed = []
     for name in os.listdir(root) if os.path.isdir(root) else []:
         pid = name[len(PREFIX):]

@@ -75,9 +75,7 @@ class Launch:
                     ppid = int(f.read().rsplit(")", 1)[1].split()[1])
                 if ppid != self.proc.pid:
                     continue
-                with open(f"/proc/{entry}/environ", "rb") as f:
-                    env = dict(kv.split(b"=", 1) for kv in f.read().split(b"\0") if b"=" in kv)
-                pids[int(env[b"RANK"])] = int(entry)
+                pids[int(_environ(int(entry))[b"RANK"])] = int(entry)
             except (OSError, KeyError, ValueError, IndexError):
                 continue
         return pids
@@ -87,9 +85,7 @@ class Launch:
         scopes the launch's CPU tensor-parallel /dev/shm files (rollout.cpu_kv.scope_cpu_shm_names)."""
         for pid in self.worker_pids().values():
             try:
-                with open(f"/proc/{pid}/environ", "rb") as f:
-                    env = dict(kv.split(b"=", 1) for kv in f.read().split(b"\0") if b"=" in kv)
-                return env[b"MASTER_PORT"].decode()
+                return _environ(pid)[b"MASTER_PORT"].decode()
             except (OSError, KeyError):
                 continue
         raise AssertionError("no live rank to read MASTER_PORT from")
@@ -140,6 +136,11 @@ def preempt_at(nproc: int, args: list[str], step: int, timeout: float = 600) -> 
     finally:
         preempted.close()
     return preempted.output
+
+
+def _environ(pid: int) -> dict[bytes, bytes]:
+    with open(f"/proc/{pid}/environ", "rb") as f:
+        return dict(kv.split(b"=", 1) for kv in f.read().split(b"\0") if b"=" in kv)
 
 
 def _is_zombie(pid: int) -> bool:
