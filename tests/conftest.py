@@ -60,20 +60,47 @@ def toy_data(tmp_path_factory) -> tuple[str, str]:
     return make_toy_data(str(tmp_path_factory.mktemp("toy_data")), n_train=200, n_val=50)
 
 
+WORKERS = os.path.join(REPO, "tests", "workers")
+# The trainer with injected faults or probes is the trainer: it starts cold under torchrun, like train_grpo.py.
+COLD_WORKERS = ("faulty_train.py", "trainer_probe.py")
+_zygote = []  # this pytest process's workers.forklaunch.Zygote, started on first use
+
+
+def forks(script: str) -> bool:
+    """Whether ``run_torchrun`` forks ``script`` from the pre-imported interpreter
+    (tests/workers/forklaunch.py): a test harness in tests/workers/, unless RLCORE_TEST_LAUNCHER=torchrun.
+    train_grpo.py, the trainer with injected faults, and every launch a test signals or kills
+    (workers/launch.py) start cold under the real torchrun."""
+    script = os.path.abspath(script)
+    return (os.environ.get("RLCORE_TEST_LAUNCHER", "fork") != "torchrun" and os.path.dirname(script) == WORKERS
+            and os.path.basename(script) not in COLD_WORKERS)
+
+
 def run_torchrun(script: str, nproc: int, *args: str, timeout: int = 600, env: dict | None = None):
-    """Run ``script`` under a real torchrun with ``nproc`` CPU ranks; return the CompletedProcess.
+    """Run ``script`` with ``nproc`` CPU ranks under torchrun (or, for a test harness, under
+    tests/workers/forklaunch.py: the same ranks, environment and gloo, forked from pre-imported
+    modules); return the CompletedProcess.
 
     Fails the test with both output streams when the launch fails.
     """
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone",
-        f"--nproc_per_node={nproc}", script, *args,
-    ]
     full_env = {**os.environ, **QUIET_ENV, "PYTHONPATH": REPO, **(env or {})}
-    proc = subprocess.run(cmd, cwd=REPO, env=full_env, capture_output=True, text=True, timeout=timeout)
+    if forks(script):
+        if not _zygote:
+            from workers.forklaunch import Zygote
+
+            _zygote.append(Zygote(REPO, {**os.environ, **QUIET_ENV, "PYTHONPATH": REPO}))
+        proc = _zygote[0].run(script, nproc, list(args), full_env, REPO, timeout)
+        how = "forklaunch"
+    else:
+        cmd = [
+            sys.executable, "-m", "torch.distributed.run", "--standalone",
+            f"--nproc_per_node={nproc}", script, *args,
+        ]
+        proc = subprocess.run(cmd, cwd=REPO, env=full_env, capture_output=True, text=True, timeout=timeout)
+        how = "torchrun"
     if proc.returncode != 0:
         pytest.fail(
-            f"torchrun {os.path.basename(script)} exited {proc.returncode}\n"
+            f"{how} {os.path.basename(script)} exited {proc.returncode}\n"
             f"--- stdout ---\n{proc.stdout[-6000:]}\n--- stderr ---\n{proc.stderr[-8000:]}"
         )
     return proc
@@ -148,8 +175,10 @@ def pytest_runtest_logreport(report):
 
 
 def pytest_sessionfinish(session):
-    """With RLCORE_TEST_DURATIONS_OUT: each file's setup + call + teardown seconds, merged into
-    that table (the controller sees every worker's reports; a worker writes nothing)."""
+    """The launch zygote ends. With RLCORE_TEST_DURATIONS_OUT: each file's setup + call + teardown
+    seconds, merged into that table (the controller sees every worker's reports; a worker writes nothing)."""
+    for zygote in _zygote:
+        zygote.close()
     out = os.environ.get("RLCORE_TEST_DURATIONS_OUT")
     if not out or hasattr(session.config, "workerinput") or not _measured:
         return

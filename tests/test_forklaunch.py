@@ -1,0 +1,60 @@
+"""The forked launcher of the test harnesses (tests/workers/forklaunch.py) gives a rank what the
+real torchrun gives it, and fails a launch as torchrun does: the same script under both, side by
+side (the probe imports nothing heavy, so the cold launch costs about a second of CPU)."""
+
+import json
+import os
+import time
+
+import pytest
+
+import conftest
+from conftest import REPO, run_torchrun
+
+PROBE = os.path.join(REPO, "tests", "workers", "launch_probe.py")
+
+
+def _ranks(proc) -> list[dict]:
+    rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    return sorted(rows, key=lambda r: int(r["vars"]["RANK"]))
+
+
+def test_a_forked_rank_sees_what_a_torchrun_rank_sees(monkeypatch):
+    assert conftest.forks(PROBE) and not conftest.forks(os.path.join(REPO, "train_grpo.py"))
+    assert not conftest.forks(os.path.join(REPO, "tests", "workers", "faulty_train.py"))
+    forked = _ranks(run_torchrun(PROBE, 2, "x=1"))
+    monkeypatch.setenv("RLCORE_TEST_LAUNCHER", "torchrun")
+    assert not conftest.forks(PROBE)
+    cold = _ranks(run_torchrun(PROBE, 2, "x=1"))
+    assert len(forked) == len(cold) == 2
+    for f, c in zip(forked, cold):
+        assert f == c, (f, c)  # variables (the run id's presence), argv, sys.path[0], __main__, the gloo world
+    assert cold[0]["path0"] == os.path.join(REPO, "tests", "workers") and cold[0]["name"] == "__main__"
+    assert cold[1]["argv"] == [PROBE, "x=1"] and cold[1]["world"] == 2
+
+
+def test_a_failing_rank_fails_the_launch_and_ends_the_others():
+    from workers.forklaunch import Zygote
+
+    if not conftest._zygote:
+        run_torchrun(PROBE, 1)  # starts this process's zygote
+    zygote: Zygote = conftest._zygote[0]
+    env = {**os.environ, **conftest.QUIET_ENV, "PYTHONPATH": REPO}
+    started = time.monotonic()
+    proc = zygote.run(PROBE, 2, ["fail=1:3"], env, REPO, timeout=60)
+    # rank 0 would sleep 120 s: the launcher SIGTERMed it when rank 1 exited 3
+    assert proc.returncode == 1 and time.monotonic() - started < 30, (proc.returncode, proc.stderr)
+    assert "rank 1 (pid" in proc.stderr and "exited 3" in proc.stderr, proc.stderr
+
+
+def test_a_launch_past_its_timeout_is_killed():
+    import subprocess
+
+    from workers.forklaunch import Zygote
+
+    if not conftest._zygote:
+        run_torchrun(PROBE, 1)
+    zygote: Zygote = conftest._zygote[0]
+    env = {**os.environ, **conftest.QUIET_ENV, "PYTHONPATH": REPO}
+    with pytest.raises(subprocess.TimeoutExpired):
+        zygote.run(PROBE, 2, ["fail=5:0"], env, REPO, timeout=3)  # no rank 5: both sleep 120 s
