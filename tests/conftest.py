@@ -61,25 +61,33 @@ def toy_data(tmp_path_factory) -> tuple[str, str]:
 
 
 WORKERS = os.path.join(REPO, "tests", "workers")
-# The trainer with injected faults or probes is the trainer: it starts cold under torchrun, like train_grpo.py.
-COLD_WORKERS = ("faulty_train.py", "trainer_probe.py")
+TRAIN = os.path.join(REPO, "train_grpo.py")
+# Files whose launches start cold under the real torchrun, whatever the script: what they test is
+# the launch itself. (Launches a test signals or kills, tests/workers/launch.py, always do.)
+COLD_FILES = {
+    "test_e2e.py": "the whole loop as a user starts it: a cold start's console, torchrun's failure report",
+    "test_resume.py": "exact resume across cold restarts; what a cold rank imports (trainer_probe.py)",
+}
 _zygote = []  # this pytest process's workers.forklaunch.Zygote, started on first use
 
 
-def forks(script: str) -> bool:
+def forks(script: str, test_file: str | None = None) -> bool:
     """Whether ``run_torchrun`` forks ``script`` from the pre-imported interpreter
-    (tests/workers/forklaunch.py): a test harness in tests/workers/, unless RLCORE_TEST_LAUNCHER=torchrun.
-    train_grpo.py, the trainer with injected faults, and every launch a test signals or kills
-    (workers/launch.py) start cold under the real torchrun."""
+    (tests/workers/forklaunch.py) rather than starting it cold under torchrun: train_grpo.py or a
+    harness in tests/workers/, launched from a test file not in ``COLD_FILES``, unless
+    RLCORE_TEST_LAUNCHER=torchrun."""
+    if test_file is None:
+        test_file = os.environ.get("PYTEST_CURRENT_TEST", "").split("::", 1)[0]
     script = os.path.abspath(script)
-    return (os.environ.get("RLCORE_TEST_LAUNCHER", "fork") != "torchrun" and os.path.dirname(script) == WORKERS
-            and os.path.basename(script) not in COLD_WORKERS)
+    return (os.environ.get("RLCORE_TEST_LAUNCHER", "fork") != "torchrun"
+            and (script == TRAIN or os.path.dirname(script) == WORKERS)
+            and os.path.basename(test_file) not in COLD_FILES)
 
 
 def run_torchrun(script: str, nproc: int, *args: str, timeout: int = 600, env: dict | None = None):
-    """Run ``script`` with ``nproc`` CPU ranks under torchrun (or, for a test harness, under
-    tests/workers/forklaunch.py: the same ranks, environment and gloo, forked from pre-imported
-    modules); return the CompletedProcess.
+    """Run ``script`` with ``nproc`` CPU ranks under torchrun, or where ``forks`` says so under
+    tests/workers/forklaunch.py (the same ranks, torchrun's environment and gloo, forked from
+    pre-imported modules); return the CompletedProcess.
 
     Fails the test with both output streams when the launch fails.
     """

@@ -1,4 +1,4 @@
-"""Multi-turn GRPO through the real entry point (2 CPU ranks under torchrun): the tool demo's config
+"""Multi-turn GRPO through the real entry point (2 CPU ranks, conftest.run_torchrun): the tool demo's config
 with the environment-served lookup tool, DAPO dynamic sampling and shared-prompt packing on, one
 vLLM engine sharded over both ranks (TP 2: the leader runs the tools, the other rank takes its
 answers), the train phase as one Ulysses group of the 2 ranks (tool tokens attended to, masked out

@@ -20,8 +20,11 @@ def _ranks(proc) -> list[dict]:
 
 
 def test_a_forked_rank_sees_what_a_torchrun_rank_sees(monkeypatch):
-    assert conftest.forks(PROBE) and not conftest.forks(os.path.join(REPO, "train_grpo.py"))
-    assert not conftest.forks(os.path.join(REPO, "tests", "workers", "faulty_train.py"))
+    faulty = os.path.join(REPO, "tests", "workers", "faulty_train.py")
+    assert conftest.forks(PROBE) and conftest.forks(conftest.TRAIN, "tests/test_vl_e2e.py")
+    for cold in conftest.COLD_FILES:  # the launch is what they test
+        assert not any(conftest.forks(s, f"tests/{cold}") for s in (PROBE, conftest.TRAIN, faulty))
+    assert not conftest.forks(os.path.join(REPO, "scripts", "bench_step.py"))
     forked = _ranks(run_torchrun(PROBE, 2, "x=1"))
     monkeypatch.setenv("RLCORE_TEST_LAUNCHER", "torchrun")
     assert not conftest.forks(PROBE)

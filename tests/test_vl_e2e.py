@@ -1,4 +1,4 @@
-"""Image+text GRPO on the real entry point (2 CPU ranks under torchrun): a tiny Qwen3-VL on the shapes
+"""Image+text GRPO on the real entry point (2 CPU ranks, conftest.run_torchrun): a tiny Qwen3-VL on the shapes
 task, images through vLLM (multi_modal_data) and through the VeOmni policy (pixel values, M-RoPE).
 
 Two launches share one module fixture (16 shapes prompts, 4 per step), both training as one Ulysses

@@ -13,10 +13,10 @@ variable of torchrun's left unset), each rank gets torchrun's environment (RANK,
 WORLD_SIZE, LOCAL_WORLD_SIZE, GROUP_RANK, MASTER_ADDR/PORT, TORCHELASTIC_RUN_ID, ...),
 ``sys.argv``, ``sys.path[0]`` and ``__main__`` as ``python -u script`` would set them, and a rank
 that fails ends the others (SIGTERM, then SIGKILL after 30 s) as torchrun's agent does. What is
-not exercised here is a cold start and torchrun's agent itself: ``train_grpo.py`` and every test of
-launch behaviour (signals, kill -9, exit codes, multi-node) always run under the real torchrun
-(``conftest.run_torchrun`` forks only scripts in tests/workers/ that are not the trainer with
-injected faults), and ``RLCORE_TEST_LAUNCHER=torchrun`` sends every launch there.
+not exercised here is a cold start and torchrun's agent itself: the tests of those (the whole loop
+as a user starts it, exact resume across cold restarts, signals, kill -9, exit codes, multi-node)
+always launch under the real torchrun (``conftest.COLD_FILES``, ``workers/launch.py``), and
+``RLCORE_TEST_LAUNCHER=torchrun`` sends every launch there.
 
 Protocol (one Unix socket per pytest process): the client sends one JSON request with two file
 descriptors (stdout, stderr) attached; the zygote forks a launcher, which replies with its pid,
@@ -38,9 +38,13 @@ import sys  # noqa: E402
 import time  # noqa: E402
 
 # What every worker imports anyway (a rank that needs less pays nothing for the rest: it is shared).
+# The lazily imported ones are what a CPU rank's engine builds import (python -X importtime of a demo rank).
 PRELOAD = (
-    "torch", "torch.distributed", "torch.distributed.tensor", "transformers", "transformers.modeling_utils",
-    "vllm", "veomni", "rlcore.engine.policy", "rlcore.rollout.engine", "rlcore.algo.grpo",
+    "torch", "torch.distributed", "torch.distributed.tensor", "torch.utils.tensorboard", "transformers",
+    "transformers.modeling_utils", "vllm", "vllm.config", "vllm.engine.arg_utils", "vllm.entrypoints.pooling.offline",
+    "vllm.v1.worker.cpu_model_runner", "vllm.v1.worker.gpu_worker", "vllm.v1.sample.ops.penalties",
+    "vllm.model_executor.layers.rotary_embedding", "veomni", "veomni.distributed.torch_parallelize",
+    "rlcore.engine.policy", "rlcore.rollout.engine", "rlcore.algo.grpo", "rlcore.run.build",
 )
 STOP_GRACE_S = 30.0  # torchrun's agent: SIGTERM the other ranks, SIGKILL what is left after this
 
