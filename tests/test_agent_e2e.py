@@ -1,9 +1,9 @@
-"""Multi-turn GRPO through the real entry point (2 CPU ranks, conftest.run_torchrun): the tool demo's config
-with the environment-served lookup tool, DAPO dynamic sampling and shared-prompt packing on, one
-vLLM engine sharded over both ranks (TP 2: the leader runs the tools, the other rank takes its
-answers), the train phase as one Ulysses group of the 2 ranks (tool tokens attended to, masked out
-of the loss, in every rank's half of the row); a run killed with kill -9, preempted and resumed writes the same metrics rows as one
-run straight through.
+"""Multi-turn GRPO through the real entry point (2 CPU ranks, conftest.run_torchrun): the tool
+demo's config with the environment-served lookup tool, DAPO dynamic sampling and shared-prompt
+packing on, one vLLM engine sharded over both ranks (TP 2: the leader runs the tools, the other rank
+takes its answers), the train phase as one Ulysses group of the 2 ranks (tool tokens attended to,
+masked out of the loss, in every rank's half of the row); a run killed with kill -9, preempted and
+resumed writes the same metrics rows as one run straight through.
 
   A   4 steps straight through, a checkpoint every 2 steps, validation at the end.
   B1  the same run killed with kill -9 once step_2 is saved and step 3 is logged.

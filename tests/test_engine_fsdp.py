@@ -1,6 +1,6 @@
 """VeOmniPolicy (FSDP2) against a single-process transformers + torch.optim reference.
 
-One real torchrun launch per world size (tests/workers/engine_train.py) trains 3 AdamW steps on
+One launch per world size (tests/workers/engine_train.py) trains 3 AdamW steps on
 packed micro-batches, checkpoints after step 1 and resumes into a fresh engine for steps 2-3, and exports an
 HF folder; the tests below compare what it wrote with plain PyTorch computed here, in a process
 that never imports VeOmni (so transformers is unpatched).

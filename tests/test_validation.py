@@ -1,4 +1,4 @@
-"""Validation with the colocated engine on real torchrun CPU ranks: the all-reduced val/* metrics
+"""Validation with the colocated engine on CPU ranks (gloo): the all-reduced val/* metrics
 equal a direct count over every rank's generations (tp=1 and tp=2); the trainer validates before
 training and every trainer.val_every steps, writes sample files, survives a reward function that
 always raises, and plot_metrics.py draws its curves."""

@@ -1,5 +1,6 @@
-"""Image+text GRPO on the real entry point (2 CPU ranks, conftest.run_torchrun): a tiny Qwen3-VL on the shapes
-task, images through vLLM (multi_modal_data) and through the VeOmni policy (pixel values, M-RoPE).
+"""Image+text GRPO on the real entry point (2 CPU ranks, conftest.run_torchrun): a tiny Qwen3-VL on
+the shapes task, images through vLLM (multi_modal_data) and through the VeOmni policy (pixel values,
+M-RoPE).
 
 Two launches share one module fixture (16 shapes prompts, 4 per step), both training as one Ulysses
 group of the 2 ranks (each runs half of every packed row and half of its image patches):
