@@ -100,6 +100,10 @@ class Zygote:
             os.close(err_w)
         reader = conn.makefile("r")
         pid = int(reader.readline() or 0)
+        if not pid:  # the zygote died before it forked the launcher
+            os.close(out_r)
+            os.close(err_r)
+            raise RuntimeError(f"the launch zygote did not fork {script}:\n{self._log_tail()}")
         stdout, stderr = _drain(out_r, err_r, pid, timeout, [script, *args])
         conn.settimeout(max(1.0, timeout))
         line = reader.readline()  # the launcher's exit status; nothing if it was killed
