@@ -36,13 +36,15 @@ def test_a_forked_rank_sees_what_a_torchrun_rank_sees(monkeypatch):
     assert cold[1]["argv"] == [PROBE, "x=1"] and cold[1]["world"] == 2
 
 
-def test_a_failing_rank_fails_the_launch_and_ends_the_others():
-    from workers.forklaunch import Zygote
-
+def _zygote_and_env():
+    """This pytest process's zygote (started by a launch if none is yet) and a launch's environment."""
     if not conftest._zygote:
-        run_torchrun(PROBE, 1)  # starts this process's zygote
-    zygote: Zygote = conftest._zygote[0]
-    env = {**os.environ, **conftest.QUIET_ENV, "PYTHONPATH": REPO}
+        run_torchrun(PROBE, 1)
+    return conftest._zygote[0], {**os.environ, **conftest.QUIET_ENV, "PYTHONPATH": REPO}
+
+
+def test_a_failing_rank_fails_the_launch_and_ends_the_others():
+    zygote, env = _zygote_and_env()
     started = time.monotonic()
     proc = zygote.run(PROBE, 2, ["fail=1:3"], env, REPO, timeout=60)
     # rank 0 would sleep 120 s: the launcher SIGTERMed it when rank 1 exited 3
@@ -53,11 +55,6 @@ def test_a_failing_rank_fails_the_launch_and_ends_the_others():
 def test_a_launch_past_its_timeout_is_killed():
     import subprocess
 
-    from workers.forklaunch import Zygote
-
-    if not conftest._zygote:
-        run_torchrun(PROBE, 1)
-    zygote: Zygote = conftest._zygote[0]
-    env = {**os.environ, **conftest.QUIET_ENV, "PYTHONPATH": REPO}
+    zygote, env = _zygote_and_env()
     with pytest.raises(subprocess.TimeoutExpired):
         zygote.run(PROBE, 2, ["fail=5:0"], env, REPO, timeout=3)  # no rank 5: both sleep 120 s

@@ -58,14 +58,13 @@ class Zygote:
     def __init__(self, repo: str, env: dict):
         self.repo, self.env = repo, env
         self.proc: subprocess.Popen | None = None
-        self.path = ""
-        self.log = ""
+        self.folder = self.path = self.log = ""
 
     def _start(self) -> None:
         import tempfile
 
-        folder = tempfile.mkdtemp(prefix="rlcore_zygote_")
-        self.path, self.log = os.path.join(folder, "sock"), os.path.join(folder, "zygote.log")
+        self.folder = tempfile.mkdtemp(prefix="rlcore_zygote_")
+        self.path, self.log = os.path.join(self.folder, "sock"), os.path.join(self.folder, "zygote.log")
         with open(self.log, "w") as log:
             self.proc = subprocess.Popen([sys.executable, "-u", os.path.abspath(__file__), self.path],
                                          cwd=self.repo, env=self.env, stdin=subprocess.DEVNULL,
@@ -98,23 +97,27 @@ class Zygote:
         finally:
             os.close(out_w)
             os.close(err_w)
-        reader = conn.makefile("r")
-        pid = int(reader.readline() or 0)
-        if not pid:  # the zygote died before it forked the launcher
-            os.close(out_r)
-            os.close(err_r)
-            raise RuntimeError(f"the launch zygote did not fork {script}:\n{self._log_tail()}")
-        stdout, stderr = _drain(out_r, err_r, pid, timeout, [script, *args])
-        conn.settimeout(max(1.0, timeout))
-        line = reader.readline()  # the launcher's exit status; nothing if it was killed
-        conn.close()
+        with conn:
+            reader = conn.makefile("r")
+            pid = int(reader.readline() or 0)
+            if not pid:  # the zygote died before it forked the launcher
+                os.close(out_r)
+                os.close(err_r)
+                raise RuntimeError(f"the launch zygote did not fork {script}:\n{self._log_tail()}")
+            stdout, stderr = _drain(out_r, err_r, pid, timeout, [script, *args])
+            conn.settimeout(max(1.0, timeout))
+            line = reader.readline()  # the launcher's exit status; nothing if it was killed
         code = int(line) if line.strip() else -signal.SIGKILL
         return subprocess.CompletedProcess([script, *args], code, stdout, stderr)
 
     def close(self) -> None:
+        import shutil
+
         if self.proc is not None and self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait()
+        if self.folder:
+            shutil.rmtree(self.folder, ignore_errors=True)
 
 
 def _drain(out_r: int, err_r: int, pid: int, timeout: float, cmd: list[str]) -> tuple[str, str]:
@@ -132,11 +135,10 @@ def _drain(out_r: int, err_r: int, pid: int, timeout: float, cmd: list[str]) -> 
         while sel.get_map():
             left = deadline - time.monotonic()
             if left <= 0:
-                if pid:
-                    try:
-                        os.killpg(pid, signal.SIGKILL)
-                    except ProcessLookupError:
-                        pass
+                try:
+                    os.killpg(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
                 raise subprocess.TimeoutExpired(cmd, timeout, b"".join(chunks[out_r]), b"".join(chunks[err_r]))
             for key, _ in sel.select(timeout=min(left, 1.0)):
                 data = os.read(key.fd, 65536)
