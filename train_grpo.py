@@ -20,13 +20,13 @@ import time  # noqa: E402
 from rlcore import agent, distill, judge  # noqa: E402
 from rlcore.algo import grpo  # noqa: E402
 from rlcore.algo.batch import advantages_for, rollout_metrics  # noqa: E402
-from rlcore.algo.exploration import EntropyControl, clip_cov_options  # noqa: E402
+from rlcore.algo.exploration import EntropyControl  # noqa: E402
 from rlcore.config import Config, ConfigError, fail  # noqa: E402
 from rlcore.config.cli import parse_config  # noqa: E402
 from rlcore.dist import DistInfo, init_distributed, run_then_exit, torchrun_env  # noqa: E402
 from rlcore.errors import Exit  # noqa: E402
 from rlcore.run import preempt  # noqa: E402
-from rlcore.run.build import build_engines  # noqa: E402
+from rlcore.run.build import build_engines, loss_options  # noqa: E402
 from rlcore.step import validation  # noqa: E402
 from rlcore.task.prompts import PromptSampler  # noqa: E402
 from rlcore.run.lifecycle import (  # noqa: E402
@@ -121,9 +121,7 @@ def build(cfg: Config, info: DistInfo, stop, watchdog) -> Run:
                            total_steps=t.total_steps)
     return Run(cfg, info, engines, sampler, logger, timer, stop, watchdog, resume_from=resume_from,
                val_prompts=val_prompts, entropy=EntropyControl(cfg.algorithm, cfg.exploration),
-               loss_options={"tis_cap": cfg.rollout_correction.tis_cap, "clip_cov": clip_cov_options(cfg.exploration),
-                             "correction": cfg.rollout_correction.options(),
-                             "distill": cfg.distill.loss_options()})
+               loss_options=loss_options(cfg))
 
 
 def log_step(run: Run, metrics: dict, step_start: float) -> None:

@@ -1,7 +1,7 @@
 """An HF model folder as files: its ``config.json`` (read here and nowhere else) and the writing of a
 safetensors folder from a stream of ``(name, full tensor)`` pairs. Plain file IO.
 
-The policy engine (``rlcore.engine.policy.VeOmniPolicy.save_hf``) gathers the tensors and hands
+The policy engine (``rlcore.engine_veomni.VeOmniPolicy.save_hf``) gathers the tensors and hands
 them to ``ShardWriter`` on rank 0; nothing here knows about FSDP2, DTensor or VeOmni.
 """
 

@@ -1,6 +1,6 @@
 """What the loop needs from the two engines: the trainer (``Policy``) and the generator
 (``Rollout``). The loop, the phase switch and the sampling code are written against these; the
-real engines (``rlcore.engine.policy``, ``rlcore.rollout.engine``) and the tests' fakes provide
+real engines (``rlcore.engine_veomni``, ``rlcore.colocate_rollout``) and the tests' fakes provide
 them.
 """
 
@@ -15,7 +15,7 @@ import torch
 
 @runtime_checkable
 class Policy(Protocol):
-    """The trainer engine (``rlcore.engine.policy.VeOmniPolicy``). Every method that runs a
+    """The trainer engine (``rlcore.engine_veomni.VeOmniPolicy``). Every method that runs a
     forward, gathers weights or touches a checkpoint is collective."""
 
     lr_schedule_changes: list[str]
@@ -41,7 +41,7 @@ class Policy(Protocol):
 
 @runtime_checkable
 class Rollout(Protocol):
-    """The generation engine (``rlcore.rollout.engine.ColocateRollout``): one vLLM engine per
+    """The generation engine (``rlcore.colocate_rollout.ColocateRollout``): one vLLM engine per
     tensor-parallel group; ``dp_*`` name the replica, ``tp_*`` the rank inside it."""
 
     dp_rank: int
@@ -59,3 +59,18 @@ class Rollout(Protocol):
     def resume_memory(self, tags: list[str] | None = None) -> None: ...
     def shutdown(self, exiting: bool = False) -> None: ...
     def describe(self) -> str: ...
+
+
+class EngineSection(Protocol):
+    """What a judge's or teacher's engine (``rlcore.rollout.judge.JudgeEngine``) reads of its config
+    section: ``rlcore.judge.config.JudgeConfig`` and ``rlcore.distill.config.DistillConfig`` both have
+    it, and the rollout wing needs neither wing's module to read it. (A generative judge's
+    ``generate`` also reads ``temperature`` and ``max_tokens``, which a teacher never calls.)"""
+
+    name: str
+    path: str
+    generative: bool
+    max_model_len: int
+    kv_cache_gb: float
+    gpu_memory_utilization: float
+    sleep_level: int | None

@@ -44,7 +44,7 @@ def worker(args) -> None:
     from rlcore.algo.batch import RolloutBatch
     from rlcore.config import AlgorithmConfig
     from rlcore.dist import init_distributed
-    from rlcore.engine.policy import VeOmniPolicy
+    from rlcore.engine_veomni import VeOmniPolicy
 
     info = init_distributed("cpu")
     policy = VeOmniPolicy(args.model, info, lr=1e-3, total_steps=1, ulysses_size=args.ulysses)

@@ -7,7 +7,7 @@ samples) on 2 CPU ranks, with the packing options switched on one after the othe
 Starts its own ranks (torchrun, gloo). Rank 0 writes a random model with SmolLM2-135M-Instruct's
 config (LlamaForCausalLM, 576 wide, 30 layers, 9/3 heads, 49152 vocab, tied embeddings; nothing
 is downloaded; ``--layers`` and ``--vocab`` shrink it) and every rank shards it with VeOmni FSDP2
-(rlcore.engine.policy.VeOmniPolicy). The workload is an arithmetic-task GRPO step shaped like
+(rlcore.engine_veomni.VeOmniPolicy). The workload is an arithmetic-task GRPO step shaped like
 SmolLM2's: ``--prompts`` groups of ``--n`` samples (consecutive samples share their prompt),
 prompts of about ``--prompt-len`` tokens (+-1/6), responses of ``--response-len`` / 2 to 3/2 of
 it (fixed seed), 0/1 rewards, GRPO advantages; each rank trains on its contiguous share.
@@ -117,7 +117,7 @@ def setup(args, info):
     """Rank 0 writes the model into a temp folder every rank gets; the sharded policy."""
     import torch.distributed as dist
 
-    from rlcore.engine.policy import VeOmniPolicy
+    from rlcore.engine_veomni import VeOmniPolicy
 
     holder = [tempfile.mkdtemp(prefix="bench_train_") if info.rank == 0 else None]
     dist.broadcast_object_list(holder, src=0)
@@ -151,7 +151,8 @@ def global_batch(args):
 
 def local_inputs(args, info):
     """This rank's share of the batch and its ``UpdateInputs`` (on-policy, no reference)."""
-    from rlcore.algo import advantage, grpo
+    from rlcore import advantage
+    from rlcore.algo import grpo
 
     batch, rewards = global_batch(args)
     adv = advantage.compute_advantages("grpo", rewards, batch.response_mask(), args.n)  # (N, T)

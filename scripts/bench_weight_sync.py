@@ -173,8 +173,8 @@ def setup(args, info):
         else:
             make_tiny_model(model_dir, **model_dims(args.params))
     dist.barrier()
-    from rlcore.engine.policy import VeOmniPolicy
-    from rlcore.rollout.engine import ColocateRollout
+    from rlcore.engine_veomni import VeOmniPolicy
+    from rlcore.colocate_rollout import ColocateRollout
 
     policy = VeOmniPolicy(model_dir, info, lr=1e-3, total_steps=10, ep_size=info.world_size if args.moe else 1)
     g = torch.Generator().manual_seed(info.rank)
@@ -368,8 +368,8 @@ def lora_push(args, model_dir: str, info) -> dict:
     import torch
 
     from rlcore.config.lora import LoraConfig
-    from rlcore.engine.lora import LoraPolicy
-    from rlcore.rollout.engine import ColocateRollout
+    from rlcore.engine_veomni import LoraPolicy
+    from rlcore.colocate_rollout import ColocateRollout
 
     policy = LoraPolicy(model_dir, info, lora=LoraConfig(rank=args.lora, alpha=2 * args.lora), lr=1e-3,
                         total_steps=10)

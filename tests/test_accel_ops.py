@@ -4,7 +4,7 @@ VeOmni 0.1.12 checks ``OpsImplementationConfig`` against the device when it is c
 (veomni/arguments/arguments_types.py:1276-1278 -> ``_validate_implementations`` :1331-1372, with
 ``_NPU_ALLOWED`` :1028-1036), asking ``veomni.utils.import_utils.is_torch_npu_available`` which
 device it is on. Here that probe is forced to the recipe's device and nothing else is replaced:
-the construction is the one ``rlcore.engine.policy`` does before building the model, so a name
+the construction is the one ``rlcore.engine_veomni`` does before building the model, so a name
 VeOmni refuses on Ascend fails here as it would on the cluster (the bare ``npu`` experts name once
 stopped every NPU run, dense ones included, before step 1).
 """

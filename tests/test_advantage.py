@@ -1,4 +1,4 @@
-"""Hand-computed checks for rlcore.algo.advantage: every estimator, KL kind, aggregation mode and policy
+"""Hand-computed checks for rlcore.advantage: every estimator, KL kind, aggregation mode and policy
 loss on inputs small enough to do the arithmetic in the test itself."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from rlcore.algo.advantage import (
+from rlcore.advantage import (
     ADV_ESTIMATORS,
     AGG_MODES,
     KL_KINDS,

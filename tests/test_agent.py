@@ -157,7 +157,7 @@ def test_vllm_parser_reads_calls_and_counts_malformed_ones(tool_model):
 def test_masked_tool_tokens_loss_and_gradient_match_hand_reference(agg):
     """Two conversations (model, tool, model tokens) and a single-turn one: the GRPO loss and its
     gradient equal a reference that only ever looks at the model tokens; tool tokens get zero."""
-    from rlcore.algo import advantage
+    from rlcore import advantage
     from rlcore.algo.batch import RolloutBatch
 
     env_mask = [[1, 1, 0, 0, 0, 1, 1], [1, 0, 0, 1], [1, 1, 1]]
@@ -338,7 +338,7 @@ def test_first_turn_prefix_is_prompt_and_the_parser_reads_the_turn_with_it(chatm
     from rlcore.agent.loop import Agent, Conversation
     from rlcore.agent.sandbox import Limits
     from rlcore.agent.tools import ToolRunner, load_tools
-    from rlcore.rollout.engine import Sample
+    from rlcore.colocate_rollout import Sample
 
     tok = AutoTokenizer.from_pretrained(chatml_model)
     tools = load_tools(["calculator"], None)

@@ -263,9 +263,9 @@ def test_engines_satisfy_the_protocols_the_loop_uses():
     """rlcore.protocols' Policy and Rollout list what the loop needs; the real engines provide it."""
     import inspect
 
-    from rlcore.engine.policy import VeOmniPolicy
+    from rlcore.engine_veomni import VeOmniPolicy
     from rlcore.protocols import Policy, Rollout
-    from rlcore.rollout.engine import ColocateRollout
+    from rlcore.colocate_rollout import ColocateRollout
 
     for proto, cls in ((Policy, VeOmniPolicy), (Rollout, ColocateRollout)):
         methods = [n for n, v in vars(proto).items() if inspect.isfunction(v) and not n.startswith("_")]

@@ -51,7 +51,7 @@ def test_the_loss_gradient_is_the_reverse_kl_objectives_gradient():
     """With reward_weight 0, the GRPO loss (vanilla clip, token-mean, on-policy) fed the distillation
     advantage has the gradient of the reference objective mean_t sg(log ps - log pt) * log ps, i.e.
     the per-token score-function gradient of KL(student || teacher) on the sampled tokens."""
-    from rlcore.algo import advantage
+    from rlcore import advantage
     from rlcore.algo.distill import combine, distill_advantage
 
     g = torch.Generator().manual_seed(0)
@@ -218,9 +218,17 @@ def _config(model, teacher, **distill):
                   distill=DistillConfig(teacher=teacher, **distill))
 
 
+def check_distill(cfg) -> None:
+    """The distill section's cross-checks as rlcore.config.resolve runs them on a whole config."""
+    from rlcore.distill.config import check_distill as check
+
+    check(cfg.distill, model_path=cfg.model.path, image_key=cfg.data.image_key,
+          dynamic_sampling=cfg.algorithm.dynamic_sampling)
+
+
 @pytest.mark.unit
 def test_bad_distill_settings_name_the_field_and_the_fix(tiny_model, teacher_dirs, tmp_path):
-    from rlcore.distill.config import DistillConfig, check_distill
+    from rlcore.distill.config import DistillConfig
     from rlcore.errors import ConfigError
 
     with pytest.raises(ConfigError, match=r"distill\.mode.*choose one of reverse_kl, topk"):
@@ -253,7 +261,6 @@ def test_bad_distill_settings_name_the_field_and_the_fix(tiny_model, teacher_dir
 
 @pytest.mark.unit
 def test_a_teacher_with_another_tokenizer_exits_2_naming_the_first_difference(tiny_model, teacher_dirs):
-    from rlcore.distill.config import check_distill
     from rlcore.errors import ConfigError
 
     with pytest.raises(ConfigError, match=r"vocabulary of \d+ tokens, the student's has \d+.*same token ids"):

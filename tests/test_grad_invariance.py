@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from conftest import REPO, run_torchrun
-from rlcore.algo import advantage
+from rlcore import advantage
 from workers.grad_invariance import VARIANTS
 
 WORKER = os.path.join(REPO, "tests", "workers", "grad_invariance.py")

@@ -144,7 +144,7 @@ def test_dynamic_sampling_rounds_draw_fresh_seeds():
     import contextlib
     import types
 
-    from rlcore.rollout.engine import Sample
+    from rlcore.colocate_rollout import Sample
     from rlcore.step.sampling import StepSampler
 
     seeds = []

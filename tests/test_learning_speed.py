@@ -13,11 +13,12 @@ import types
 import pytest
 import torch
 
-from rlcore.algo import advantage, grpo
+from rlcore import advantage
+from rlcore.algo import grpo
 from rlcore.algo.batch import advantages_for, informative_groups, shape_rewards
 from rlcore.algo.exploration import EntropyControl, clip_cov_options, next_entropy_coef
 from rlcore.config import AlgorithmConfig, ExplorationConfig, RolloutConfig
-from rlcore.rollout.engine import Sample
+from rlcore.colocate_rollout import Sample
 from rlcore.step import sampling
 
 pytestmark = pytest.mark.unit

@@ -10,7 +10,8 @@ import sys
 
 import pytest
 
-from rlcore.plan.memory import COMPONENTS, GB, PHASES, PlanInputs, build_plan, format_plan, plan_from_config
+from rlcore.plan.inputs import COMPONENTS, PHASES, PlanInputs
+from rlcore.plan.memory import GB, build_plan, format_plan, plan_from_config
 from rlcore.plan.model_shape import ModelShape
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -145,7 +145,8 @@ def test_the_memory_plan_counts_the_groups_in_flight_and_the_suspended_state():
     import tracemalloc
 
     from rlcore.plan.judges import SUSPENDED_TOKEN_BYTES, suspended_sequences
-    from rlcore.plan.memory import PlanInputs, build_plan, format_plan
+    from rlcore.plan.inputs import PlanInputs
+    from rlcore.plan.memory import build_plan, format_plan
     from rlcore.plan.model_shape import ModelShape
     from rlcore.step.partial import Seq
 

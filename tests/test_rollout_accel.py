@@ -19,7 +19,7 @@ import numpy as np
 import torch
 import pytest
 
-import rlcore.rollout.engine as cr
+import rlcore.colocate_rollout as cr
 from rlcore.dist import DistInfo
 from rlcore.rollout import checks as rc, settings as rs
 
@@ -378,7 +378,7 @@ def test_storage_sleep_refused_for_a_judge_that_zeroes_kv_blocks(fake_vllm, monk
     ``needs_kv_cache_zeroing`` is set (v1/core/sched/scheduler.py:376): the judge's storage sleep
     moves the KV cache, so it is refused; the kv mode (CPU) keeps the storage and is allowed."""
     from rlcore.judge.config import JudgeConfig
-    from rlcore.rollout.judge import JudgeEngine
+    from rlcore.rollout.judge import JudgeEngine, rollout_kwargs
 
     built = FakeLLM.__init__
 
@@ -391,10 +391,14 @@ def test_storage_sleep_refused_for_a_judge_that_zeroes_kv_blocks(fake_vllm, monk
     monkeypatch.setattr(cr.ColocateRollout, "shutdown", lambda self: shut.append(True))
     info = DistInfo(rank=0, world_size=1, local_rank=0, local_world_size=1, device_type="cuda", backend="gloo")
     jcfg = JudgeConfig(name="hybrid", path="/model", kind="generative", template="{{ response }}")
+
+    def engine(dtype):
+        return cr.ColocateRollout(jcfg.path, info, **rollout_kwargs(jcfg, "cuda", seed=0, dtype=dtype))
+
     with pytest.raises(ValueError, match=r"reward.models\['hybrid'\].*zeroed before use.*plain attention"):
-        JudgeEngine(jcfg, info, seed=0, dtype="bfloat16", device_type="cuda")
+        JudgeEngine(jcfg, engine("bfloat16"))
     assert shut == [True], "the refused engine is shut down"
-    assert JudgeEngine(jcfg, info, seed=0, dtype="float32", device_type="cuda", offload="kv").offload == "kv"
+    assert JudgeEngine(jcfg, engine("float32"), offload="kv").offload == "kv"
     assert rc.kv_zeroing_needed(NS(llm_engine=NS())) is False  # an engine without the flag (older vLLM)
 
 

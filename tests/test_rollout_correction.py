@@ -10,7 +10,8 @@ import math
 import pytest
 import torch
 
-from rlcore.algo import advantage, grpo, rollout_correction as rc
+from rlcore import advantage
+from rlcore.algo import grpo, rollout_correction as rc
 from rlcore.algo.batch import advantages_for, shape_rewards
 from rlcore.config import ConfigError, RolloutCorrectionConfig
 

@@ -128,7 +128,7 @@ def test_vllm_completion_routed_experts_reach_the_sample():
     from vllm.logprobs import Logprob
     from vllm.outputs import CompletionOutput
 
-    from rlcore.rollout.engine import _copy_sample, _to_sample
+    from rlcore.colocate_rollout import _copy_sample, _to_sample
 
     rows = np.zeros((4, 2, 2), dtype=np.uint8)
     out = CompletionOutput(index=0, text="", token_ids=[3, 4], cumulative_logprob=None,

@@ -104,7 +104,8 @@ def test_the_plan_gives_each_rank_its_share_of_the_row_plus_the_whole_mask():
     import os
     from dataclasses import replace
 
-    from rlcore.plan.memory import PlanInputs, activation_bytes
+    from rlcore.plan.inputs import PlanInputs
+    from rlcore.plan.memory import activation_bytes
     from rlcore.plan.model_shape import ModelShape
     from rlcore.plan.sequence import longest_train_sequence, train_fits, ulysses_sizes
 
@@ -127,7 +128,7 @@ def test_the_plan_gives_each_rank_its_share_of_the_patches_plus_the_images_mask(
     import os
     from dataclasses import replace
 
-    from rlcore.plan.memory import PlanInputs
+    from rlcore.plan.inputs import PlanInputs
     from rlcore.plan.model_shape import ModelShape
     from rlcore.plan.vision import vision_activation_bytes
 

@@ -152,7 +152,7 @@ def test_config_offload_defaults_and_errors(capsys):
 
 @pytest.mark.unit
 def test_sleep_level_and_weight_load_choices():
-    from rlcore.rollout.engine import _pick_sleep_level, _pick_weight_load
+    from rlcore.colocate_rollout import _pick_sleep_level, _pick_weight_load
 
     assert _pick_sleep_level("cpu", None) == 0 and _pick_sleep_level("cpu", 2) == 0  # never sleep on CPU
     assert _pick_sleep_level("cuda", None) == 2 and _pick_sleep_level("npu", 1) == 1

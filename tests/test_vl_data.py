@@ -178,7 +178,8 @@ def _vision_inputs(n_tokens: int, tag: float, next_position: int):
 def test_pack_with_images_lays_out_positions_pixels_and_runs():
     """Unshared: every sample carries its prompt's pixels and M-RoPE block, text row restarting at 0.
     Shared: a run's images once. Equal ids with different images are different runs."""
-    from rlcore.algo.packing import pack, prompt_runs
+    from rlcore.algo.batch import prompt_runs
+    from rlcore.algo.packing import pack
 
     a, b = _vision_inputs(1, 1.0, 50), _vision_inputs(1, 2.0, 60)
     prompt = [7, 5, 6]  # expanded: one image token between start and end

@@ -238,7 +238,7 @@ def test_prompt_images_checked():
 def test_registry_subprocess_runs_the_shim_first(tmp_path):
     import subprocess
 
-    from rlcore.rollout.engine import _PACKAGE_ROOT
+    from rlcore.colocate_rollout import _PACKAGE_ROOT
 
     assert os.path.samefile(_PACKAGE_ROOT, REPO)  # what the engine hands the registry subprocess: the checkout
     registry = types.SimpleNamespace(_SUBPROCESS_COMMAND=[sys.executable, "-m", "some.module"])
@@ -285,7 +285,7 @@ def test_engine_kwargs_for_text_and_vl_folders(fake_vllm, tmp_path, monkeypatch)
     no multimodal keyword at all (its engine is built as before)."""
     import dataclasses
 
-    import rlcore.rollout.engine as cr
+    import rlcore.colocate_rollout as cr
     from rlcore.dist import DistInfo
 
     mm_keys = ["limit_mm_per_prompt", "mm_processor_cache_gb"]  # vllm 0.32.0 engine/arg_utils.py:634, :643

@@ -1,5 +1,5 @@
 """Every vLLM name the rollout relies on exists in the installed vLLM (issue 12: a version bump
-must fail here, naming the attribute and its user in rlcore/rollout/engine.py, not on a cluster).
+must fail here, naming the attribute and its user in rlcore/colocate_rollout.py, not on a cluster).
 
 The ``unit`` tests inspect classes and modules without building an engine; the last test reads
 the attribute chain off a real tp=2 engine (tests/workers/accel_worker.py CHAIN, one launch
@@ -43,7 +43,7 @@ NAMES = [
      "rollout.cpu_kv.scope_cpu_shm_names (CPU, tp > 1)"),
 ]
 
-# Every keyword ColocateRollout may pass to LLM(...): rlcore/rollout/engine.py _build_engine,
+# Every keyword ColocateRollout may pass to LLM(...): rlcore/colocate_rollout.py _build_engine,
 # _memory_kwargs, rollout.settings.speed_kwargs, disable_npu_nz, cpu_prefill_kwargs, multimodal_kwargs.
 LLM_KWARGS = [
     "model", "tensor_parallel_size", "distributed_executor_backend", "seed", "dtype", "max_model_len",
@@ -75,7 +75,7 @@ def test_method_signatures():
     expect = {"sleep": "level", "wake_up": "tags", "collective_rpc": "kwargs", "generate": "use_tqdm"}
     for method, param in expect.items():
         params = inspect.signature(getattr(LLM, method)).parameters
-        assert param in params, f"LLM.{method} lost its {param!r} argument (used by rlcore/rollout/engine.py)"
+        assert param in params, f"LLM.{method} lost its {param!r} argument (used by rlcore/colocate_rollout.py)"
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
     params = inspect.signature(GPUModelRunner.reload_weights).parameters

@@ -46,7 +46,7 @@ def tp_share(tp_size: int, tp_rank: int, dp_rank: int):
         return None
     from rlcore.dist import all_gather_objects
 
-    leader = dp_rank * tp_size  # TP rank 0 of this replica (rlcore.rollout.engine: rank = dp * tp + tp_rank)
+    leader = dp_rank * tp_size  # TP rank 0 of this replica (rlcore.colocate_rollout: rank = dp * tp + tp_rank)
     return lambda obj: all_gather_objects(obj)[leader]
 
 

@@ -4,12 +4,17 @@
     packing.py             samples into (1, L) rows without padding, the R3 replay rows, micro-batches
     grpo.py                the PPO/GRPO update with global loss normalisation (log-prob matrices,
                            epochs and mini-batches, rollout-correction weights)
-    advantage.py           advantage estimators, KL penalties, loss aggregation, policy losses
+    config.py              the algorithm's config sections (AlgorithmConfig, RolloutCorrectionConfig,
+                           ExplorationConfig): dataclasses whose checks name the key and the fix
     rollout_correction.py  importance weights and rejection between vLLM's and the trainer's log-probs
     exploration.py         entropy control and clip-cov options
     distill.py             on-policy distillation's per-token advantage (reverse KL) and its sums
 
-May import: torch, numpy, rlcore.dist (the collective sums of metrics). Not vLLM, not VeOmni, and
-no config at run time (``AlgorithmConfig`` only for annotations): the policy arrives as the
-``rlcore.protocols.Policy`` the caller passes.
+The advantage estimators, KL penalties, loss aggregation and policy losses are the design card's
+``rlcore/advantage.py``, which this wing builds on (and which imports none of it).
+
+May import: torch, numpy, rlcore.advantage, rlcore.dist (the collective sums of metrics), rlcore.errors
+(its sections' checks). Not vLLM, not VeOmni, not the config package (its sections live here, in
+config.py, and rlcore.config re-exports them): the policy arrives as the ``rlcore.protocols.Policy``
+the caller passes.
 """

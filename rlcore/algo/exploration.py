@@ -1,6 +1,6 @@
 """Exploration that lasts: the adaptive entropy coefficient carried from step to step.
 
-The per-token mechanisms are pure tensor math in rlcore.algo.advantage (``clip_cov_weights``); this
+The per-token mechanisms are pure tensor math in rlcore.advantage (``clip_cov_weights``); this
 module holds what has state across steps, so a checkpoint can carry it and resume stays exact.
 """
 
@@ -10,8 +10,8 @@ import dataclasses
 
 from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:  # annotations only: pure math imports no config at run time
-    from rlcore.config import AlgorithmConfig, ExplorationConfig
+if TYPE_CHECKING:  # annotations only
+    from rlcore.algo.config import AlgorithmConfig, ExplorationConfig
 
 
 def next_entropy_coef(coef: float, entropy: float, target: float, step: float, ceiling: float) -> float:

@@ -13,14 +13,15 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from rlcore.algo import advantage, rollout_correction
+from rlcore import advantage
+from rlcore.algo import rollout_correction
 from rlcore.algo.batch import RolloutBatch, concat
 from rlcore.algo.distill import topk_divergence
 from rlcore.algo.packing import micro_batches, pack, rollout_routing, split_micro, token_keys
 from rlcore.dist import all_gather_objects, all_rank_sums, all_reduce_max, all_reduce_sum
 
-if TYPE_CHECKING:  # annotations only: pure math imports no config at run time
-    from rlcore.config import AlgorithmConfig
+if TYPE_CHECKING:  # annotations only
+    from rlcore.algo.config import AlgorithmConfig
 
 
 def logprob_matrix(policy, batch: RolloutBatch, temperature: float, *, grad: bool, with_entropy: bool,

@@ -9,26 +9,11 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from rlcore.algo.batch import RolloutBatch, prompt_runs
 from rlcore.dist import all_reduce_max
 
 if TYPE_CHECKING:  # annotations only
-    from rlcore.algo.batch import RolloutBatch
-    from rlcore.config import AlgorithmConfig
-
-
-def prompt_runs(prompt_ids: list[list[int]], vision: list | None = None) -> list[tuple[int, int]]:
-    """``(start, end)`` of each run of consecutive sequences with the same prompt: a group, or
-    the part of one this rank or micro-batch holds (TP sharding and micro-batch splits may cut a
-    group; dynamic sampling keeps groups together). With images the prompt must also be the same
-    object (two prompts with the same text and differently drawn images expand to equal ids)."""
-    runs: list[tuple[int, int]] = []
-    same_images = (lambda i, j: True) if vision is None else (lambda i, j: vision[i] is vision[j])  # noqa: E731
-    for i, p in enumerate(prompt_ids):
-        if runs and prompt_ids[runs[-1][0]] == p and same_images(runs[-1][0], i):
-            runs[-1] = (runs[-1][0], i + 1)
-        else:
-            runs.append((i, i + 1))
-    return runs
+    from rlcore.algo.config import AlgorithmConfig
 
 
 def pack(prompt_ids: list[list[int]], response_ids: list[list[int]], device, *, share_prompt: bool = False,

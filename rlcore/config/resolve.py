@@ -160,7 +160,8 @@ def resolve(cfg: Config, device_type: str) -> Config:
     check_lora(cfg.lora, m.path, experts, vision=_has_vision(m.path))
     check_agent(cfg)
     check_judges(cfg)
-    check_distill(cfg)
+    check_distill(cfg.distill, model_path=cfg.model.path, image_key=cfg.data.image_key,
+                  dynamic_sampling=cfg.algorithm.dynamic_sampling)
     check_partial(cfg)
     if cfg.algorithm.use_rollout_logprobs and cfg.rollout_correction.options() is not None:
         raise ConfigError("rollout_correction.is_level/rs compare the trainer's old log-probs with vLLM's, but "

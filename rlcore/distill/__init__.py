@@ -4,11 +4,12 @@ reverse KL is the learning signal, alone or beside the reward (``distill`` confi
     config.py   the ``distill`` section (DistillConfig) and its checks: teacher folder, same tokenizer
     teacher.py  the teacher in the loop: score a step's samples, the advantage, distill/* metrics
 
-The teacher's engine is a rollout engine (rlcore.rollout.teacher: a judge engine that returns
-teacher-forced log-probs), asleep except while it scores; the math is rlcore.algo.distill.
+The teacher's engine is a rollout engine (rlcore.colocate_rollout, wrapped by rlcore.rollout.teacher:
+a judge engine that returns teacher-forced log-probs), asleep except while it scores; the math is rlcore.algo.distill.
 
-May import: transformers (the tokenizer check), rlcore.rollout (its engine, built in
-``build_teacher``), rlcore.algo and the ground floor. The config only for annotations.
+May import: transformers (the tokenizer check), rlcore.rollout and rlcore.colocate_rollout (its
+engine, built in ``build_teacher``), rlcore.algo and the ground floor. Not the config package: its
+sections import this wing's.
 """
 
 from __future__ import annotations
@@ -18,19 +19,21 @@ def build_teacher(cfg, info, policy_rollout, switch, timer):
     """rlcore.distill.teacher.Teacher for ``cfg.distill`` or None (collective: every rank builds the
     engine together, like the policy's), asleep once built. ``policy_rollout``: the policy's
     engine, asleep while the teacher's is built (vLLM sizes a new engine from the free memory)."""
+    from rlcore.colocate_rollout import ColocateRollout
     from rlcore.distill.teacher import Teacher
-    from rlcore.rollout.judge import default_offload
+    from rlcore.rollout.judge import default_offload, rollout_kwargs
     from rlcore.rollout.teacher import TeacherEngine
 
     d = cfg.distill
     if not d.enabled:
         return None
     policy_rollout.release_memory()
-    engine = TeacherEngine(d, info, seed=cfg.trainer.seed, dtype=d.dtype or cfg.rollout.dtype or cfg.model.dtype,
-                           device_type=info.device_type, tp_size=cfg.rollout.tensor_parallel_size,
-                           offload=default_offload(info.device_type, cfg.rollout.emulate_sleep),
-                           **({"limit_mm_per_prompt": cfg.rollout.limit_mm_per_prompt}  # image prompts: as the policy's
-                              if cfg.rollout.limit_mm_per_prompt is not None else {}))
+    rollout = ColocateRollout(d.path, info, **rollout_kwargs(
+        d, info.device_type, seed=cfg.trainer.seed, dtype=d.dtype or cfg.rollout.dtype or cfg.model.dtype,
+        tp_size=cfg.rollout.tensor_parallel_size,
+        **({"limit_mm_per_prompt": cfg.rollout.limit_mm_per_prompt}  # image prompts: as the policy's
+           if cfg.rollout.limit_mm_per_prompt is not None else {})))
+    engine = TeacherEngine(d, rollout, offload=default_offload(info.device_type, cfg.rollout.emulate_sleep))
     engine.sleep()
     if policy_rollout.weights_valid:
         policy_rollout.resume_memory()

@@ -6,14 +6,11 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional
+from typing import Optional
 
 from rlcore.algo.distill import DIVERGENCES, MODES
 from rlcore.errors import ConfigError, check
 from rlcore.hf_folder import config_or_empty, read_config
-
-if TYPE_CHECKING:  # annotations only: the config package imports this section
-    from rlcore.config import Config
 
 
 @dataclass
@@ -85,7 +82,7 @@ class DistillConfig:
             return None
         return {"divergence": self.divergence, "beta": self.beta, "coef": self.coef}
 
-    # what rlcore.rollout.judge.JudgeEngine reads of an engine's section
+    # what rlcore.rollout.judge.JudgeEngine reads of an engine's section (rlcore.protocols.EngineSection)
     name = "teacher"
     generative = True
 
@@ -94,24 +91,24 @@ class DistillConfig:
         return self.teacher or ""
 
 
-def check_distill(cfg: Config) -> None:
-    """The section against the rest of the config and the teacher's folder (before anything loads)."""
-    d = cfg.distill
+def check_distill(d: DistillConfig, *, model_path: str, image_key: str | None, dynamic_sampling: bool) -> None:
+    """The section against the rest of the config (``model.path``, ``data.image_key``,
+    ``algorithm.dynamic_sampling``) and the teacher's folder, before anything loads."""
     if not d.enabled:
         return
     check_teacher_model(d.teacher)
     if d.reward_weight == 0:
-        check(not cfg.algorithm.dynamic_sampling, "algorithm.dynamic_sampling", True,
+        check(not dynamic_sampling, "algorithm.dynamic_sampling", True,
               "it keeps the groups whose rewards differ, but distill.reward_weight=0 trains on the teacher's signal "
               "alone, which every sample has: set algorithm.dynamic_sampling: false, or distill.reward_weight > 0")
-    if cfg.data.image_key is not None:
+    if image_key is not None:
         from rlcore.rollout.settings import is_multimodal_config
 
         check(is_multimodal_config(config_or_empty(d.teacher)), "distill.teacher", d.teacher,
-              f"the prompts carry images (data.image_key={cfg.data.image_key!r}) but the teacher's config.json has "
+              f"the prompts carry images (data.image_key={image_key!r}) but the teacher's config.json has "
               "no vision config: a text-only teacher cannot read them; use a vision-language teacher of the "
               "student's family")
-    mismatch = tokenizer_difference(cfg.model.path, d.teacher)
+    mismatch = tokenizer_difference(model_path, d.teacher)
     if mismatch:
         raise ConfigError(f"distill.teacher={d.teacher!r} does not share model.path's tokenizer: {mismatch}. "
                           "Per-token distillation compares the two models' log-probs of the same token ids, so "

@@ -33,7 +33,7 @@ VeOmni 0.1.12):
   only) is not an attention implementation transformers 5.19 knows (no reference to it in
   transformers), so it is not offered here.
 
-Plain Python: no VeOmni, FSDP2 or DTensor here (``rlcore.engine.policy`` owns those), so the
+Plain Python: no VeOmni, FSDP2 or DTensor here (``rlcore.engine_veomni`` owns those), so the
 config can resolve ``model.attn_implementation`` before any model is built.
 """
 

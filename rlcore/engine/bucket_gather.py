@@ -1,6 +1,6 @@
 """Bucketed gather of dim-0 row shards into full tensors: many parameters per collective.
 
-Helper of ``rlcore.engine.policy`` for the weight sync into vLLM every step. It sees plain
+Helper of ``rlcore.engine_veomni`` for the weight sync into vLLM every step. It sees plain
 tensors and process groups only: the engine (the one module that touches VeOmni, FSDP2 and
 DTensor) describes each parameter as a ``ShardSpec`` and hands over its local shard (or, for
 layouts this path does not handle, its full tensor) when asked.

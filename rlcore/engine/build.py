@@ -1,6 +1,6 @@
 """Building the policy's VeOmni model: the parallel state (FSDP2 mesh, EP mesh), the meta-
 initialised model with its kernels, and FSDP2 sharding with the HF weights loaded into the shards.
-An engine module (rlcore.engine.policy is its only user)."""
+An engine module (rlcore.engine_veomni is its only user)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Mixture-of-experts support for the policy engine: VeOmni expert parallelism (EP), a pure-torch
 EP experts kernel for CPU, expert weights out under the names vLLM and transformers load, and
-router statistics. Owned by ``rlcore.engine.policy`` (the only caller); like it, the only other
+router statistics. Owned by ``rlcore.engine_veomni`` (the only caller); like it, the only other
 module that touches VeOmni, FSDP2 or DTensor.
 
 Layout (veomni 0.1.12): ``init_parallel_state(..., extra_parallel_sizes=(ep,),

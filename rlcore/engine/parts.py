@@ -1,7 +1,7 @@
 """Pieces of the policy engine that need no VeOmni: the LR schedule (and how a resumed run
 continues it), the response-only hook on the decoder, the eager form of a bool attention mask,
 and the per-parameter helpers of the weight export (HF names, whole tensors from FSDP2's DTensor
-shards). Used by ``rlcore.engine.policy`` only."""
+shards). Used by ``rlcore.engine_veomni`` only."""
 
 from __future__ import annotations
 

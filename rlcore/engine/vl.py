@@ -1,7 +1,7 @@
 """Vision-language pieces of the policy engine (Qwen3-VL and Qwen2.5-VL through VeOmni's patched
 modeling): the vision tower (what ``freeze_vision_tower`` freezes), the extra forward inputs of a
 packed image+text row, and the checkpoint-name mapping a released Qwen2.5-VL folder needs. Used
-by ``rlcore.engine.policy`` only.
+by ``rlcore.engine_veomni`` only.
 
 Facts this relies on (veomni 0.1.12, veomni/models/transformers/qwen3_vl/generated/
 patched_modeling_qwen3_vl_gpu.py, "VL" below; transformers 5.19):

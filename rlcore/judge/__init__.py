@@ -4,11 +4,11 @@
     prompts.py  templates over the sample and its data row; score parsers
     scorer.py   a judge as a reward component (batched, de-duplicated, parsed, metrics)
 
-A judge's engine is a rollout engine: rlcore.rollout.judge (JudgeEngine) and its sleep on
-accelerators, rlcore.rollout.offload. Its memory-plan pieces are in rlcore.plan.
+A judge's engine is a rollout engine (rlcore.colocate_rollout) wrapped by rlcore.rollout.judge
+(JudgeEngine) and its sleep on accelerators, rlcore.rollout.offload. Its memory-plan pieces are in rlcore.plan.
 
 May import: transformers (a tokenizer for the templates), rlcore.task (rows, rewards), rlcore.rollout
-(its engine, built in ``build_judges``) and the ground floor. Not VeOmni.
+and rlcore.colocate_rollout (its engine, built in ``build_judges``) and the ground floor. Not VeOmni.
 
 The phase switch (rlcore.step.switch.PhaseSwitcher.judging) orders the memory: generate -> the
 policy's engine sleeps -> the judges wake -> score -> the judges sleep -> train.
@@ -21,17 +21,18 @@ def build_judges(cfg, info, policy_rollout=None) -> dict:
     """name -> rlcore.judge.scorer.Judge for ``reward.models`` (collective: every rank builds each
     engine together, like the policy's); each engine asleep once built. ``policy_rollout``: the
     policy's engine, asleep while they are built (vLLM sizes a new engine from the free memory)."""
+    from rlcore.colocate_rollout import ColocateRollout
     from rlcore.judge.scorer import Judge
-    from rlcore.rollout.judge import JudgeEngine, default_offload
+    from rlcore.rollout.judge import JudgeEngine, default_offload, rollout_kwargs
 
     judges, entries = {}, cfg.reward.judges()
     if entries and policy_rollout is not None:
         policy_rollout.release_memory()
     for j in entries:
-        engine = JudgeEngine(j, info, seed=cfg.trainer.seed, dtype=j.dtype or cfg.rollout.dtype or cfg.model.dtype,
-                             device_type=info.device_type,
-                             tp_size=j.tensor_parallel_size or cfg.rollout.tensor_parallel_size,
-                             offload=default_offload(info.device_type, cfg.rollout.emulate_sleep))
+        rollout = ColocateRollout(j.path, info, **rollout_kwargs(
+            j, info.device_type, seed=cfg.trainer.seed, dtype=j.dtype or cfg.rollout.dtype or cfg.model.dtype,
+            tp_size=j.tensor_parallel_size or cfg.rollout.tensor_parallel_size))
+        engine = JudgeEngine(j, rollout, offload=default_offload(info.device_type, cfg.rollout.emulate_sleep))
         engine.sleep()
         judges[j.name] = Judge(j, engine, cfg.data.prompt_key, seed=cfg.trainer.seed)
     if entries and policy_rollout is not None and policy_rollout.weights_valid:

@@ -2,9 +2,11 @@
 config, before anything loads (``scripts/plan_memory.py``, the dry run, the trainer's start on
 an accelerator).
 
+    inputs.py       what a plan depends on (PlanInputs), the phases and components it reports
     memory.py       the formulas per component, the plan per phase, the fixes it suggests, its report
     model_shape.py  the model's shape it reads: parameters, activations, the vision tower, the
                     processor's image budget
+    vision.py       the vision tower's training activations
     judges.py       each judge engine's share and the judging phase's verdict
     sequence.py     the longest sequence the train phase fits per rank, with and without Ulysses
 

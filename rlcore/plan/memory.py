@@ -9,10 +9,11 @@ has them all with a worked Qwen3-8B plan. Vision-language models (Qwen3-VL, Qwen
 add their vision tower (``VisionShape``) to P, the ViT's activations for the images of a
 micro-batch, and vLLM's profile run of the ViT.
 
-This module holds the plan: its inputs (``PlanInputs``), the bytes of each component per phase,
+This module holds the plan: the bytes of each component per phase,
 the search for a setting that fits (``suggest_fixes``), ``plan_from_config`` and ``format_plan``.
 The model's shape (``ModelShape``, ``VisionShape``: config.json, the processor's image budget,
-parameter and activation counts) is in rlcore/plan/model_shape.py.
+parameter and activation counts) is in rlcore/plan/model_shape.py; the plan's inputs
+(``PlanInputs``) in rlcore/plan/inputs.py.
 
 Phases, in the order a run meets them (the steps are rlcore/step/switch.py's); each total is a peak:
     train     params, gradients, optimizer, activations, FSDP's gathered weights, the resident
@@ -41,17 +42,12 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 
+from rlcore.plan.inputs import DTYPE_BYTES, PlanInputs
 from rlcore.plan.judges import JudgePlan, host_lines, teacher_plan
 from rlcore.plan.model_shape import ModelShape
 from rlcore.plan.vision import vision_activation_bytes
 
 GB = 2**30
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-PHASES = ("train", "checkpoint", "sync", "generate")  # the order a run goes through them
-COMPONENTS = ("trainer_params", "gradients", "optimizer", "reference", "activations", "fsdp_gathered",
-              "vllm_weights", "kv_cache", "vllm_activations", "vllm_overhead", "sync_buckets")
-JUDGE_COMPONENTS = ("judges", "judges_asleep")  # only in plans with reward.models
-TEACHER_COMPONENTS = ("teacher", "teacher_asleep")  # only in plans with distill.teacher
 RESERVE_GB = {"cuda": 3.0, "npu": 3.0}  # other devices (cpu): 0
 VLLM_OVERHEAD_GB = 0.5  # non-torch memory vLLM keeps: TP communicator, cuBLAS/ACL workspaces
 # CUDA/ACL graph pool (rollout.enforce_eager false), kept across sleep/wake. A rough allowance:
@@ -60,103 +56,6 @@ VLLM_GRAPHS_GB = 1.0
 LOGITS_CHUNK = 1024  # tokens per lm_head chunk of VeOmni's log-prob kernel (its default)
 LOGITS_BUFFERS = 6  # fp32 (chunk, V) buffers alive at the kernel's backward peak
 SAMPLER_BUFFERS = 3  # fp32 (max_num_seqs, V) buffers of vLLM's sampler in its profile run
-
-
-@dataclass(frozen=True)
-class PlanInputs:
-    """Everything the plan depends on (built from a Config by ``plan_from_config``)."""
-
-    shape: ModelShape
-    world: int
-    device_gb: float
-    device_type: str = "cuda"
-    dtype: str = "bfloat16"
-    nproc_per_node: int | None = None
-    offload_params: bool = True
-    offload_optimizer: bool = True
-    reference: bool = False
-    offload_ref: bool = False
-    tp: int = 1
-    ep: int = 1
-    gpu_memory_utilization: float = 0.5
-    sleep_level: int = 2
-    free_kv_cache: bool = True
-    sync_bucket_mb: float = 64.0
-    micro_batch_size: int = 8
-    prompt_len: int = 256
-    response_len: int = 64
-    max_model_len: int = 512
-    gradient_checkpointing: bool = False
-    prompts_per_step: int = 8
-    n: int = 8
-    max_num_batched_tokens: int | None = None  # None: vLLM's default for this device size
-    max_num_seqs: int | None = None
-    graphs: bool = False  # vLLM captures CUDA/ACL graphs (rollout.enforce_eager false)
-    # vision-language models (ignored when shape.vision is None)
-    freeze_vision: bool = False  # model.freeze_vision_tower: no gradients or AdamW state for the ViT
-    images_per_prompt: int = 1  # most images a prompt has (0: text-only data, data.image_key null)
-    vllm_images: int | None = None  # rollout.limit_mm_per_prompt's image limit; None: vLLM's default
-
-    lora_rank: int = 0  # lora.rank: only adapters on every decoder linear layer train
-    judges: tuple = ()  # JudgePlan of each reward.models entry
-    teacher: JudgePlan | None = None  # distill.teacher's engine (a judge engine that returns log-probs)
-    oversample: float = 1.0  # rollout.partial: groups in flight per group trained (KV cache, host memory)
-    ulysses: int = 1  # parallel.ulysses_size: a group's ranks share each micro-batch, 1/U of its tokens each
-    share_prompt: bool = False  # algorithm.share_prompt: under Ulysses the row's dense (T, T) mask
-
-    @property
-    def phase_names(self) -> tuple[str, ...]:
-        return PHASES + ("judge",) * bool(self.judges) + ("teacher",) * bool(self.teacher)
-
-    @property
-    def components(self) -> tuple[str, ...]:
-        return COMPONENTS + JUDGE_COMPONENTS * bool(self.judges) + TEACHER_COMPONENTS * bool(self.teacher)
-
-    @property
-    def trainable(self) -> int:
-        """Parameters that get gradients and AdamW state (all but a frozen vision tower; LoRA:
-        the adapters, r x (in + out) per target layer)."""
-        if self.lora_rank:
-            s = self.shape
-            q, kv = s.heads * s.head_dim, s.kv_heads * s.head_dim
-            per_layer = (s.hidden + q) * 2 + (s.hidden + kv) * 2 + (s.hidden + s.intermediate) * 3
-            return self.lora_rank * per_layer * s.layers
-        return self.shape.params - self.shape.vision_params() * self.freeze_vision
-
-    @property
-    def c(self) -> int:
-        return DTYPE_BYTES[self.dtype]
-
-    @property
-    def dp(self) -> int:
-        return max(1, self.world // self.tp)
-
-    @property
-    def seq_len(self) -> int:
-        return self.prompt_len + self.response_len
-
-    @property
-    def seqs_per_replica(self) -> float:
-        return self.prompts_per_step / self.dp * self.n
-
-    @property
-    def micro_seqs(self) -> int:
-        """Sequences of one micro-batch; a rank (a Ulysses group: its ranks' samples together)
-        never trains on more sequences than it holds."""
-        per_rank = max(1, int(self.seqs_per_replica // self.tp))
-        return min(self.micro_batch_size, per_rank * self.ulysses)
-
-    @property
-    def micro_tokens(self) -> int:
-        """T: one packed micro-batch."""
-        return self.micro_seqs * self.seq_len
-
-    def vllm_defaults(self) -> tuple[int, int]:
-        """(max_num_batched_tokens, max_num_seqs): vLLM 0.32's offline (LLM class) defaults pick
-        16384 / 1024 on devices of >= 70 GB (8192 / 256 below; A100-80GB also gets the smaller)."""
-        big = self.device_gb >= 70
-        return (self.max_num_batched_tokens or (16384 if big else 8192),
-                self.max_num_seqs or (1024 if big else 256))
 
 
 # ------------------------------------------------------------------------------- components
@@ -259,7 +158,7 @@ def kv_bytes_per_token(p: PlanInputs) -> int:
 def sync_bucket_bytes(p: PlanInputs) -> int:
     """About two buckets in flight (the gather buffer and the full tensors being loaded); a bucket
     is at least the largest sync unit (the embedding for most models). Mixture of experts: a
-    layer's routed experts are gathered whole, one fused parameter at a time (rlcore.engine.policy
+    layer's routed experts are gathered whole, one fused parameter at a time (rlcore.engine_veomni
     ``_whole``: FSDP2, then the EP group): the [E, 2I, H] gate_up_proj twice (the all-gather's
     output and the tensor re-laid out from it, DTensor.full_tensor over a dim-1 shard) while the
     [E, H, I] down_proj before it may still be loading, (2 x 2 + 1) E H I c: 1.9 GiB per rank for

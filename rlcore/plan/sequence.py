@@ -6,7 +6,8 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from rlcore.plan.memory import PlanInputs, build_plan
+from rlcore.plan.inputs import PlanInputs
+from rlcore.plan.memory import build_plan
 
 STEP = 256  # tokens: the search's resolution
 

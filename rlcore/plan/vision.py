@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from rlcore.plan.memory import PlanInputs
+    from rlcore.plan.inputs import PlanInputs
 
 
 def vision_activation_bytes(p: PlanInputs) -> int:

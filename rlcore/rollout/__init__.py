@@ -1,8 +1,9 @@
-"""The rollout engines: everything that imports vLLM.
+"""The rollout engine's parts: with ``rlcore/colocate_rollout.py`` (ColocateRollout: the policy's
+in-process vLLM engine per rank; generation of text and image prompts, in-place weight loading,
+sleep and wake-up), everything that imports vLLM.
 
-    engine.py         ColocateRollout: the policy's in-process vLLM engine per rank; generation
-                      (text and image prompts), in-place weight loading, sleep and wake-up
-    judge.py          JudgeEngine: a reward model's engine beside it (rlcore.judge scores with it)
+    judge.py          JudgeEngine: a reward model's engine (a ColocateRollout its caller builds) beside
+                      the policy's, asleep except while it scores (rlcore.judge scores with it)
     teacher.py        TeacherEngine: a distillation teacher's (a judge engine returning teacher-forced
                       log-probs at a temperature; rlcore.distill scores with it)
     settings.py       every keyword handed to ``vllm.LLM``, decided without building anything
@@ -15,6 +16,8 @@
     vllm_globals.py   vLLM's module-level singletons, kept per engine
     dry_check.py      the dry run's engine-config validation by vLLM, for a device this machine lacks
 
-May import: vLLM, torch, transformers and the ground floor (configs arrive as arguments). Never VeOmni: weights
-arrive as (name, tensor) pairs from the policy engine (rlcore.engine) through the phase switch.
+May import: vLLM, torch, transformers and the ground floor (configs arrive as arguments). Never
+rlcore.colocate_rollout (the engine these parts make up imports them, not the reverse: a judge's or
+teacher's engine is handed in built), and never VeOmni: weights arrive as (name, tensor) pairs from
+the policy engine (rlcore.engine_veomni) through the phase switch.
 """

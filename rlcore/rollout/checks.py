@@ -1,4 +1,4 @@
-"""The checks and call-time helpers behind ``rlcore.rollout.engine``, against the engine it built
+"""The checks and call-time helpers behind ``rlcore.colocate_rollout``, against the engine it built
 (the pre-build choices, ``pick_*`` and the ``LLM`` keywords, are in ``rlcore.rollout.settings``).
 
 Each helper takes plain values or the vLLM objects as arguments (one imports vLLM's config

@@ -1,6 +1,6 @@
 """Release and restore vLLM's KV cache buffer on CPU, where vLLM has no sleep mode: the storage
 behind every layer's KV view is resized to 0 and back, then zeroed lazily (whole pages dropped
-with madvise). Plain torch and libc; used by ``rlcore.rollout.engine`` only."""
+with madvise). Plain torch and libc; used by ``rlcore.colocate_rollout`` only."""
 
 from __future__ import annotations
 

@@ -21,7 +21,7 @@ Here, on the engine's own model object:
   (and the rollout refuses to run before a full push anyway: ``weights_valid``).
 - buffers: copied out and back at both levels, as vLLM does.
 The KV cache is released as without emulation (rlcore.rollout.cpu_kv). Plain torch; used by
-``rlcore.rollout.engine`` only.
+``rlcore.colocate_rollout`` only.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""A judge's in-process vLLM engine: a rollout engine (rlcore.rollout.engine) that never gets
+"""A judge's in-process vLLM engine: a rollout engine (rlcore.colocate_rollout) that never gets
 weight updates, asleep except while it scores.
 
 Generative judges sample (greedy by default) through ``ColocateRollout.generate``; discriminative
@@ -24,12 +24,8 @@ v1/kv_cache_interface.py:1586): its ``KVBlockZeroer`` precomputes the blocks' ab
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
+from rlcore.protocols import EngineSection
 from rlcore.rollout.checks import kv_zeroing_needed
-
-if TYPE_CHECKING:  # annotations only: the judge wing builds this engine, not the reverse
-    from rlcore.judge.config import JudgeConfig
 
 
 def default_offload(device_type: str, emulate_sleep: bool = False) -> str:
@@ -37,7 +33,7 @@ def default_offload(device_type: str, emulate_sleep: bool = False) -> str:
     return "kv" if device_type == "cpu" and not emulate_sleep else "storage"
 
 
-def judge_llm_kwargs(cfg: JudgeConfig, device_type: str, *, seed: int, dtype: str, tp_size: int) -> dict:
+def judge_llm_kwargs(cfg: EngineSection, device_type: str, *, seed: int, dtype: str, tp_size: int) -> dict:
     """The ``vllm.LLM`` keywords of a judge's engine (what ColocateRollout builds it with; the dry
     run, scripts/check_config.py, hands them to vLLM's EngineArgs)."""
     from rlcore.rollout.settings import llm_kwargs
@@ -49,22 +45,28 @@ def judge_llm_kwargs(cfg: JudgeConfig, device_type: str, *, seed: int, dtype: st
                       runner="generate" if cfg.generative else "pooling", sleep_mode=False)
 
 
-class JudgeEngine:
-    def __init__(self, cfg: JudgeConfig, info, *, seed: int, dtype: str, device_type: str, tp_size: int = 1,
-                 offload: str | None = None, **engine_kwargs):
-        """``tp_size``: the policy engine's (the only one an in-process engine can have; judge.config).
-        ``engine_kwargs``: more ColocateRollout keywords (a vision-language teacher's image limit)."""
-        from rlcore.rollout.engine import ColocateRollout
+def rollout_kwargs(cfg: EngineSection, device_type: str, *, seed: int, dtype: str, tp_size: int = 1,
+                   **engine_kwargs) -> dict:
+    """``ColocateRollout(cfg.path, info, **rollout_kwargs(...))``: a judge's engine, eager, without
+    vLLM's sleep mode (``JudgeEngine`` sleeps it). ``tp_size``: the policy engine's (the only one an
+    in-process engine can have; judge.config). ``engine_kwargs``: more ColocateRollout keywords (a
+    vision-language teacher's image limit)."""
+    return dict(tp_size=tp_size, seed=seed, max_model_len=cfg.max_model_len, dtype=dtype,
+                kv_cache_gb=cfg.kv_cache_gb, gpu_memory_utilization=cfg.gpu_memory_utilization,
+                sleep_level=1 if device_type != "cpu" else None, enforce_eager=True,
+                runner="generate" if cfg.generative else "pooling", sleep_mode=False, **engine_kwargs)
 
-        self.cfg, self.device_type = cfg, device_type
-        self.offload = offload or default_offload(device_type)
+
+class JudgeEngine:
+    def __init__(self, cfg: EngineSection, rollout, *, offload: str | None = None):
+        """``rollout``: the judge's ``ColocateRollout``, built with ``rollout_kwargs`` (the caller
+        imports the engine module: this wing's parts never import it). Refused (and shut down) when
+        its KV blocks cannot survive the storage sleep."""
+        self.cfg, self.device_type = cfg, rollout.info.device_type
+        self.offload = offload or default_offload(self.device_type)
         self.sleep_level = cfg.sleep_level or 1
         self._released: list | None = None  # storage mode: what sleep() freed
-        self.rollout = ColocateRollout(
-            cfg.path, info, tp_size=tp_size, seed=seed, max_model_len=cfg.max_model_len,
-            dtype=dtype, kv_cache_gb=cfg.kv_cache_gb, gpu_memory_utilization=cfg.gpu_memory_utilization,
-            sleep_level=1 if device_type != "cpu" else None, enforce_eager=True,
-            runner="generate" if cfg.generative else "pooling", sleep_mode=False, **engine_kwargs)
+        self.rollout = rollout
         if self.offload == "storage" and kv_zeroing_needed(self.rollout.llm):
             self.rollout.shutdown()
             raise ValueError(f"reward.models[{cfg.name!r}]: {cfg.path} needs its KV-cache blocks zeroed before use "

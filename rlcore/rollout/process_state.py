@@ -1,6 +1,6 @@
 """What building a vLLM engine clobbers in the process, saved and restored around the build, and
 the torch RNG state that keeps vLLM's sampling stream apart from the trainer's
-(``rlcore.rollout.engine``)."""
+(``rlcore.colocate_rollout``)."""
 
 from __future__ import annotations
 

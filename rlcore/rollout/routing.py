@@ -19,12 +19,7 @@ vLLM refuses R3 there; R2 (rlcore.engine.replay's recording) works everywhere.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from rlcore.errors import ConfigError
-
-if TYPE_CHECKING:  # annotations only
-    from rlcore.config import Config
 
 
 def vllm_verdict(engine_kwargs: dict, device_type: str) -> str | None:
@@ -47,9 +42,10 @@ def vllm_verdict(engine_kwargs: dict, device_type: str) -> str | None:
     return None
 
 
-def check_config(cfg: Config, device_type: str) -> None:
+def check_config(cfg, device_type: str) -> None:
     """Before loading (a real run's preflight, and the dry run for this machine's device): R3
-    needs a single-turn rollout and an engine vLLM agrees to return routed experts from."""
+    needs a single-turn rollout and an engine vLLM agrees to return routed experts from. ``cfg``:
+    the run's ``rlcore.config.Config``, read, not imported (the config package imports this wing)."""
     if cfg.algorithm.routing_replay != "r3":
         return
     if cfg.rollout.multi_turn.enable:

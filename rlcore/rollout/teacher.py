@@ -9,8 +9,9 @@ inherits; V2 runner on CUDA: v1/worker/gpu/model_runner.py:2150-2162, both vllm 
 log-softmax, "prompt tokens skip sampling processors". A temperature T therefore goes in through
 the model's ``LogitsProcessor.scale`` (model_executor/layers/logits_processor.py:116-119: logits *=
 scale), set to 1/T around the call: the teacher engine never samples, and it is built eager
-(JudgeEngine), so no captured graph keeps the old scale. A request with prompt log-probs never
-reads the prefix cache (sampling_params.py:622-629): each sequence's every position is computed.
+(rollout.judge.rollout_kwargs), so no captured graph keeps the old scale. A request with prompt
+log-probs never reads the prefix cache (sampling_params.py:622-629): each sequence's every
+position is computed.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """vLLM's process-global state that two engines in one process (the policy's and a judge's or a
-teacher's) would otherwise share, kept apart per engine. Used by ``rlcore.rollout.engine`` only.
+teacher's) would otherwise share, kept apart per engine. Used by ``rlcore.colocate_rollout`` only.
 
 - **Rotary embeddings.** ``get_rope`` caches each rotary module in the process-global
   ``_ROPE_DICT`` by its shape key (vllm 0.32.0 model_executor/layers/rotary_embedding/__init__.py:29

@@ -29,13 +29,22 @@ class Engines:
     teacher: object = None  # distill.teacher: rlcore.distill.teacher.Teacher, else None
 
 
+def loss_options(cfg: Config) -> dict:
+    """``grpo.train_on_batch``'s options from the config: rollout correction, Clip-Cov, distillation's
+    top-k term."""
+    from rlcore.algo.exploration import clip_cov_options
+
+    return {"tis_cap": cfg.rollout_correction.tis_cap, "clip_cov": clip_cov_options(cfg.exploration),
+            "correction": cfg.rollout_correction.options(), "distill": cfg.distill.loss_options()}
+
+
 def build_policy(model: ModelConfig, optim: OptimConfig, info: DistInfo, total_optim_steps: int,
                  ep_size: int = 1, routing_replay: bool = False, lora=None, merge_lora: bool = False,
                  ulysses_size: int = 1) -> Policy:
-    from rlcore.engine.policy import VeOmniPolicy
+    from rlcore.engine_veomni import VeOmniPolicy
 
     if lora is not None and lora.enabled:
-        from rlcore.engine.lora import LoraPolicy
+        from rlcore.engine_veomni import LoraPolicy
 
         return LoraPolicy(model.path, info, lora=lora, merge_export=merge_lora,
                           ulysses_size=ulysses_size,
@@ -58,7 +67,7 @@ def _policy_kwargs(model: ModelConfig, optim: OptimConfig, total_optim_steps: in
 
 def build_reference(model: ModelConfig, offload: OffloadConfig, info: DistInfo, ep_size: int = 1,
                     ulysses_size: int = 1) -> Policy:
-    from rlcore.engine.policy import VeOmniPolicy
+    from rlcore.engine_veomni import VeOmniPolicy
 
     return VeOmniPolicy(model.path, info, dtype=model.dtype, trainable=False,
                         attn_implementation=model.attn_implementation, offload_outside_forward=offload.ref,
@@ -67,7 +76,7 @@ def build_reference(model: ModelConfig, offload: OffloadConfig, info: DistInfo, 
 
 def build_rollout(model: ModelConfig, rollout: RolloutConfig, info: DistInfo, seed: int,
                   routed_experts: bool = False, lora_rank: int = 0) -> Rollout:
-    from rlcore.rollout.engine import ColocateRollout
+    from rlcore.colocate_rollout import ColocateRollout
 
     r = rollout
     return ColocateRollout(
@@ -122,7 +131,7 @@ def build_engines(cfg: Config, info: DistInfo, timer: Timer, probe_prompts: list
                               cfg.lora, cfg.checkpoint.merge_lora, cfg.parallel.ulysses_size)
         ref = None
         if cfg.algorithm.kl_loss_coef > 0:  # LoRA: the policy with its adapter off, no second model
-            from rlcore.engine.lora import AdapterOffReference
+            from rlcore.engine_veomni import AdapterOffReference
 
             ref = (AdapterOffReference(policy) if cfg.lora.enabled
                    else build_reference(cfg.model, cfg.offload, info, ep, cfg.parallel.ulysses_size))

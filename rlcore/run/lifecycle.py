@@ -204,7 +204,7 @@ def teardown(run: Run) -> None:
     if run.watchdog is not None:
         run.watchdog.close()
     run.logger.close()
-    # The process ends next (rlcore.dist.run_then_exit): the engines go with it (rollout.engine's
+    # The process ends next (rlcore.dist.run_then_exit): the engines go with it (ColocateRollout's
     # shutdown(exiting=True)); judges before the policy's engine, as theirs share its vLLM groups.
     judge.shutdown(run.engines.judges, exiting=True)
     distill.shutdown(run.engines.teacher, exiting=True)

@@ -22,8 +22,8 @@ from typing import TYPE_CHECKING
 from rlcore.errors import ConfigError
 from rlcore.task import images as vision
 
-if TYPE_CHECKING:  # annotations only: the config sections import this module's callers
-    from rlcore.config import DataConfig
+if TYPE_CHECKING:  # annotations only
+    from rlcore.task.config import DataConfig
 
 PARQUET_EXTS = (".parquet", ".pq")
 

@@ -27,7 +27,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from rollout_common import as_plain, load_hf, toy_prompts  # noqa: E402
 
 from rlcore.dist import init_distributed  # noqa: E402
-from rlcore.rollout.engine import ColocateRollout  # noqa: E402
+from rlcore.colocate_rollout import ColocateRollout  # noqa: E402
 
 # (path from the LLM object, where the rollout uses it)
 CHAIN = [

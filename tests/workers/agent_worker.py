@@ -29,7 +29,7 @@ from rlcore.agent.sandbox import Limits  # noqa: E402
 from rlcore.agent.tools import ToolRunner, load_tools  # noqa: E402
 from rlcore.demo.tool import CALL, SecretEnv  # noqa: E402
 from rlcore.dist import init_distributed  # noqa: E402
-from rlcore.rollout.engine import ColocateRollout  # noqa: E402
+from rlcore.colocate_rollout import ColocateRollout  # noqa: E402
 
 
 class TwoToolEnv:

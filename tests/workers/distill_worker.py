@@ -48,10 +48,13 @@ def batch_of(rollout, seed: int):
 def storage_discipline(cfg, info, sequences) -> dict:
     """The accelerators' teacher sleep on a real engine (bfloat16: vLLM's CPU linear layers then compute
     with the parameters' own storages, so freeing them is what a GPU teacher's sleep does)."""
+    from rlcore.colocate_rollout import ColocateRollout
+    from rlcore.rollout.judge import rollout_kwargs
     from rlcore.rollout.teacher import TeacherEngine
 
     d = dataclasses.replace(cfg.distill, sleep_level=2)
-    e = TeacherEngine(d, info, seed=0, dtype="bfloat16", device_type="cpu", offload="storage")
+    rollout = ColocateRollout(d.path, info, **rollout_kwargs(d, "cpu", seed=0, dtype="bfloat16"))
+    e = TeacherEngine(d, rollout, offload="storage")
     model = e.rollout.probe_module()
     ref = e.token_logprobs(sequences)
     e.sleep()
@@ -75,7 +78,7 @@ def main() -> None:
     from rlcore.config import Config, ModelConfig, RolloutConfig
     from rlcore.distill.config import DistillConfig
     from rlcore.metrics import Timer
-    from rlcore.rollout.engine import ColocateRollout
+    from rlcore.colocate_rollout import ColocateRollout
     from rlcore.step.switch import PhaseSwitcher
 
     cfg = Config(model=ModelConfig(path=policy_dir, dtype="float32"),

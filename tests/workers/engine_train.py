@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from rlcore.dist import all_reduce_sum, init_distributed
-from rlcore.engine.policy import VeOmniPolicy
+from rlcore.engine_veomni import VeOmniPolicy
 
 STEPS, MICRO_BATCHES, SEQS_PER_MB = 3, 2, 3
 RESUME_AFTER = 1  # checkpoint after step 1; two steps after resume also exercise the lr scheduler state

@@ -44,7 +44,7 @@ PRELOAD = (
     "transformers.modeling_utils", "vllm", "vllm.config", "vllm.engine.arg_utils", "vllm.entrypoints.pooling.offline",
     "vllm.v1.worker.cpu_model_runner", "vllm.v1.worker.gpu_worker", "vllm.v1.sample.ops.penalties",
     "vllm.model_executor.layers.rotary_embedding", "veomni", "veomni.distributed.torch_parallelize",
-    "rlcore.engine.policy", "rlcore.rollout.engine", "rlcore.algo.grpo", "rlcore.run.build",
+    "rlcore.engine_veomni", "rlcore.colocate_rollout", "rlcore.algo.grpo", "rlcore.run.build",
 )
 STOP_GRACE_S = 30.0  # torchrun's agent: SIGTERM the other ranks, SIGKILL what is left after this
 

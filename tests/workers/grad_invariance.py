@@ -35,7 +35,8 @@ import sys
 
 import torch
 
-from rlcore.algo import advantage, grpo
+from rlcore import advantage
+from rlcore.algo import grpo
 from rlcore.algo.batch import RolloutBatch
 from rlcore.config import AlgorithmConfig
 from rlcore.dist import all_reduce_sum, init_distributed
@@ -126,7 +127,7 @@ def lora_policy(model_dir: str, info, rank: int, kwargs: dict):
     from torch.distributed.tensor import DTensor, distribute_tensor
 
     from rlcore.config.lora import LoraConfig
-    from rlcore.engine.lora import LoraPolicy
+    from rlcore.engine_veomni import LoraPolicy
 
     policy = LoraPolicy(model_dir, info, lora=LoraConfig(rank=rank, alpha=2 * rank), **kwargs)
     g = torch.Generator().manual_seed(3)
@@ -146,7 +147,7 @@ def main():
     opts = {k: int(v) for k, v in (a.split("=") for a in sys.argv[3:])}
     ulysses, replay = opts.get("ulysses", 1), bool(opts.get("replay", 0))
     info = init_distributed("cpu")
-    from rlcore.engine.policy import VeOmniPolicy
+    from rlcore.engine_veomni import VeOmniPolicy
 
     kwargs = dict(lr=1e-3, total_steps=1, ulysses_size=ulysses, ep_size=opts.get("ep", 1), routing_replay=replay)
     if opts.get("lora"):

@@ -62,10 +62,12 @@ def storage_sleep(jcfg, info, prompts) -> dict:
     """The accelerators' judge sleep (rlcore.rollout.offload) on a real vLLM engine: in bfloat16 vLLM's
     CPU linear layers compute with the parameters' own storages (fp32 would repack them), so freeing
     and restoring those storages is what a GPU judge does."""
+    from rlcore.colocate_rollout import ColocateRollout
     from rlcore.rollout import offload
-    from rlcore.rollout.judge import JudgeEngine
+    from rlcore.rollout.judge import JudgeEngine, rollout_kwargs
 
-    e = JudgeEngine(jcfg, info, seed=0, dtype="bfloat16", device_type="cpu", offload="storage")
+    rollout = ColocateRollout(jcfg.path, info, **rollout_kwargs(jcfg, "cpu", seed=0, dtype="bfloat16"))
+    e = JudgeEngine(jcfg, rollout, offload="storage")
     model = e.rollout._model_runner().get_model()
     ref = e.generate(prompts, seed=1)
     out = {"storage_kv_gb_awake": e.kv_cache_gb()}
@@ -93,7 +95,7 @@ def main() -> None:
     from rlcore import judge
     from rlcore.metrics import Timer
     from rlcore.rollout.checks import kv_zeroing_needed
-    from rlcore.rollout.engine import ColocateRollout
+    from rlcore.colocate_rollout import ColocateRollout
     from rlcore.step.switch import PhaseSwitcher
     from rlcore.task import rewards
 

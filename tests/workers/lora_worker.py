@@ -96,8 +96,8 @@ def merged_vs_adapter(policy, merged_dir: str) -> float:
 def main():
     model_dir, out = sys.argv[1], sys.argv[2]
     info = init_distributed("cpu")
-    from rlcore.engine.lora import LoraPolicy
-    from rlcore.rollout.engine import ColocateRollout
+    from rlcore.engine_veomni import LoraPolicy
+    from rlcore.colocate_rollout import ColocateRollout
 
     policy = LoraPolicy(model_dir, info, lora=LoraConfig(rank=8, alpha=16), lr=1e-2, total_steps=10, grad_clip=None)
     trainable = sum(p.numel() for p in policy.model.parameters() if p.requires_grad)

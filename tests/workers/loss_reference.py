@@ -85,7 +85,7 @@ def reference(model_dir, batch, adv, old, ref, rollout):
 def main():
     model_dir, out = sys.argv[1], sys.argv[2]
     info = init_distributed("cpu")
-    from rlcore.engine.policy import VeOmniPolicy
+    from rlcore.engine_veomni import VeOmniPolicy
 
     policy = VeOmniPolicy(model_dir, info, lr=1e-3, total_steps=1, grad_clip=None)
     batch, _ = global_batch()

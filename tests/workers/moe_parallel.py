@@ -23,7 +23,7 @@ from grad_invariance import global_batch  # this directory is on sys.path under 
 def main():
     model_dir, out, ep = sys.argv[1], sys.argv[2], int(sys.argv[3])
     info = init_distributed("cpu")
-    from rlcore.engine.policy import VeOmniPolicy
+    from rlcore.engine_veomni import VeOmniPolicy
 
     policy = VeOmniPolicy(model_dir, info, lr=1e-3, total_steps=1, grad_clip=None, ep_size=ep)
     batch, rewards = global_batch()

@@ -31,7 +31,7 @@ import torch.distributed as dist
 from engine_train import ENGINE_KW, TEMPERATURE, all_data, full_params, train_step  # same folder
 from rlcore.dist import init_distributed
 from rlcore.engine.offload import HostCopies
-from rlcore.engine.policy import VeOmniPolicy
+from rlcore.engine_veomni import VeOmniPolicy
 from rlcore.metrics import Timer
 from rlcore.run import checkpoint
 from rlcore.step.switch import PhaseSwitcher

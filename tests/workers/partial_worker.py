@@ -38,7 +38,7 @@ def main() -> None:
 
     from rlcore.config import PartialConfig, RolloutConfig
     from rlcore.metrics import Timer
-    from rlcore.rollout.engine import ColocateRollout
+    from rlcore.colocate_rollout import ColocateRollout
     from rlcore.step.partial import PartialRollouts
     from rlcore.task.prompts import Prompt
 
@@ -106,7 +106,7 @@ def agent_phase(info, model_dir: str, out_path: str, tp: int) -> None:
     from rlcore.agent.tools import ToolRunner, load_tools
     from rlcore.config import PartialConfig, RolloutConfig
     from rlcore.metrics import Timer
-    from rlcore.rollout.engine import ColocateRollout
+    from rlcore.colocate_rollout import ColocateRollout
     from rlcore.step.partial import PartialRollouts
     from rlcore.task.prompts import Prompt
 

@@ -28,7 +28,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from rollout_common import as_plain, load_hf, max_logprob_diff, perturb_, toy_prompts  # noqa: E402
 
 from rlcore.dist import init_distributed, memory_stats  # noqa: E402
-from rlcore.rollout.engine import ColocateRollout  # noqa: E402
+from rlcore.colocate_rollout import ColocateRollout  # noqa: E402
 
 T = 1.0
 T_UPDATE = 0.7

@@ -84,7 +84,7 @@ def reference_logprobs(hf_dir, batch, forced):
 def main():
     model_dir, out = sys.argv[1], sys.argv[2]
     info = init_distributed("cpu")
-    from rlcore.engine.policy import VeOmniPolicy
+    from rlcore.engine_veomni import VeOmniPolicy
 
     world = info.world_size
     policy = VeOmniPolicy(model_dir, info, lr=0.3, total_steps=1, grad_clip=None, ep_size=world,

@@ -115,7 +115,7 @@ def main():
     info = init_distributed("cpu")
     from transformers import Qwen3MoeForCausalLM
 
-    from rlcore.engine.policy import VeOmniPolicy
+    from rlcore.engine_veomni import VeOmniPolicy
 
     world = info.world_size
     policy = VeOmniPolicy(model_dir, info, lr=1e-3, total_steps=1, grad_clip=None, ep_size=world,

@@ -22,7 +22,8 @@ import sys
 
 import torch
 
-from rlcore.algo import advantage, grpo
+from rlcore import advantage
+from rlcore.algo import grpo
 from rlcore.config import AlgorithmConfig
 from rlcore.dist import init_distributed
 from rlcore.metrics import Timer
@@ -114,7 +115,7 @@ def main():
     model_dir, out = sys.argv[1], sys.argv[2]
     export_only = len(sys.argv) > 3 and sys.argv[3] == "export"
     info = init_distributed("cpu")
-    from rlcore.engine.policy import VeOmniPolicy
+    from rlcore.engine_veomni import VeOmniPolicy
 
     torch.manual_seed(0)
     policy = VeOmniPolicy(model_dir, info, lr=1e-2, total_steps=10)
@@ -122,7 +123,7 @@ def main():
     r = {"world": info.world_size, "sizes_mb": sizes}
     export_checks(policy, sizes, r)
     if not export_only:
-        from rlcore.rollout.engine import ColocateRollout
+        from rlcore.colocate_rollout import ColocateRollout
 
         rollout = ColocateRollout(model_dir, info, tp_size=1, seed=0, max_model_len=64, kv_cache_gb=0.1)
         timer = Timer()

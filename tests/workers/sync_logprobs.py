@@ -24,7 +24,8 @@ import sys
 
 import torch
 
-from rlcore.algo import advantage, grpo
+from rlcore import advantage
+from rlcore.algo import grpo
 from rlcore.algo.batch import RolloutBatch
 from rlcore.config import AlgorithmConfig
 from rlcore.dist import init_distributed
@@ -86,8 +87,8 @@ def main():
 
 
 def run_case(info, model_dir: str, tp: int, out: str, flags: list[str]) -> None:
-    from rlcore.engine.policy import VeOmniPolicy
-    from rlcore.rollout.engine import ColocateRollout
+    from rlcore.engine_veomni import VeOmniPolicy
+    from rlcore.colocate_rollout import ColocateRollout
 
     torch.manual_seed(0)
     policy = VeOmniPolicy(model_dir, info, lr=1e-2, total_steps=10, ep_size=2 if "ep2" in flags else 1)

@@ -58,7 +58,7 @@ def main(model: str, val_file: str, out: str) -> None:
 
     from rlcore.config import DataConfig, RewardConfig
     from rlcore.dist import init_distributed
-    from rlcore.rollout.engine import ColocateRollout
+    from rlcore.colocate_rollout import ColocateRollout
     from rlcore.step.validation import ValSettings, validate
     from rlcore.task.prompts import load_prompts
     from rlcore.task.rewards import Scorer

@@ -224,7 +224,7 @@ def main() -> None:
         clock = time.perf_counter()
 
     # --- the policy: VeOmni's Qwen3-VL-MoE, FSDP2 + EP 2, torch_ep experts ----------------------
-    from rlcore.engine.policy import VeOmniPolicy
+    from rlcore.engine_veomni import VeOmniPolicy
 
     policy = VeOmniPolicy(model_dir, info, lr=LR, grad_clip=None, ep_size=2, moe_implementation="torch_ep",
                           routing_replay=True)
@@ -262,7 +262,7 @@ def main() -> None:
 
     # --- the rollout: vLLM with images, before and after a push of the trained weights ---------
     from rlcore.rollout.checks import capture_load_weights, missing_params
-    from rlcore.rollout.engine import ColocateRollout
+    from rlcore.colocate_rollout import ColocateRollout
 
     ro = ColocateRollout(model_dir, info, tp_size=1, seed=0, kv_cache_gb=0.0625, max_model_len=256,
                          limit_mm_per_prompt=LIMITS)

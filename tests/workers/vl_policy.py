@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 import rlcore  # noqa: F401
 from rlcore.dist import init_distributed
-from rlcore.engine.policy import VeOmniPolicy
+from rlcore.engine_veomni import VeOmniPolicy
 
 LR = 1e-3
 

@@ -31,7 +31,7 @@ import torch.distributed as dist
 from rlcore.demo.vl import COLOURS, VOCAB
 from rlcore.dist import init_distributed
 from rlcore.rollout.checks import capture_load_weights, missing_params
-from rlcore.rollout.engine import ColocateRollout
+from rlcore.colocate_rollout import ColocateRollout
 
 T = 1.0
 N = 2

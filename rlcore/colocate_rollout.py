@@ -56,7 +56,7 @@ log = logging.getLogger("rlcore.rollout")
 
 # The folder holding the rlcore package: what vLLM's registry subprocess puts on sys.path to
 # import the torchvision shim (rollout.checks.registry_subprocess_command).
-_PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the checkout (rlcore/rollout/engine.py)
+_PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the checkout (rlcore/colocate_rollout.py)
 
 
 @dataclass

@@ -1,6 +1,9 @@
-"""The policy engine: a VeOmni-built HF causal LM sharded with FSDP2 over every rank.
+"""The policy engine (the design card's ``rlcore/engine_veomni.py``): a VeOmni-built HF causal LM
+sharded with FSDP2 over every rank. ``VeOmniPolicy`` trains it; ``LoraPolicy`` is the same engine
+with LoRA adapters; ``AdapterOffReference`` is a LoRA policy's KL reference.
 
-This module and its ``rlcore.engine_*`` siblings are the only ones in the project that touch
+This module and its parts in ``rlcore/engine/`` (the wing it heads: build, kernels, MoE, vision,
+Ulysses, routing replay, LoRA layers, offload) are the only ones in the project that touch
 VeOmni, FSDP2 or DTensor. Its other helpers get plain tensors and files only:
 ``rlcore.engine.bucket_gather`` gathers the local shards it is handed, ``rlcore.hf_folder`` writes the
 HF folder, ``rlcore.engine.attention`` picks the attention kernel. Everything else sees plain tensors:
@@ -30,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 import warnings
 from typing import Iterator
 
@@ -38,15 +42,16 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from rlcore import hf_folder
-from rlcore.engine import moe as engine_moe, replay as engine_replay, ulysses as engine_ulysses, vl as engine_vl
-from rlcore.engine.build import build_sharded_model, ensure_parallel_state, install_cpu_shims
-from rlcore.engine.kernels import describe_kernels, kernel_fields
-from rlcore.engine.parts import (LrLambda, dim0_shard_group, eager_attention_mask, full_tensor, hf_name, hidden_rows,
-                                 resume_lr_schedule)
-from rlcore.dist import DistInfo, empty_cache
+from rlcore.dist import DistInfo
+from rlcore.engine import lora as engine_lora, moe as engine_moe, replay as engine_replay
+from rlcore.engine import ulysses as engine_ulysses, vl as engine_vl
 from rlcore.engine.attention import pick_attn_implementation
 from rlcore.engine.bucket_gather import ShardSpec, SyncBuffers, SyncPlan
-from rlcore.engine.offload import HostCopies
+from rlcore.engine.build import build_sharded_model, ensure_parallel_state, install_cpu_shims
+from rlcore.engine.kernels import describe_kernels, kernel_fields
+from rlcore.engine.offload import HostCopies, OffloadState
+from rlcore.engine.parts import (LrLambda, dim0_shard_group, eager_attention_mask, full_tensor, hf_name, hidden_rows,
+                                 resume_lr_schedule)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -64,7 +69,7 @@ def _to_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
 # ---------------------------------------------------------------------------------------------
 
 
-class VeOmniPolicy:
+class VeOmniPolicy(OffloadState):
     """A causal LM policy trained with FSDP2 (or a frozen reference policy).
 
     Args:
@@ -97,7 +102,7 @@ class VeOmniPolicy:
             hands every rank of a group the same rows (``rlcore.algo.grpo``). 1 = off.
     """
 
-    _wrap = adapter_path = None  # LoRA (rlcore.engine.lora.LoraPolicy) sets both
+    _wrap = adapter_path = None  # LoRA (LoraPolicy below) sets both
     trainable_only = False  # checkpoints hold every parameter (LoRA: only the adapters; the base reloads)
 
     def __init__(self, model_path: str, info: DistInfo, *, dtype: str | torch.dtype = "float32", trainable: bool = True,
@@ -443,77 +448,6 @@ class VeOmniPolicy:
         return plan.summary()
 
     # -----------------------------------------------------------------------------------------
-    # offload state
-    # -----------------------------------------------------------------------------------------
-
-    def offload(self, params: bool = True, optimizer: bool = True) -> None:
-        """Move parameter shards and/or optimizer state to the host (frees accelerator memory for
-        rollout). Idempotent: state already offloaded stays where it is. On CPU VeOmni's helpers
-        run and move nothing, unless RLCORE_TEST_REAL_OFFLOAD=1; the bookkeeping is the same."""
-        params = params and not self.offloaded["params"]
-        optimizer = optimizer and self.optimizer is not None and not self.offloaded["optimizer"]
-        if params:
-            self._reshard()  # only sharded parameters go to the host: no gathered copies left behind
-            self._move("params", to_host=True)
-        if optimizer:
-            self._move("optimizer", to_host=True)
-        if params or optimizer:
-            empty_cache(self.info.device_type)
-
-    def onload(self, params: bool = True, optimizer: bool = True) -> None:
-        """Inverse of ``offload``; idempotent too."""
-        for what, wanted in (("params", params), ("optimizer", optimizer)):
-            if wanted and self.offloaded[what]:
-                self._move(what, to_host=False)
-
-    def on_device(self):
-        """``with ref.on_device(): ...``: parameters on the device for the whole block (one move
-        in, one out, however many forwards run inside), back where they were afterwards."""
-        return self._resident(params=True)
-
-    @contextlib.contextmanager
-    def _resident(self, params: bool = False, optimizer: bool = False):
-        """Load what the block needs and is offloaded now; offload it again afterwards (also when
-        the block raises), so that the caller's phase is unchanged."""
-        moved = {"params": params and self.offloaded["params"], "optimizer": optimizer and self.offloaded["optimizer"]}
-        self.onload(**moved)
-        try:
-            yield
-        finally:
-            self.offload(**moved)
-
-    def _require_resident(self, what: str, params: bool = False, optimizer: bool = False) -> None:
-        away = [k for k, need in (("params", params), ("optimizer", optimizer)) if need and self.offloaded[k]]
-        if away:
-            raise RuntimeError(f"{what} while the policy's {' and '.join(away)} are offloaded to the host; call "
-                               f"onload() first (the phase switch's to_training does)")
-
-    @torch.no_grad()
-    def _move(self, what: str, to_host: bool) -> None:
-        """One kind of state, one direction: veomni 0.1.12 veomni/distributed/offloading.py:124-199
-        (``model.cpu()`` / ``model.to(device)``, which FSDP2 follows by re-pointing its shards,
-        torch 2.13 torch/distributed/fsdp/_fully_shard/_fully_shard.py:886-899; each optimizer
-        state tensor moved in place)."""
-        from veomni.distributed import offloading as off
-
-        if self._host_copies is not None:
-            self._host_copies.move(what, self._state_tensors(what), to_host)
-        elif what == "params":
-            off.offload_model_to_cpu(self.model, False) if to_host else off.load_model_to_gpu(self.model, self.device)
-        else:
-            off.offload_optimizer(self.optimizer) if to_host else off.load_optimizer(self.optimizer, self.device)
-        self.offloaded[what] = to_host
-
-    def _state_tensors(self, what: str) -> list[torch.Tensor]:
-        """The plain local tensors holding parameters and buffers, or optimizer state."""
-        if what == "params":
-            tensors = [*self.model.parameters(), *self.model.buffers()]
-        else:
-            tensors = [v for opt in self._inner_optimizers() for state in opt.state.values()
-                       for v in state.values() if torch.is_tensor(v)]
-        return [t.to_local() if isinstance(t, DTensor) else t for t in tensors]
-
-    # -----------------------------------------------------------------------------------------
     # checkpoints
     # -----------------------------------------------------------------------------------------
 
@@ -564,3 +498,98 @@ class VeOmniPolicy:
         hf_folder.write_folder(self.named_hf_weights(dtype), path, self.model_path, dtype, self.info.is_main,
                                max_shard_bytes)
         dist.barrier()
+
+
+class LoraPolicy(VeOmniPolicy):
+    """``VeOmniPolicy`` with LoRA (see the module docstring); ``lora`` is the config section.
+    Checkpoints hold the adapters and their optimizer state only (VeOmni's DCP ``trainable_only``,
+    dcp_checkpointer.py:198-242); the frozen base reloads from ``model.path`` at resume."""
+
+    trainable_only = True
+
+    def __init__(self, model_path: str, info, *, lora, merge_export: bool = False, **kwargs):
+        self.lora, self.merge_export = lora, merge_export
+        super().__init__(model_path, info, **kwargs)
+        self.scaling = self.model.get_lora_config().scaling
+
+    def _wrap(self, model):
+        return engine_lora.wrap(model, self.lora)
+
+    @property
+    def adapter_path(self) -> str | None:
+        return self.lora.path
+
+    def adapter_config(self) -> dict:
+        """PEFT's adapter_config.json for the adapter (what vLLM and PEFT read)."""
+        cfg = self.model.get_lora_config()
+        return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": cfg.r, "lora_alpha": cfg.lora_alpha,
+                "target_modules": cfg.target_modules, "lora_dropout": cfg.lora_dropout, "bias": "none",
+                "use_rslora": cfg.use_rslora, "base_model_name_or_path": os.path.abspath(self.model_path),
+                "fan_in_fan_out": False, "modules_to_save": None}
+
+    @torch.no_grad()
+    def adapter_weights(self, dtype: str | torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+        """The adapter's tensors, whole, under PEFT names, on every rank (collective)."""
+        dtype = _to_dtype(dtype)
+        with self._resident(params=True):
+            self._reshard()
+            for name, param in self.model.named_parameters():
+                if param.requires_grad:
+                    yield engine_lora.peft_name(name), self._whole(name, param, dtype)
+
+    def named_hf_weights(self, dtype=None, fused_experts: bool = False):
+        return engine_lora.merged(super().named_hf_weights(dtype, fused_experts), self.scaling)
+
+    def named_hf_weights_bucketed(self, dtype=None, bucket_mb: float = 64.0, fused_experts: bool = False):
+        return engine_lora.merged(super().named_hf_weights_bucketed(dtype, bucket_mb, fused_experts), self.scaling)
+
+    @contextlib.contextmanager
+    def adapter_off(self):
+        """Every LoRA layer computes its base layer only (VeOmni's LoraLinear skips an active
+        adapter it does not hold, veomni/lora/layers.py:146-148)."""
+        from veomni.lora import is_lora_linear
+
+        layers = [m for m in self.model.modules() if is_lora_linear(m)]
+        saved = [m.active_adapter for m in layers]
+        for m in layers:
+            m.active_adapter = engine_lora.OFF
+        try:
+            yield
+        finally:
+            for m, active in zip(layers, saved):
+                m.active_adapter = active
+
+    def save_hf(self, path: str, dtype: str = "float32", max_shard_bytes: int = 4 * 2**30) -> None:
+        """The PEFT adapter in ``path`` (with the base's tokenizer files) and, with
+        ``merge_export`` (checkpoint.merge_lora), the merged model in ``path/merged``, a plain
+        checkpoint transformers and vLLM load alone (collective)."""
+        self.save_adapter(path, dtype)
+        if self.merge_export:
+            super().save_hf(os.path.join(path, "merged"), dtype, max_shard_bytes)
+
+    def save_adapter(self, path: str, dtype: str = "float32") -> None:
+        """PEFT adapter folder (collective; rank 0 writes): what PEFT, vLLM and ``lora.path`` load,
+        with the base model's tokenizer files."""
+        tensors = list(self.adapter_weights(dtype))  # collective: every rank gathers
+        if self.info.is_main:
+            hf_folder.write_adapter(tensors, self.adapter_config(), path)
+            hf_folder.copy_aux_files(self.model_path, path, dtype)
+            os.remove(os.path.join(path, "config.json"))  # the base's: an adapter folder is not a model
+        dist.barrier()
+
+
+class AdapterOffReference:
+    """The KL reference of a LoRA policy: the policy's own forward with the adapter off."""
+
+    def __init__(self, policy: LoraPolicy):
+        self.policy = policy
+
+    def on_device(self):
+        return contextlib.nullcontext()  # the policy's own parameters: resident while training
+
+    def forward_logprobs(self, *args, **kwargs):
+        with self.policy.adapter_off():
+            return self.policy.forward_logprobs(*args, **kwargs)
+
+    def describe(self) -> str:
+        return "reference: the policy with its LoRA adapter off (no second copy of the base model)"

@@ -1,7 +1,8 @@
 """The algorithm's config sections: advantages and the policy loss, rollout correction, exploration.
 
-Split from rlcore.config (which re-exports them) to keep each file short; the same rules hold:
-``__post_init__`` only checks, and a failed check names the key, the value and the fix.
+They live with the wing that reads them (rlcore.config re-exports them, as it does the agent's, the
+judges' and distillation's sections); the same rules hold as for every section: ``__post_init__``
+only checks, and a failed check names the key, the value and the fix.
 """
 
 from __future__ import annotations
@@ -9,14 +10,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal, Optional
 
-from rlcore.algo import advantage
+from rlcore import advantage
 from rlcore.algo.rollout_correction import IS_LEVELS, IS_MASK_NORMALIZERS, IS_MODES, RS_MODES
 from rlcore.errors import check, check_positive
 
 
 @dataclass
 class AlgorithmConfig:
-    """Advantages and the policy loss (rlcore/algo/advantage.py)."""
+    """Advantages and the policy loss (rlcore/advantage.py)."""
 
     adv_estimator: str = "grpo"
     """grpo, rloo, reinforce_pp or reinforce_pp_baseline."""

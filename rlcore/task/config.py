@@ -1,0 +1,47 @@
+"""The ``data`` config section: where the prompts come from and how each row becomes one.
+
+It lives with the wing that reads it (``rlcore.task.prompts``); ``rlcore.config`` re-exports it. As
+every section: ``__post_init__`` only checks, and a failed check names the key, the value and the fix.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal, Optional
+
+from rlcore.errors import check_positive
+
+
+@dataclass
+class DataConfig:
+    """Prompts from local JSONL or Parquet files."""
+
+    train_files: list[str] = field(default_factory=list)
+    """JSONL or Parquet files of training prompts."""
+    val_files: list[str] = field(default_factory=list)
+    """Validation files (needed when trainer.val_every or trainer.val_before_train is on)."""
+    prompt_key: str = "prompt"
+    """Row key of the prompt (dotted for nested keys, e.g. extra.question)."""
+    answer_key: str = "answer"
+    """Row key of the reference answer the reward compares with."""
+    image_key: Optional[str] = None
+    """Row key of the prompt's images, for a vision-language model: a list of paths (relative to the
+    data file), bytes, or {bytes, path} dicts (the Parquet layout of public image sets); each
+    goes where an <image> placeholder is in the prompt text. null = text-only prompts."""
+    apply_chat_template: bool = False
+    """Render each prompt with the tokenizer's chat template (as one user turn)."""
+    system_prompt: Optional[str] = None
+    """System turn placed before each prompt (with apply_chat_template)."""
+    max_prompt_length: int = 256
+    """Prompt tokens at most."""
+    truncation: Literal["filter", "error"] = "filter"
+    """Prompts over max_prompt_length: filter (drop and count them) or error (exit 2 at the row)."""
+    skip_bad_rows: bool = False
+    """Skip (and count) malformed rows instead of stopping at the first with file:line."""
+    shuffle: bool = True
+    """Shuffle the prompts every epoch."""
+    seed: int = 0
+    """Seed of the shuffle."""
+
+    def __post_init__(self):
+        check_positive("data", self, "max_prompt_length")
