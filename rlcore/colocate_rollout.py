@@ -35,12 +35,12 @@ import torch
 from rlcore import heap, hf_folder, torchvision_shim
 from rlcore.dist import DistInfo
 from rlcore.hf_folder import config_or_empty, model_num_experts
-from rlcore.rollout import cpu_sleep, lora as rollout_lora, vllm_globals
+from rlcore.rollout import cpu_sleep, expert_layout, lora as rollout_lora, vllm_globals
 from rlcore.rollout.checks import (
     align_sampler_logprobs_mode, capture_load_weights, check_encoder_cache_reset, check_engine_kwargs,
     check_prompt_images, check_sleep_level_supported, check_weight_load, describe_engine, detach_client_finalizer,
-    image_token_id, slot_token_ids, registry_subprocess_with_shim, reload_weights_method, request_seed as _request_seed,
-    reset_prefix_cache, require_all_loaded, unseeded_call_seed,
+    detached, greedy_threshold, image_token_id, prompt_input, registry_subprocess_with_shim, reload_weights_method,
+    request_seed as _request_seed, reset_prefix_cache, require_all_loaded, slot_token_ids, unseeded_call_seed,
 )
 from rlcore.rollout.cpu_kv import (
     clear_stale_cpu_shm, release_cpu_kv as _release_cpu_kv, resume_cpu_kv as _resume_cpu_kv, scope_cpu_shm_names,
@@ -98,6 +98,7 @@ class ColocateRollout:
         runner: str = "generate",
         sleep_mode: bool = True,
         emulate_sleep: bool = False,
+        emulate_ascend_moe: bool = False,
     ):
         """``enforce_eager`` None: eager on CPU, CUDA/ACL graphs on accelerators (they survive
         sleep/wake: see rollout.settings.pick_enforce_eager). ``max_num_seqs``,
@@ -111,7 +112,9 @@ class ColocateRollout:
         rollout.settings.multimodal_kwargs). A text model gets neither unless they are given.
 
         ``emulate_sleep`` (CPU only; tests and debugging): ``sleep_level`` 1 and 2 act on the CPU
-        engine's weights as vLLM's sleep mode does on a device (rlcore.rollout.cpu_sleep)."""
+        engine's weights as vLLM's sleep mode does on a device (rlcore.rollout.cpu_sleep);
+        ``emulate_ascend_moe`` (with it) also treats the experts as vllm-ascend 0.23 does: the NPU
+        kernel's layout after loading, swapped views after wake-up (rlcore.rollout.expert_layout)."""
         if tp_size < 1 or info.world_size % tp_size:
             raise ValueError(f"tp_size={tp_size} must divide world_size={info.world_size}")
         self.info = info
@@ -121,6 +124,11 @@ class ColocateRollout:
         self.seed = seed
         self.enforce_eager = _pick_enforce_eager(info.device_type, enforce_eager)
         self.emulate_sleep = emulate_sleep
+        if emulate_ascend_moe and not (emulate_sleep and info.device_type == "cpu"):
+            raise ValueError("emulate_ascend_moe emulates an Ascend engine's wake-up on a CPU engine: it needs "
+                             "device cpu and emulate_sleep (the sleep whose wake-up it acts on)")
+        self.emulate_ascend_moe = emulate_ascend_moe
+        self._experts = None  # the experts' Parameters kept over a sleep (rollout.expert_layout)
         self.sleep_level = _pick_sleep_level(info.device_type, sleep_level, emulate=emulate_sleep)
         self._sleeping = None  # emulated sleep: the weights cpu_sleep.sleep_weights freed
         self.weight_load = _pick_weight_load(info.device_type, weight_load, moe=model_num_experts(model_path) > 0)
@@ -194,8 +202,9 @@ class ColocateRollout:
         # needs rlcore's torchvision shim too (rollout.checks.registry_subprocess_command).
         # A rotary cache of its own; the workspace manager it binds is kept as its own (vllm_globals).
         with registry_subprocess_with_shim(registry, torchvision_shim.stubbed, _PACKAGE_ROOT), \
-                vllm_globals.engine_build({}) as owned:
+                vllm_globals.engine_build({}) as owned, expert_layout.emulated_build(self.emulate_ascend_moe) as pin:
             llm = LLM(**kwargs)
+            pin(llm.llm_engine.model_executor.driver_worker.worker.model_runner.get_model())
         self._workspace = owned["workspace"]
         return llm
 
@@ -275,7 +284,7 @@ class ColocateRollout:
             self._sampling_params(j, 1 if greedy else n, seed, [*(stop_token_ids or []), *self._slot_tokens], **sampling)
             for j in range(len(prompts))
         ]
-        inputs = [_prompt_input(p, images[j] if images is not None else None) for j, p in enumerate(prompts)]
+        inputs = [prompt_input(p, images[j] if images is not None else None) for j, p in enumerate(prompts)]
         with self._engine_rng_scope(), self._compile_stance():
             outputs = self.llm.generate(inputs, params, use_tqdm=False, **self._adapter())  # in request order
         results = [[_to_sample(c) for c in out.outputs] for out in outputs]
@@ -325,7 +334,7 @@ class ColocateRollout:
         self._require_awake("score", {"weights", "kv_cache"})
         params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=k, detokenize=False,
                                 seed=_request_seed("score", self.dp_rank, 0))
-        inputs = [_prompt_input(s, images[i] if images is not None else None) for i, s in enumerate(sequences)]
+        inputs = [prompt_input(s, images[i] if images is not None else None) for i, s in enumerate(sequences)]
         with self._engine_rng_scope(), self._compile_stance():
             outputs = self.llm.generate(inputs, params, use_tqdm=False, **self._adapter())
         return [(list(out.prompt_token_ids), out.prompt_logprobs) for out in outputs]
@@ -367,7 +376,7 @@ class ColocateRollout:
         """
         self._require_awake("update_weights", {"weights"})
         names: list[str] = []
-        stream = _detached(weights, names)
+        stream = detached(weights, names)
         model = self._worker().model_runner.get_model()  # unwrapped from CUDA graphs
         refill = full and not self.weights_valid  # level-2 wake-up: every parameter is garbage
         # Only the refill is checked, so only then are the loaded names recorded (not every sync).
@@ -457,6 +466,8 @@ class ColocateRollout:
         # Cached vision-encoder outputs (multimodal models) are plain device tensors outside
         # the sleep-mode pools; drop them with the KV cache (the next push resets them anyway).
         self._reset_encoder_cache()
+        if self.sleep_level > 0 and (self.emulate_sleep or self.info.device_type != "cpu"):  # the weights sleep
+            self._experts = expert_layout.ExpertParams.capture(self._model_runner().get_model())
         if self.info.device_type == "cpu":
             self._kv_storages = _release_cpu_kv(self._model_runner())
             self._asleep = {"kv_cache"}
@@ -495,9 +506,15 @@ class ColocateRollout:
             if "weights" in wake:
                 cpu_sleep.wake_weights(self._sleeping)
                 self._sleeping = None
+                if self.emulate_ascend_moe:  # vllm-ascend 0.23.0 worker.py:251-269
+                    hidden = self.llm.llm_engine.vllm_config.model_config.hf_text_config.hidden_size
+                    expert_layout.emulate_wake_swap(self._model_runner().get_model(), hidden)
         else:
             with vllm_globals.bind_workspace(self._workspace):
                 self.llm.wake_up(tags=sorted(wake))
+        if "weights" in wake and self._experts is not None:  # what vllm-ascend 0.23's wake_up swapped
+            self._experts.restore()
+            self._experts = None
         self._asleep -= wake
         if "kv_cache" in wake:
             # KV contents are gone: a prefix-cache hit would read stale/zeroed blocks.
@@ -560,27 +577,6 @@ class ColocateRollout:
 # ----------------------------------------------------------------------------- helpers
 
 
-def greedy_threshold() -> float:
-    """The temperature below which vLLM samples greedily and refuses ``n > 1``: its own constant
-    (vllm 0.32.0 and 0.23.0 sampling_params.py ``_SAMPLING_EPS``), 1e-5 where it cannot be read."""
-    try:
-        from vllm.sampling_params import _SAMPLING_EPS
-    except ImportError:
-        return 1e-5
-    return float(_SAMPLING_EPS)
-
-
-def _prompt_input(ids: list[int], images: list | None):
-    """One request for vLLM: the token ids, plus the images when there are any (vLLM takes PIL
-    images under ``multi_modal_data["image"]`` and expands the image tokens itself)."""
-    from vllm.inputs import TokensPrompt
-
-    ids = [int(t) for t in ids]
-    if not images:
-        return TokensPrompt(prompt_token_ids=ids)
-    return TokensPrompt(prompt_token_ids=ids, multi_modal_data={"image": list(images)})
-
-
 def _to_sample(completion) -> Sample:
     ids = list(completion.token_ids)
     # logprobs=0 -> one {token_id: Logprob} dict per step holding the sampled token.
@@ -591,10 +587,3 @@ def _to_sample(completion) -> Sample:
 
 def _copy_sample(s: Sample) -> Sample:
     return Sample(list(s.response_ids), list(s.logprobs), s.finish_reason, s.routed_experts)
-
-
-def _detached(weights: Iterable[tuple[str, torch.Tensor]], names: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
-    # Lazily: one tensor alive at a time beyond what the caller holds; records the names.
-    for name, tensor in weights:
-        names.append(name)
-        yield name, tensor.detach()

@@ -43,7 +43,7 @@ from torch.distributed.tensor import DTensor
 
 from rlcore import hf_folder
 from rlcore.dist import DistInfo
-from rlcore.engine import lora as engine_lora, moe as engine_moe, replay as engine_replay
+from rlcore.engine import lora as engine_lora, moe as engine_moe, optim as engine_optim, replay as engine_replay
 from rlcore.engine import ulysses as engine_ulysses, vl as engine_vl
 from rlcore.engine.attention import pick_attn_implementation
 from rlcore.engine.bucket_gather import ShardSpec, SyncBuffers, SyncPlan
@@ -84,7 +84,9 @@ class VeOmniPolicy(OffloadState):
             for this device and dtype (sdpa, eager, flash_attention_2, _3, _4).
         offload_outside_forward: frozen policies only: keep the parameters on the host except
             around forwards (each forward, or a ``with on_device():`` block of them).
-        lr, weight_decay, betas, adam_eps: AdamW (one group, decay on every parameter).
+        lr, weight_decay, betas, adam_eps: the optimizer's (one group, decay on every parameter).
+        optimizer, optimizer_state_dtype, kahan_summation: VeOmni's adamw or anyprecision_adamw, and the
+            latter's state dtype and Kahan switch (None: VeOmni's defaults), ``rlcore.engine.optim``.
         lr_schedule, warmup_steps, min_lr_ratio, total_steps: see ``rlcore.engine.parts.LrLambda``.
         grad_clip: max global grad norm; ``None`` or <= 0 only measures the norm.
         ep_size: expert-parallel size for a mixture-of-experts model (divides the world size
@@ -109,7 +111,8 @@ class VeOmniPolicy(OffloadState):
                  gradient_checkpointing: bool = False, attn_implementation: str = "auto",
                  offload_outside_forward: bool = False,
                  lr: float = 1e-6, weight_decay: float = 0.0, betas: tuple[float, float] = (0.9, 0.999),
-                 adam_eps: float = 1e-8, lr_schedule: str = "constant", warmup_steps: int = 0,
+                 adam_eps: float = 1e-8, optimizer: str = "adamw", optimizer_state_dtype: str | None = None,
+                 kahan_summation: bool | None = None, lr_schedule: str = "constant", warmup_steps: int = 0,
                  min_lr_ratio: float = 0.0, total_steps: int = 1, grad_clip: float | None = 1.0,
                  ops_overrides: dict | None = None, ep_size: int = 1, moe_implementation: str = "auto",
                  freeze_vision_tower: bool = False, routing_replay: bool = False, ulysses_size: int = 1):
@@ -168,8 +171,9 @@ class VeOmniPolicy(OffloadState):
         self.lr_schedule_changes: list[str] = []  # config vs the resumed checkpoint's schedule
         if trainable:
             self.model.train()
-            self._build_optimizer(lr, weight_decay, betas, adam_eps, lr_schedule, warmup_steps,
-                                  min_lr_ratio, total_steps)
+            self._build_optimizer(dict(optimizer=optimizer, lr=lr, betas=betas, eps=adam_eps, weight_decay=weight_decay,
+                                       state_dtype=optimizer_state_dtype, kahan_summation=kahan_summation),
+                                  lr_schedule, warmup_steps, min_lr_ratio, total_steps)
         else:
             self.model.requires_grad_(False)
             self.model.eval()
@@ -190,16 +194,11 @@ class VeOmniPolicy(OffloadState):
                 f"{engine_moe.describe(self.model, self.moe_implementation, self.ep_size)}"
                 f"{f', Ulysses sequence parallel {self.ulysses_size}' if self.sp is not None else ''}")
 
-    def _build_optimizer(self, lr, weight_decay, betas, eps, schedule, warmup_steps, min_lr_ratio, total_steps):
-        from veomni.optim import build_optimizer
-
-        # VeOmni's builder gives torch AdamW (foreach) over the sharded DTensor parameters;
-        # empty no-decay lists keep one group with weight decay on every parameter.
-        self.optimizer = build_optimizer(
-            self.model, lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, fused=False,
-            optimizer_type="adamw", no_decay_modules=[], no_decay_params=[],
-        )
-        # Under EP VeOmni builds one AdamW per mesh (experts, the rest) in a MultiOptimizer
+    def _build_optimizer(self, optim_kw: dict, schedule, warmup_steps, min_lr_ratio, total_steps):
+        # VeOmni's builder: torch AdamW (foreach) or AnyPrecisionAdamW over the sharded DTensor
+        # parameters, one group with weight decay on every parameter (rlcore.engine.optim).
+        self.optimizer = engine_optim.build(self.model, **optim_kw)
+        # Under EP VeOmni builds one optimizer per mesh (experts, the rest) in a MultiOptimizer
         # (veomni/optim/optimizer.py:930-958), which is no torch Optimizer: one schedule each.
         lam = LrLambda(schedule, warmup_steps, total_steps, min_lr_ratio)
         self._lr_schedulers = [torch.optim.lr_scheduler.LambdaLR(o, lam) for o in self._inner_optimizers()]

@@ -64,19 +64,17 @@ def test_recipe_kernels_pass_veomnis_validation_on_its_device(recipe, device, mo
     assert ops.cross_entropy_loss_implementation == "eager"  # the log-prob path ignores it
 
 
-def test_moe_on_npu_passes_veomni_but_is_refused_at_config_time(tmp_path, veomni_device, capsys):
-    """The experts name VeOmni accepts on Ascend is fused_npu (checked by its validation), but the
-    pinned vllm-ascend breaks MoE at the first weight sync (rollout.settings.check_npu_moe): the 30B
-    recipe parsed for npu exits 2 before anything loads, naming the vllm-ascend that would work."""
+def test_moe_on_npu_resolves_and_passes_veomnis_validation(tmp_path, veomni_device):
+    """MoE on Ascend is no longer refused (the rollout keeps the experts' Parameters over vllm-ascend
+    0.23's wake-up swap: rollout.expert_layout): the 30B recipe parsed for npu resolves, and the
+    experts name it hands VeOmni on Ascend is fused_npu, which VeOmni's validation accepts."""
     from rlcore.engine.kernels import ops_config
 
     veomni_device(npu=True)
     assert ops_config("flash_attention_2", "npu", 128, "npu").moe_implementation == "fused_npu"
-    with pytest.raises(SystemExit) as e:
-        recipe_config(tmp_path, "qwen3_30b_a3b_math_16gpu", "qwen3_30b_a3b", "qwen3_30b_a3b", "npu")
-    assert e.value.code == 2
-    err = capsys.readouterr().err
-    assert "parallel.device='npu'" in err and "128 experts" in err and "vllm-ascend 0.26.0rc1 or newer" in err
+    cfg, _ = recipe_config(tmp_path, "qwen3_30b_a3b_math_16gpu", "qwen3_30b_a3b", "qwen3_30b_a3b", "npu")
+    assert cfg.parallel.ep_size == 8 and cfg.rollout.weight_load == "reload"  # direct is refused for MoE
+    assert build_ops(cfg, "npu").moe_implementation == "fused_npu"
 
 
 @pytest.mark.unit

@@ -173,7 +173,7 @@ CASES = [
     # r3 on this CPU host: vLLM's own validation refuses an engine that returns routed experts
     ("routing_replay_r3_on_cpu", ["--model.path", "{moe6}", "--algorithm.routing_replay", "r3"],
      "refuses that engine on this cpu machine: AuxOutput Connector requires Model Runner V2 [...] run R3 on CUDA GPUs, "
-     "where vLLM's V2 model runner serves it (Ascend NPUs refuse mixture-of-experts", 2),
+     "where vLLM's V2 model runner serves it, or on Ascend NPUs", 2),
     ("routing_replay_r3_multi_turn", ["--model.path", "{moe6}", "--algorithm.routing_replay", "r3",
                                       "--rollout.multi_turn.enable", "true", "--tools", "[calculator]",
                                       "--rollout.multi_turn.max_total_tokens", "32"],
@@ -204,6 +204,12 @@ CASES = [
     ("bad_literal", ["--model.dtype", "float64"], "model.dtype", 2),
     # values out of range
     ("betas", ["--optim.betas", "[1.5, 0.999]"], "optim.betas=[1.5, 0.999]", 2),
+    ("state_dtype_with_adamw", ["--optim.state_dtype", "float32"],
+     "optim.state_dtype='float32' is invalid: it is an anyprecision_adamw option [...] set optim.optimizer: "
+     "anyprecision_adamw, or leave optim.state_dtype unset", 2),
+    ("kahan_with_adamw", ["--optim.kahan_summation", "false"], "optim.kahan_summation=False is invalid", 2),
+    ("state_dtype_float16", ["--optim.optimizer", "anyprecision_adamw", "--optim.state_dtype", "float16"],
+     "optim.state_dtype", 2),
     ("micro_batch_zero", ["--algorithm.micro_batch_size", "0"], "algorithm.micro_batch_size=0", 2),
     ("top_p", ["--rollout.top_p", "1.5"], "rollout.top_p=1.5", 2),
     ("keep_last_zero", ["--checkpoint.keep_last", "0"], "checkpoint.keep_last=0", 2),

@@ -260,6 +260,11 @@ def test_rollout_images_and_weight_push(vl_moe_run, tiny_vl_moe):
         assert rk["lp_diff_after"] < ROLLOUT_TOL
         # F6: the direct-load guard sees the real engine's fused-MoE layers (vllm 0.32 MoERunner)
         assert rk["has_fused_moe"] and rk["direct_refused"]
+        # rollout.emulate_ascend_moe: the experts in the NPU kernel's layout, sleep level 2, vllm-ascend
+        # 0.23's wake-up swap of both expert weights of both layers put back, the push, then exact again
+        a = rk["ascend"]
+        assert a["restored"] == [4] and a["pushed"] == rk["pushed"], a
+        assert a["lp_diff_before"] < ROLLOUT_TOL and a["lp_diff_after"] < ROLLOUT_TOL, a
     # the step's export loads in transformers (the rollout reference above) with trained experts
     saved = load_file(os.path.join(vl_moe_run["out"], "hf_step", "model.safetensors"))
     ckpt = load_file(os.path.join(tiny_vl_moe, "model.safetensors"))

@@ -2,8 +2,10 @@
 trainer's log-probs of the same tokens (fp32), with tp=1 and tp=2 on 2 ranks, for untied and tied
 (``tie_word_embeddings``) models: the tied LM head once kept the first checkpoint's CPU packed copy
 (rlcore/rollout/cpu_repack.py; SmolLM2 and the small Qwen3 / Qwen2.5 releases are tied). The sync check
-(rlcore/step/sync_check.py) runs on the same switch and must agree. The cases without expert
-parallelism run one after the other in one launch (``synced``), each with its own policy and engine."""
+(rlcore/step/sync_check.py) runs on the same switch and must agree. MoE experts sync exactly with expert
+parallelism 1 and 2, also on a CPU engine that treats them as vllm-ascend 0.23 does (rollout.emulate_ascend_moe),
+where the tests show both ways the sync breaks without the rollout's restore. The cases of one expert-parallel
+size run one after the other in one launch (``synced``, ``ep2_synced``), each with its own policy and engine."""
 
 import json
 import os
@@ -63,16 +65,30 @@ def test_vllm_logprobs_match_trainer_after_sync(synced, model, tp):
     assert r["valid"] and r["refilled"] >= 20, r
 
 
+@pytest.fixture(scope="module")
+def ep2_synced(models, tmp_path_factory) -> dict[str, dict]:
+    """Every case with expert parallelism 2, in one launch (VeOmni's parallel state is per process):
+    the plain MoE sync, and the same under rollout.emulate_ascend_moe with the restore whole, with one
+    of its two weights left out (a tiny MoE with I == H for w2, one with 2I == H for w13: the sizes at
+    which vLLM's copy into the swapped view succeeds), and left out entirely (last: it fails)."""
+    from rlcore.demo.toy import make_tiny_moe_model
+
+    h2i = make_tiny_moe_model(str(tmp_path_factory.mktemp("moe-h2i")), moe_intermediate_size=32)  # H = 64 = 2I
+    moe, ascend = models["qwen3-moe"], ["ep2", "ascend-moe"]  # its H = I = 64
+    return sync_cases(tmp_path_factory.mktemp("sync-ep2"), {
+        "moe-ep2": (moe, 1, ["vs-transformers", "ep2"]), "ascend": (moe, 1, ascend),
+        "keep-w2-swapped": (moe, 1, [*ascend, "keep-w2-swapped"]),
+        "keep-w13-swapped": (h2i, 1, [*ascend, "keep-w13-swapped"]),
+        "no-restore": (moe, 1, [*ascend, "no-restore", "expect-error"])})
+
+
 @pytest.mark.parametrize("ep", [1, 2])
-def test_moe_experts_pushed_fused_match_the_trainer_and_transformers(request, models, tmp_path, ep):
+def test_moe_experts_pushed_fused_match_the_trainer_and_transformers(request, ep):
     """A Qwen3-MoE checkpoint with per-expert names, its experts FSDP-sharded (EP 1) or split over
     both ranks (EP 2): the sync pushes each layer's experts as two fused tensors
     (engine_moe.sync_layout), and vLLM's log-probs equal the trainer's and transformers' forward of
     the exported weights (per-expert names, as the checkpoint) within 1e-4."""
-    if ep == 1:
-        r = request.getfixturevalue("synced")["moe-ep1"]
-    else:  # VeOmni's parallel state is per process: expert parallelism has a launch of its own
-        r = sync_cases(tmp_path, {"moe-ep2": (models["qwen3-moe"], 1, ["vs-transformers", "ep2"])})["moe-ep2"]
+    r = request.getfixturevalue("synced")["moe-ep1"] if ep == 1 else request.getfixturevalue("ep2_synced")["moe-ep2"]
     print(r)
     assert r["before"] < 1e-4 and r["moved"] > 1e-3 and r["after"] < 1e-4 and r["probe_max"] < 1e-4, r
     assert r["after_vs_transformers"] < 1e-4, r
@@ -89,3 +105,31 @@ def test_sync_check_catches_and_locates_a_stale_tied_head(synced):
     assert r["after"] > 1e-2 and r["probe_max"] > 1e-2, r
     group, detail = r["breach"]
     assert group == "lm_head" and "the 4 groups before it agree" in detail, r
+
+
+def test_moe_on_an_emulated_ascend_engine_syncs_exactly_with_the_restore(ep2_synced):
+    """rollout.emulate_ascend_moe (rlcore/rollout/expert_layout.py): vllm-ascend 0.23's expert layout
+    after loading and its wake-up swap, on the CPU engine, EP 2, sleep level 2. The rollout puts the
+    swapped Parameters back (2 layers x w13, w2), and the sync, the probe and the refill are as exact
+    as on the dense path."""
+    r = ep2_synced["ascend"]
+    print(r)
+    assert r["restored"] == [4], r  # both weights of both MoE layers were swapped, and put back
+    assert r["before"] < 1e-4 and r["moved"] > 1e-3 and r["after"] < 1e-4, r
+    assert r["probe_max"] < 1e-4 and r["breach"] is None and r["valid"] and r["refilled"] == 3 + 2 * 11, r
+
+
+def test_without_the_restore_the_sync_fails_or_the_probe_catches_it(ep2_synced):
+    """The behaviour before the fix, both ways: no restore at all -> vLLM's reload copies the new
+    (E, H, 2I) experts into the (E, 2I, H) view and fails on the shape; one weight left swapped where
+    its two sizes are equal (w2 with I == H, w13 with 2I == H) -> the copy succeeds, transposed, and
+    the sync check's probe and the sampled tokens' log-probs show it."""
+    err = ep2_synced["no-restore"]
+    print(err)
+    assert err["restored"] == [0] and "must match the size of tensor b (128) at non-singleton dimension 2" in err["error"]
+    for case in ("keep-w2-swapped", "keep-w13-swapped"):
+        r = ep2_synced[case]
+        print(case, r)
+        assert r["restored"] == [2], r  # the other weight of each layer was put back
+        assert r["before"] < 1e-4 and r["after"] > 1e-2 and r["probe_max"] > 1e-2, r
+        assert r["breach"] is not None and r["breach"][0] == "layer 0", r  # the check names the first MoE layer

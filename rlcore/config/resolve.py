@@ -123,22 +123,19 @@ def resolve(cfg: Config, device_type: str) -> Config:
     is what matters. Call once, after parsing; resolving a resolved config changes nothing."""
     from rlcore.engine.attention import pick_attn_implementation
     from rlcore.engine.moe import pick_moe_implementation
-    from rlcore.rollout.settings import (
-        check_npu_moe, pick_block_size, pick_enforce_eager, pick_sleep_level, pick_weight_load,
-    )
+    from rlcore.rollout.settings import pick_block_size, pick_enforce_eager, pick_sleep_level, pick_weight_load
 
     accel = device_type != "cpu"
     m, r, o = cfg.model, cfg.rollout, cfg.offload
     if r.emulate_sleep and accel:
         raise ConfigError(f"rollout.emulate_sleep=true is for CPU runs (tests, debugging); on {device_type} vLLM's "
                           f"sleep mode is real: set rollout.emulate_sleep: false")
+    if r.emulate_ascend_moe and not r.emulate_sleep:
+        raise ConfigError("rollout.emulate_ascend_moe=true emulates what an Ascend engine's wake-up does to the "
+                          "experts, on a CPU engine that sleeps as a device's: set rollout.emulate_sleep: true too")
     params = accel if o.params is None else o.params
     check_sync = _check_sync(cfg)
     experts = model_num_experts(m.path)
-    try:
-        check_npu_moe(device_type, experts)
-    except ValueError as e:
-        raise ConfigError(f"model.path={m.path!r} on parallel.device={device_type!r}: {e}") from e
     try:
         weight_load = pick_weight_load(device_type, r.weight_load, moe=experts > 0)
     except ValueError as e:

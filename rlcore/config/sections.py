@@ -111,6 +111,10 @@ class RolloutConfig:
     on CPU). sleep_level 1 moves vLLM's weights out and back, 2 discards them (NaN until the next full
     push; null = 2 as on accelerators), judges sleep by freeing their storages; the KV cache is freed
     at every level. See rlcore/rollout/cpu_sleep.py."""
+    emulate_ascend_moe: bool = False
+    """CPU only, with emulate_sleep: a mixture-of-experts engine treats its experts as vllm-ascend 0.23
+    does on an NPU: after loading they live in the NPU kernel's layout, and each wake-up swaps them
+    for transposed views, which the engine puts back before the sync. See rlcore/rollout/expert_layout.py."""
     sync_bucket_mb: float = 64.0
     """Weight sync: MiB gathered per collective; peak extra memory about 2 buckets."""
     weight_load: Literal["auto", "reload", "direct"] = "auto"
@@ -192,8 +196,17 @@ class OffloadConfig:
 
 @dataclass
 class OptimConfig:
-    """AdamW and its learning-rate schedule."""
+    """The optimizer (VeOmni's build_optimizer) and its learning-rate schedule."""
 
+    optimizer: Literal["adamw", "anyprecision_adamw"] = "adamw"
+    """adamw: torch AdamW, fp32 state (8 bytes per trained parameter). anyprecision_adamw: VeOmni's
+    AnyPrecisionAdamW (llama-recipes): momentum, variance and a Kahan compensation buffer in
+    optim.state_dtype (bf16: 6 bytes per trained parameter). Master weights stay fp32 either way."""
+    state_dtype: Optional[Literal["bfloat16", "float32"]] = None
+    """anyprecision_adamw only: dtype of its momentum, variance and compensation buffer; null = bfloat16."""
+    kahan_summation: Optional[bool] = None
+    """anyprecision_adamw only: Kahan-compensated weight update (the update goes through the
+    compensation buffer); null = true."""
     lr: float = 1e-6
     """Peak learning rate."""
     weight_decay: float = 0.0
@@ -218,6 +231,11 @@ class OptimConfig:
         check(all(0 <= b < 1 for b in self.betas), "optim.betas", list(self.betas),
               "each beta must be in [0, 1), e.g. [0.9, 0.999]")
         check(self.eps > 0, "optim.eps", self.eps, "it must be > 0 (1e-8 is usual)")
+        for key in ("state_dtype", "kahan_summation"):
+            value = getattr(self, key)
+            check(value is None or self.optimizer == "anyprecision_adamw", f"optim.{key}", value,
+                  f"it is an anyprecision_adamw option and optim.optimizer is {self.optimizer} (fp32 state); set "
+                  f"optim.optimizer: anyprecision_adamw, or leave optim.{key} unset")
 
 
 @dataclass

@@ -9,6 +9,7 @@ the sync), everything that touches VeOmni, FSDP2 or DTensor.
     replay.py         MoE routing replay on the trainer's side (R2 recording, R3 rows)
     lora.py           LoRA adapters on the policy (VeOmni's wrapper), PEFT names, merged exports
     offload.py        OffloadState: where parameters and optimizer state are, and their moves
+    optim.py          the optimizer through VeOmni's build_optimizer: adamw, anyprecision_adamw
     parts.py          the engine's named parts (names, shards, the lr schedule, masks)
     bucket_gather.py  the gather of local shards into full tensors, in buckets
 

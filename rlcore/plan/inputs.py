@@ -52,6 +52,7 @@ class PlanInputs:
     images_per_prompt: int = 1  # most images a prompt has (0: text-only data, data.image_key null)
     vllm_images: int | None = None  # rollout.limit_mm_per_prompt's image limit; None: vLLM's default
 
+    optimizer_bytes: int = 8  # optimizer state per trainable parameter (optim: rlcore.plan.memory.optimizer_bytes)
     lora_rank: int = 0  # lora.rank: only adapters on every decoder linear layer train
     judges: tuple = ()  # JudgePlan of each reward.models entry
     teacher: JudgePlan | None = None  # distill.teacher's engine (a judge engine that returns log-probs)

@@ -3,8 +3,8 @@
 Pure arithmetic from the model's ``config.json`` and the run's ``Config``: no torch.distributed,
 no weights (torch only in ``device_total_gb``). GB = 2**30 bytes, as torch reports device memory.
 Notation: P parameters, W world size (FSDP shards over every rank), c bytes of ``model.dtype``
-(compute and rollout dtype; master weights and AdamW state are fp32), T tokens of one micro-batch,
-h hidden size, V vocab. Each component's formula is in its function's docstring; docs/memory_plan.md
+(compute and rollout dtype; master weights are fp32, optimizer state as OPTIMIZER_BYTES says), T tokens
+of one micro-batch, h hidden size, V vocab. Each component's formula is in its function's docstring; docs/memory_plan.md
 has them all with a worked Qwen3-8B plan. Vision-language models (Qwen3-VL, Qwen2.5-VL, Qwen2-VL)
 add their vision tower (``VisionShape``) to P, the ViT's activations for the images of a
 micro-batch, and vLLM's profile run of the ViT.
@@ -56,9 +56,29 @@ VLLM_GRAPHS_GB = 1.0
 LOGITS_CHUNK = 1024  # tokens per lm_head chunk of VeOmni's log-prob kernel (its default)
 LOGITS_BUFFERS = 6  # fp32 (chunk, V) buffers alive at the kernel's backward peak
 SAMPLER_BUFFERS = 3  # fp32 (max_num_seqs, V) buffers of vLLM's sampler in its profile run
+# Optimizer state in bytes per trainable parameter, as measured after a real step (tests/test_optimizer.py:
+# the state tensors' nbytes over the trainable shards' elements, tiny Qwen3 of 302,336 parameters on 2 CPU
+# ranks): adamw 8.0007 (fp32 exp_avg, exp_avg_sq), anyprecision_adamw 6.0007 (bf16 exp_avg, exp_avg_sq,
+# Kahan compensation), float32 state 12.0007, without Kahan 4.0007 (bf16) / 8.0007 (fp32); the 0.0007 is
+# one fp32 step counter per parameter tensor, nothing on a real model. Keys: rlcore.plan.memory.optimizer_key.
+OPTIMIZER_BYTES = {"adamw": 8, "anyprecision_adamw": 6, "anyprecision_adamw/float32": 12,
+                   "anyprecision_adamw/no_kahan": 4, "anyprecision_adamw/float32/no_kahan": 8}
 
 
 # ------------------------------------------------------------------------------- components
+
+def optimizer_key(optimizer: str = "adamw", state_dtype: str | None = None, kahan_summation: bool | None = None) -> str:
+    """OPTIMIZER_BYTES's key of an optim section's choice (null options: VeOmni's defaults, bf16 and Kahan on)."""
+    if optimizer == "adamw":
+        return "adamw"
+    return optimizer + "/float32" * (state_dtype == "float32") + "/no_kahan" * (kahan_summation is False)
+
+
+def optimizer_bytes(optimizer: str = "adamw", state_dtype: str | None = None, kahan_summation: bool | None = None
+                    ) -> int:
+    """The optimizer state's bytes per trainable parameter (OPTIMIZER_BYTES, measured)."""
+    return OPTIMIZER_BYTES[optimizer_key(optimizer, state_dtype, kahan_summation)]
+
 
 def activation_bytes(p: PlanInputs) -> int:
     """Training activations of one micro-batch of T tokens (compute dtype c, bytes).
@@ -172,8 +192,10 @@ def sync_bucket_bytes(p: PlanInputs) -> int:
 def component_bytes(p: PlanInputs) -> dict[str, int]:
     """Bytes per rank of each component while it is resident. The sharded trainer state:
     trainer_params 4P/W (fp32 master), gradients 4P'/W (fp32: FSDP2 reduces in float32; freed by
-    zero_grad after each step), optimizer 8P'/W (AdamW exp_avg + exp_avg_sq, made at the first
-    step), reference cP/W (kl_loss_coef > 0); P counts a vision tower, P' = P less a frozen one.
+    zero_grad after each step), optimizer bP'/W (made at the first step; b = OPTIMIZER_BYTES of
+    optim.optimizer: 8 for AdamW's fp32 exp_avg + exp_avg_sq, 6 for anyprecision_adamw's bf16
+    exp_avg + exp_avg_sq + Kahan buffer), reference cP/W (kl_loss_coef > 0); P counts a vision
+    tower, P' = P less a frozen one.
     vllm_overhead: VLLM_OVERHEAD_GB, + VLLM_GRAPHS_GB with CUDA/ACL graphs. kv_cache: what vLLM's
     budget (gpu_memory_utilization x device) leaves after its weights, its profiled activations
     and that overhead (vLLM 0.32 counts its graph estimate against the budget too); negative means
@@ -182,7 +204,7 @@ def component_bytes(p: PlanInputs) -> dict[str, int]:
     vllm_budget = int(p.gpu_memory_utilization * p.device_gb * GB)
     sizes = {
         "trainer_params": 4 * P // p.world, "gradients": 4 * trainable // p.world,
-        "optimizer": 8 * trainable // p.world,
+        "optimizer": p.optimizer_bytes * trainable // p.world,
         "reference": p.c * P // p.world if p.reference and not p.lora_rank else 0,  # LoRA: the adapter off
         "activations": activation_bytes(p), "vllm_weights": vllm_weight_bytes(p),
         "vllm_activations": vllm_activation_bytes(p),
@@ -428,6 +450,7 @@ def plan_from_config(cfg, world_size: int, device_gb: float, device_type: str = 
         images_per_prompt=(images if cfg.data.image_key else 0),
         vllm_images=None if r.limit_mm_per_prompt is None else r.limit_mm_per_prompt.get("image", 0),
         lora_rank=cfg.lora.rank if cfg.lora.enabled else 0,
+        optimizer_bytes=optimizer_bytes(cfg.optim.optimizer, cfg.optim.state_dtype, cfg.optim.kahan_summation),
         judges=tuple(JudgePlan(ModelShape.from_path(j.path), j.gpu_memory_utilization, j.sleep_level or 1,
                                DTYPE_BYTES[j.dtype or r.dtype or cfg.model.dtype]) for j in cfg.reward.judges()),
         teacher=teacher_plan(cfg, DTYPE_BYTES), oversample=r.partial.oversample if r.partial.enable else 1.0,

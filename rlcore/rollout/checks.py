@@ -1,8 +1,8 @@
 """The checks and call-time helpers behind ``rlcore.colocate_rollout``, against the engine it built
 (the pre-build choices, ``pick_*`` and the ``LLM`` keywords, are in ``rlcore.rollout.settings``).
 
-Each helper takes plain values or the vLLM objects as arguments (one imports vLLM's config
-context, inside a function), so the logic is unit-tested
+Each helper takes plain values or the vLLM objects as arguments (a few import a vLLM name inside the
+function: its config context, its greedy threshold, its prompt type), so the logic is unit-tested
 with small fakes (tests/test_rollout_accel.py) while the code paths that only run on
 accelerators stay checked against the pinned packages' sources, cited by file:line:
   vllm 0.32.0 (CUDA wheel), vllm 0.23.0 + vllm-ascend 0.23.0 (requirements-npu.txt pin),
@@ -13,10 +13,15 @@ from __future__ import annotations
 
 import hashlib
 import logging
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # annotations only: the detached weights are torch tensors
+    import torch
 
 log = logging.getLogger("rlcore.rollout")
+
 
 def image_token_id(hf_config) -> int | None:
     """The id of the placeholder token one image is written as in a prompt (``<|image_pad|>`` for
@@ -370,3 +375,32 @@ def describe_engine(vllm_config, *, device_type: str, tp_size: int, dp_size: int
             f"prefix_caching={getattr(cc, 'enable_prefix_caching', None)} block_size={getattr(cc, 'block_size', None)} "
             f"max_num_seqs={getattr(sc, 'max_num_seqs', None)} "
             f"max_num_batched_tokens={getattr(sc, 'max_num_batched_tokens', None)}{mm_part}")
+
+
+def greedy_threshold() -> float:
+    """The temperature below which vLLM samples greedily and refuses ``n > 1``: its own constant
+    (vllm 0.32.0 and 0.23.0 sampling_params.py ``_SAMPLING_EPS``), 1e-5 where it cannot be read."""
+    try:
+        from vllm.sampling_params import _SAMPLING_EPS
+    except ImportError:
+        return 1e-5
+    return float(_SAMPLING_EPS)
+
+
+def prompt_input(ids: list[int], images: list | None):
+    """One request for vLLM: the token ids, plus the images when there are any (vLLM takes PIL
+    images under ``multi_modal_data["image"]`` and expands the image tokens itself)."""
+    from vllm.inputs import TokensPrompt
+
+    ids = [int(t) for t in ids]
+    if not images:
+        return TokensPrompt(prompt_token_ids=ids)
+    return TokensPrompt(prompt_token_ids=ids, multi_modal_data={"image": list(images)})
+
+
+def detached(weights: Iterable[tuple[str, torch.Tensor]], names: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
+    """The weights, detached, lazily (one tensor alive at a time beyond what the caller holds),
+    their names appended to ``names``."""
+    for name, tensor in weights:
+        names.append(name)
+        yield name, tensor.detach()

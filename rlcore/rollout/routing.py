@@ -61,5 +61,5 @@ def check_config(cfg, device_type: str) -> None:
         raise ConfigError(f"algorithm.routing_replay='r3' needs vLLM to return each token's routed experts, and "
                           f"vLLM {vllm.__version__} refuses that engine on this {device_type} machine: {problem}. "
                           f"Use algorithm.routing_replay: r2 (the trainer records the routing itself), or run R3 "
-                          f"on CUDA GPUs, where vLLM's V2 model runner serves it (Ascend NPUs refuse mixture-of-experts "
-                          f"models with the pinned vllm-ascend: rollout.settings.check_npu_moe)")
+                          f"on CUDA GPUs, where vLLM's V2 model runner serves it, or on Ascend NPUs, whose model runner "
+                          f"returns routed experts (vllm-ascend 0.23)")

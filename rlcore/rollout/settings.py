@@ -70,26 +70,6 @@ def pick_weight_load(device_type: str, weight_load: str, moe: bool = False) -> s
     return weight_load
 
 
-# The first vllm-ascend whose NPUWorker.wake_up no longer swaps the expert tensors (0.26.0rc1
-# worker/worker.py:247-270) and that has NPUWorker.reload_weights (:1115-1116).
-NPU_MOE_NEEDS = "vllm-ascend 0.26.0rc1 or newer (with its vLLM)"
-
-
-def check_npu_moe(device_type: str, experts: int) -> None:
-    """Refuse a mixture-of-experts model on Ascend with the pinned vllm-ascend 0.23.0, whose
-    ``NPUWorker.wake_up`` replaces each layer's ``w13_weight`` / ``w2_weight`` by transposed views
-    (vllm_ascend/worker/worker.py:251-269): the in-place reload then re-runs the fused-MoE post-load
-    step on them and copies [E, H, 2I] data into [E, 2I, H] storage, and a direct load skips that
-    step (refused for MoE everywhere, see pick_weight_load): the first weight sync breaks the
-    experts either way. vllm-ascend 0.26.0rc1 dropped the swap; its vLLM is not installable with
-    this project's pins (requirements-npu.txt)."""
-    if device_type == "npu" and experts > 0:
-        raise ValueError(f"a mixture-of-experts model ({experts} experts) cannot be trained on Ascend NPUs with the "
-                         f"pinned vllm-ascend 0.23.0: its wake_up swaps the expert tensors for transposed views, so "
-                         f"the first weight sync would corrupt the experts. It needs {NPU_MOE_NEEDS}; train MoE "
-                         f"models on CUDA GPUs, or a dense model on NPUs")
-
-
 def pick_enforce_eager(device_type: str, enforce_eager: bool | None) -> bool:
     """None: eager on CPU (no CUDA graphs there; it also skips the inductor compile of the
     sampler helpers, 10-15 s per process), graphs on CUDA and NPU.

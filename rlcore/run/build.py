@@ -58,7 +58,8 @@ def _policy_kwargs(model: ModelConfig, optim: OptimConfig, total_optim_steps: in
     return dict(
         dtype=model.dtype, gradient_checkpointing=model.gradient_checkpointing,
         attn_implementation=model.attn_implementation, lr=optim.lr, weight_decay=optim.weight_decay,
-        betas=tuple(optim.betas), adam_eps=optim.eps, lr_schedule=optim.lr_schedule,
+        betas=tuple(optim.betas), adam_eps=optim.eps, optimizer=optim.optimizer,
+        optimizer_state_dtype=optim.state_dtype, kahan_summation=optim.kahan_summation, lr_schedule=optim.lr_schedule,
         warmup_steps=optim.warmup_steps, min_lr_ratio=optim.min_lr_ratio, total_steps=total_optim_steps,
         grad_clip=optim.grad_clip, ep_size=ep_size, moe_implementation=model.moe_implementation,
         **({"freeze_vision_tower": True} if model.freeze_vision_tower else {}),
@@ -82,7 +83,8 @@ def build_rollout(model: ModelConfig, rollout: RolloutConfig, info: DistInfo, se
     return ColocateRollout(
         model.path, info, tp_size=r.tensor_parallel_size, seed=seed, max_model_len=r.max_model_len,
         dtype=r.dtype or model.dtype, kv_cache_gb=r.kv_cache_gb, gpu_memory_utilization=r.gpu_memory_utilization,
-        sleep_level=r.sleep_level, emulate_sleep=r.emulate_sleep, weight_load=r.weight_load,
+        sleep_level=r.sleep_level, emulate_sleep=r.emulate_sleep, emulate_ascend_moe=r.emulate_ascend_moe,
+        weight_load=r.weight_load,
         enforce_eager=r.enforce_eager,
         max_num_seqs=r.max_num_seqs, max_num_batched_tokens=r.max_num_batched_tokens,
         enable_prefix_caching=r.enable_prefix_caching, block_size=r.block_size,

@@ -13,6 +13,11 @@ Flags: ``no-tied-repack`` takes rlcore's CPU tied-head re-pack out (rlcore/rollo
 behaviour before the fix: the tests show the check catching it and naming the LM head. ``ep2``:
 experts sharded by expert parallelism over both ranks. ``vs-transformers``: vLLM's log-probs after
 the sync are also compared with transformers' forward of the trainer's exported weights.
+``ascend-moe``: the engine runs under rollout.emulate_ascend_moe (emulated sleep level 2: the experts
+in the NPU kernel's layout, swapped for transposed views at each wake-up and put back by the rollout:
+rlcore/rollout/expert_layout.py); ``no-restore`` / ``keep-w2-swapped`` / ``keep-w13-swapped`` take
+that restore out, whole or for one of the two weights (the behaviour before the fix), and
+``expect-error`` reports the switch's error instead of failing the launch.
 """
 
 import gc
@@ -71,6 +76,29 @@ def transformers_diff(policy, batch, temperature, out) -> float:
     return all_reduce_max([worst])[0]
 
 
+RESTORED: list[int] = []  # what each ExpertParams.restore of the case put back
+
+
+def sabotage_restore(flags: list[str]) -> None:
+    """ExpertParams.restore as the case's flags have it: whole, or leaving some weights swapped."""
+    from rlcore.rollout import expert_layout
+
+    restore = RESTORE_FN.setdefault("fn", expert_layout.ExpertParams.restore)
+    skip = {"no-restore": ("w13_weight", "w2_weight"), "keep-w2-swapped": ("w2_weight",),
+            "keep-w13-swapped": ("w13_weight",)}
+    skipped = {attr for flag in flags for attr in skip.get(flag, ())}
+
+    def partial(self):
+        kept = [k for k in self.kept if k[2] not in skipped]
+        RESTORED.append(restore(expert_layout.ExpertParams(kept)))
+        return RESTORED[-1]
+
+    expert_layout.ExpertParams.restore = partial
+
+
+RESTORE_FN: dict = {}
+
+
 def main():
     with open(sys.argv[1]) as f:
         cases = json.load(f)
@@ -81,6 +109,8 @@ def main():
     for case in cases:
         flags = case["flags"]
         cpu_repack.cpu_tied_linears = (lambda model: []) if "no-tied-repack" in flags else tied_linears
+        sabotage_restore(flags)
+        RESTORED.clear()
         run_case(info, case["model"], case["tp"], case["out"], flags)
         gc.collect()  # the case's policy and engine are gone before the next one builds
     torch.distributed.destroy_process_group()
@@ -92,7 +122,8 @@ def run_case(info, model_dir: str, tp: int, out: str, flags: list[str]) -> None:
 
     torch.manual_seed(0)
     policy = VeOmniPolicy(model_dir, info, lr=1e-2, total_steps=10, ep_size=2 if "ep2" in flags else 1)
-    rollout = ColocateRollout(model_dir, info, tp_size=tp, seed=0, max_model_len=64, kv_cache_gb=0.1)
+    ascend = dict(emulate_sleep=True, sleep_level=2, emulate_ascend_moe=True) if "ascend-moe" in flags else {}
+    rollout = ColocateRollout(model_dir, info, tp_size=tp, seed=0, max_model_len=64, kv_cache_gb=0.1, **ascend)
     probe = [[13, 4 + i, 5, 6, 7, 14, 18, 15, 4, 5, 9, 7] for i in range(2)]
     checker = SyncCheck("warn", "float32", probe, info.device, is_main=info.is_main)
     timer = Timer()
@@ -108,7 +139,15 @@ def run_case(info, model_dir: str, tp: int, out: str, flags: list[str]) -> None:
     switch.to_training()
     metrics = grpo.ppo_update(policy, batch, adv, None, None, AlgorithmConfig(micro_batch_size=8), temperature,
                               info.world_size, info.device)
-    switch.to_generation()
+    try:
+        switch.to_generation()
+    except RuntimeError as e:  # every rank fails at the same layer: no collective is left waiting
+        if "expect-error" not in flags:
+            raise
+        if info.rank == 0:
+            json.dump({"error": f"{type(e).__name__}: {e}", "before": before, "restored": RESTORED}, open(out, "w"))
+        rollout.shutdown()
+        return
     check = {**switch.pop_metrics(), **timer.pop_metrics(), "breach": checker.last_breach}
     # How far the weights moved: the trainer's new log-probs of the first batch against vLLM's old
     # ones. A sync that did nothing would leave a difference of this size below.
@@ -130,7 +169,8 @@ def run_case(info, model_dir: str, tp: int, out: str, flags: list[str]) -> None:
                    "mean_abs_logp": (new_lp.abs() * mask).sum().item() / mask.sum().item(),
                    "probe_max": check["rollout/sync_probe_max"], "probe_mean": check["rollout/sync_probe_mean"],
                    "breach": check["breach"], "check_s": check.get("timing/sync_check_s"),
-                   "refilled": refilled, "valid": rollout.weights_valid, "after_vs_transformers": vs_hf},
+                   "refilled": refilled, "valid": rollout.weights_valid, "after_vs_transformers": vs_hf,
+                   "restored": RESTORED},
                   open(out, "w"))
     rollout.shutdown()
 

@@ -297,6 +297,8 @@ def main() -> None:
     m["lp_shift"] = trained.max_diff(prompts, images, first)  # the first samples under the new weights
     lap("push + generate + compare")
     ro.shutdown()
+    m["ascend"] = ascend_sleep_cycle(model_dir, info, policy, prompts, images, sample, before, trained)
+    lap("vllm-ascend emulation: sleep 2, wake, restore, push, generate")
     gathered = [None] * info.world_size
     dist.all_gather_object(gathered, m)
     results["rollout"] = gathered
@@ -308,6 +310,30 @@ def main() -> None:
             json.dump(results, f, indent=1)
     dist.barrier()
     dist.destroy_process_group()
+
+
+def ascend_sleep_cycle(model_dir, info, policy, prompts, images, sample, before, trained) -> dict:
+    """rollout.emulate_ascend_moe on the VL-MoE engine: generate (the experts in the NPU kernel's
+    layout), sleep level 2, wake the weights (vllm-ascend 0.23's swap, the rollout's restore), push
+    the trained weights, wake the KV cache, generate; both against transformers."""
+    from rlcore.colocate_rollout import ColocateRollout
+    from rlcore.rollout import expert_layout
+
+    restored = []
+    restore = expert_layout.ExpertParams.restore
+    expert_layout.ExpertParams.restore = lambda self: restored.append(restore(self)) or restored[-1]
+    ro = ColocateRollout(model_dir, info, tp_size=1, seed=0, kv_cache_gb=0.0625, max_model_len=256,
+                         limit_mm_per_prompt=LIMITS, emulate_sleep=True, sleep_level=2, emulate_ascend_moe=True)
+    out = {"lp_diff_before": before.max_diff(prompts, images, ro.generate(prompts, images=images, **sample))}
+    ro.release_memory()
+    ro.resume_memory(["weights"])
+    out["pushed"] = ro.update_weights(policy.named_hf_weights_bucketed())
+    ro.resume_memory(["kv_cache"])
+    out["lp_diff_after"] = trained.max_diff(prompts, images, ro.generate(prompts, images=images, **sample))
+    out["restored"] = restored
+    expert_layout.ExpertParams.restore = restore
+    ro.shutdown()
+    return out
 
 
 if __name__ == "__main__":
