@@ -129,6 +129,7 @@ class ColocateRollout:
                              "device cpu and emulate_sleep (the sleep whose wake-up it acts on)")
         self.emulate_ascend_moe = emulate_ascend_moe
         self._experts = None  # the experts' Parameters kept over a sleep (rollout.expert_layout)
+        self.experts_restored: int | None = None  # MoE: how many the last wake-up had swapped (0 off Ascend)
         self.sleep_level = _pick_sleep_level(info.device_type, sleep_level, emulate=emulate_sleep)
         self._sleeping = None  # emulated sleep: the weights cpu_sleep.sleep_weights freed
         self.weight_load = _pick_weight_load(info.device_type, weight_load, moe=model_num_experts(model_path) > 0)
@@ -513,7 +514,7 @@ class ColocateRollout:
             with vllm_globals.bind_workspace(self._workspace):
                 self.llm.wake_up(tags=sorted(wake))
         if "weights" in wake and self._experts is not None:  # what vllm-ascend 0.23's wake_up swapped
-            self._experts.restore()
+            self.experts_restored = self._experts.restore()
             self._experts = None
         self._asleep -= wake
         if "kv_cache" in wake:

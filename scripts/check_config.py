@@ -1,7 +1,7 @@
 """Dry run of a cluster config on a machine without its devices (a login node), before ``sbatch``.
 
     .venv/bin/python scripts/check_config.py --config cfg.yaml --device cuda|npu --nproc 8 [--nnodes 2]
-        [--device-gb 80] [-- --section.key value ...]
+        [--device-gb 80|64] [-- --section.key value ...]
 
 Runs everything of the trainer's build that allocates no device memory, through the real
 libraries' own validation (rlcore/run/dry_run.py): the config resolved for the device, the world size,
@@ -26,6 +26,9 @@ from rlcore import quiet  # noqa: E402
 quiet.install()
 
 
+DEVICE_GB = {"cuda": 80.0, "npu": 64.0}  # --device-gb's default: an H100 / A100-80GB, an Atlas A2 / A3 die
+
+
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     split = argv.index("--") if "--" in argv else len(argv)
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -33,7 +36,9 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--device", choices=("cuda", "npu"), required=True, help="the cluster's device")
     parser.add_argument("--nproc", type=int, required=True, help="ranks (devices) per node")
     parser.add_argument("--nnodes", type=int, default=1)
-    parser.add_argument("--device-gb", type=float, default=80.0, help="memory of one device, GB (2^30 bytes)")
+    parser.add_argument("--device-gb", type=float, default=None,
+                        help="memory of one device, GB (2^30 bytes); default 80 on cuda (H100/A100-80GB), 64 on "
+                             "npu (Atlas A2/A3 dies)")
     return parser.parse_args(argv[:split]), argv[split + 1:]
 
 
@@ -42,7 +47,8 @@ def main(argv: list[str] | None = None) -> int:
 
     args, overrides = parse_args(sys.argv[1:] if argv is None else argv)
     with quiet.filtered_output():
-        checks = dry_run(["--config", args.config, *overrides], args.device, args.nproc, args.nnodes, args.device_gb)
+        device_gb = args.device_gb or DEVICE_GB[args.device]
+        checks = dry_run(["--config", args.config, *overrides], args.device, args.nproc, args.nnodes, device_gb)
     for c in checks:
         print(c.line(), flush=True)
     failed = [c.name for c in checks if c.status == FAIL]

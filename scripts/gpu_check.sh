@@ -11,9 +11,14 @@
 #           vLLM engine, woken and put to sleep around every scoring)
 #   lora    base + a rank-8 LoRA adapter (sleep level 1: vLLM keeps its base weights in host memory;
 #           only the adapter is synced)
-#   moe_r3  the tiny Qwen3-MoE (4 experts, top-2; EP = the rank count) with R3 routing replay (vLLM
-#           returns its routed experts, the trainer replays them); weight_load reload (MoE). Skipped
-#           on NPU: the trainer refuses MoE with the pinned vllm-ascend (rollout.settings.check_npu_moe)
+#   moe     the tiny Qwen3-MoE (4 experts, top-2; EP = the rank count), vLLM sleep level 2: the experts
+#           sleep, wake (vllm-ascend 0.23 swaps them for transposed views; the rollout puts them back:
+#           rollout/experts_restored, 4 on NPU, 0 on CUDA), are synced (weight_load reload) and generate;
+#           the trainer-vs-vLLM log-prob difference after each sync is the verdict
+#   moe_r3  the tiny Qwen3-MoE with R3 routing replay (vLLM returns its routed experts, the trainer
+#           replays them). Not in the seed recipe: on NPU it runs only when PARTS names it
+# On NPU, before any part: vllm-ascend's custom ops must load on this SoC (PyPI's wheels carry Atlas A2
+# kernels only): exit 2 naming the fix when they do not; the JSON line says which SoC passed.
 #
 #   bash scripts/gpu_check.sh                 # CUDA: 1 or 2 visible GPUs (CUDA_VISIBLE_DEVICES picks them)
 #   DEVICE=npu bash scripts/gpu_check.sh      # Ascend NPUs (ASCEND_RT_VISIBLE_DEVICES picks them)
@@ -33,7 +38,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-ALL_PARTS="base judge lora moe_r3"
+ALL_PARTS="base judge lora moe moe_r3"
+PARTS_GIVEN=${PARTS:+1}
 DEVICE=${DEVICE:-cuda}
 SMI=$([ "$DEVICE" = npu ] && echo "npu-smi info" || echo nvidia-smi)
 refuse() { echo "gpu_check: $*" >&2; exit 2; }
@@ -93,6 +99,11 @@ else
                        "($SMI must list the devices)" ;;
         ''|*[!0-9]*) refuse "could not count the devices: $probe" ;;
     esac
+    if [ "$DEVICE" = npu ]; then  # vllm-ascend's custom ops on this SoC (MoE routing calls them)
+        ops=$("$PYTHON" scripts/gpu_check_report.py --ascend-ops) || refuse "could not run $PYTHON"
+        ASCEND_OPS=${ops##*$'\n'}
+        case "$ASCEND_OPS" in ERROR*) refuse "${ASCEND_OPS#ERROR }" ;; esac
+    fi
 fi
 NPROC=${NPROC:-$(( count < 2 ? count : 2 ))}
 TP=${TP:-$NPROC}
@@ -140,12 +151,16 @@ lora_args() {
     ARGS+=(--lora.rank 8 --lora.alpha 16 --optim.lr 1e-2 --rollout.sleep_level 1)
 }
 
-# R3 needs vLLM's routed experts: prefix caching on (vLLM 0.32 requires it); MoE weights reload
-# (a direct load skips vLLM's post-load expert re-layout and is refused).
+# MoE weights reload (a direct load skips vLLM's post-load expert re-layout and is refused); sleep
+# level 2 from common_args: each step's wake-up is where vllm-ascend 0.23 swaps the experts.
+moe_args() {
+    ARGS+=(--model.path "$OUT/assets/tiny_qwen3_moe" --parallel.ep_size "$NPROC" --rollout.weight_load reload)
+}
+
+# R3 needs vLLM's routed experts: prefix caching on (vLLM 0.32 requires it).
 moe_r3_args() {
-    ARGS+=(--model.path "$OUT/assets/tiny_qwen3_moe" --parallel.ep_size "$NPROC"
-        --rollout.weight_load reload --rollout.enable_prefix_caching true
-        --algorithm.routing_replay r3)
+    moe_args
+    ARGS+=(--rollout.enable_prefix_caching true --algorithm.routing_replay r3)
 }
 
 part_args() {
@@ -159,9 +174,9 @@ part_args() {
 # Why PART cannot run on this device (nothing when it can).
 skip_reason() {
     case "$1:$DEVICE" in
-        moe_r3:npu) echo "mixture-of-experts models are refused on Ascend NPUs with the pinned vllm-ascend 0.23.0" \
-                         "(its wake_up swaps the expert tensors for transposed views, rlcore/rollout/checks.py" \
-                         "check_npu_moe), so R3 routing replay has no model to run on there" ;;
+        moe_r3:npu) [ -n "$PARTS_GIVEN" ] \
+                        || echo "R3 routing replay is not in the seed recipe, and whether vllm-ascend 0.23.0's model" \
+                                "runner returns routed experts is vLLM's own check at start-up: PARTS=moe_r3 runs it" ;;
     esac
 }
 
@@ -210,4 +225,4 @@ done
 
 exec "$PYTHON" scripts/gpu_check_report.py --out "$OUT" "${REPORT_ARGS[@]}" --steps "$STEPS" \
     --max-logp-diff "$MAX_LOGP_DIFF" --min-router-agreement "$MIN_ROUTER_AGREEMENT" \
-    --device "$DEVICE" --nproc "$NPROC" --tp "$TP"
+    --device "$DEVICE" --nproc "$NPROC" --tp "$TP" ${ASCEND_OPS:+--ascend-ops "$ASCEND_OPS"}

@@ -8,6 +8,7 @@ overall ``"pass"``.
         --skipped 'moe_r3=why' [--steps 3] [--max-logp-diff 1e-3] [--min-router-agreement 0.5]
     python scripts/gpu_check_report.py --run-dir /tmp/rlcore_gpu_check.me/base/run [--part lora]   # one run
     python scripts/gpu_check_report.py --probe cuda|npu    # prints the device count, or "ERROR ..."
+    python scripts/gpu_check_report.py --ascend-ops        # vllm-ascend's custom ops on this SoC, or "ERROR ..."
 
 Every part passes when the trainer exited 0, logged every step, logged ``rollout/mismatch_max``
 (max |trainer log-prob - vLLM log-prob| over the response tokens of a step) and
@@ -16,7 +17,8 @@ step had a non-finite loss or gradient norm, and memory and step time were logge
 judge: the judge's component ``reward/high_digit`` logged every step, finite, in [0, 1] (sigmoid),
 every sample scored (``reward/high_digit_parse_fail_frac`` 0) and ``timing/judge_s`` logged;
 lora: a non-zero finite ``actor/grad_norm`` every step (the adapter learns) and at least 2 steps
-(the first sync of a trained adapter is checked at step 2); moe_r3: ``actor/router_agreement``
+(the first sync of a trained adapter is checked at step 2); moe: ``rollout/experts_restored`` (expert
+weights vLLM's wake-up swapped and the rollout put back) logged every step and finite; moe_r3: ``actor/router_agreement``
 (tokens whose trainer top-k already was vLLM's) at least --min-router-agreement every step and
 ``actor/router_replay_missing`` 0. The whole check passes when at least one part ran and every part
 that ran passed (a skipped part, e.g. moe_r3 on NPU, is named with its reason). Exit code: 0 pass, 1 fail.
@@ -33,7 +35,8 @@ import sys
 MISMATCH_MAX = "rollout/mismatch_max"
 MISMATCH_KL = "rollout/mismatch_kl"
 STEP_TIME = "timing/step_s"
-PARTS = ("base", "judge", "lora", "moe_r3")
+PARTS = ("base", "judge", "lora", "moe", "moe_r3")
+EXPERTS_RESTORED = "rollout/experts_restored"
 JUDGE = "high_digit"  # the judge part's reward component (scripts/gpu_check.sh JUDGE)
 
 
@@ -161,7 +164,14 @@ def check_moe_r3(rows: list[dict], out: dict, reasons: list[str], *, min_router_
                        f"forward")
 
 
-PART_CHECKS = {"judge": check_judge, "lora": check_lora, "moe_r3": check_moe_r3}
+def check_moe(rows: list[dict], out: dict, reasons: list[str], **_) -> None:
+    """The experts slept and woke every step (sleep level 2), and the rollout checked them after each
+    wake-up: what vllm-ascend 0.23 swapped (4 for the tiny model's 2 layers) was put back; 0 on CUDA."""
+    restored = _per_step(rows, EXPERTS_RESTORED, out, "experts_restored", reasons)
+    out["experts_restored"] = max(restored) if restored else None
+
+
+PART_CHECKS = {"judge": check_judge, "lora": check_lora, "moe": check_moe, "moe_r3": check_moe_r3}
 
 
 def part_report(part: str, rows: list[dict], *, steps: int, max_logp_diff: float, min_router_agreement: float = 0.5,
@@ -217,9 +227,41 @@ def probe(device: str) -> str:
     return str(n)
 
 
+def ascend_ops() -> str:
+    """vllm-ascend's custom ops on this NPU: the wheel's device type against the SoC
+    (``check_ascend_device_type``, vllm-ascend 0.23.0 vllm_ascend/utils.py:845-866), its op library
+    (``enable_custom_op``, :409-467) and the routing op the unquantized experts call
+    (``torch.ops._C_ascend.npu_moe_init_routing_custom``, device/device_op.py:103-126). "ok ..." or
+    a line starting with ERROR that names the fix."""
+    fix = ("PyPI's vllm-ascend wheels carry Atlas A2 (ascend910b) kernels only (their _build_info.py says "
+           "A2): on an Atlas A3 use vllm-ascend's A3 image, or build it from source with SOC_VERSION="
+           "ascend910_9391 (docs/install.md)")
+    try:
+        import torch
+        import torch_npu
+        from vllm_ascend import utils
+    except Exception as e:  # noqa: BLE001  any import failure: no usable stack
+        return f"ERROR importing torch_npu / vllm_ascend failed ({type(e).__name__}: {e}): install requirements-npu.txt"
+    soc = torch_npu.npu.get_soc_version()
+    try:
+        utils.check_ascend_device_type()
+    except (AssertionError, RuntimeError) as e:
+        return f"ERROR vllm-ascend does not match this NPU (soc_version {soc}): {e}. {fix}"
+    if not utils.enable_custom_op():
+        return (f"ERROR vllm-ascend's custom op library (vllm_ascend.vllm_ascend_C) did not load on soc_version "
+                f"{soc} (its log says why). {fix}")
+    if not hasattr(torch.ops._C_ascend, "npu_moe_init_routing_custom"):
+        return (f"ERROR vllm-ascend's op library loaded without npu_moe_init_routing_custom, which every "
+                f"unquantized MoE layer calls. {fix}")
+    return f"ok: custom ops load on soc_version {soc} ({utils.get_ascend_device_type()})"
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--probe", choices=["cuda", "npu"], help="print the visible device count and exit")
+    ap.add_argument("--ascend-ops", nargs="?", const="", default=None, metavar="VERDICT",
+                    help="alone: check vllm-ascend's custom ops on this NPU and exit; with a value (gpu_check.sh "
+                         "passes the check's line): put it in the JSON line")
     ap.add_argument("--out", help="gpu_check.sh's OUT: part P's run in OUT/P/run, its log OUT/P/train.log")
     ap.add_argument("--ran", action="append", default=[], metavar="PART=RC", help="a part that ran and the "
                     "trainer's exit code (in the order run)")
@@ -238,11 +280,15 @@ def main(argv=None) -> int:
     if args.probe:
         print(probe(args.probe))
         return 0
+    if args.ascend_ops == "":
+        print(ascend_ops())
+        return 0
     if bool(args.run_dir) == bool(args.out):
         ap.error("give --out (every part of a gpu_check.sh run) or --run-dir (one run)")
     limits = {"steps": args.steps, "max_logp_diff": args.max_logp_diff,
               "min_router_agreement": args.min_router_agreement}
-    extra = {k: v for k, v in (("device", args.device), ("nproc", args.nproc), ("tp", args.tp)) if v is not None}
+    extra = {k: v for k, v in (("device", args.device), ("nproc", args.nproc), ("tp", args.tp),
+                               ("ascend_custom_ops", args.ascend_ops)) if v is not None}
     if args.run_dir:
         result = part_report(args.part, read_rows(args.run_dir), rc=args.rc, log=args.log, **limits)
         head = {"check": "gpu_check", "pass": result.pop("pass")}

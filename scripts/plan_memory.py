@@ -1,6 +1,6 @@
 """Memory plan before launch: per rank and per phase of the switch, will the run fit?
 
-    .venv/bin/python scripts/plan_memory.py --config cfg.yaml --nproc 8 --nnodes 2 [--device-gb 80]
+    .venv/bin/python scripts/plan_memory.py --config cfg.yaml --nproc 8 --nnodes 2 [--device-gb 80|64]
         [--device cuda|npu] [--json] [--longest] [-- --section.key value ...]
 
 No GPU and no weights needed: ``model.path`` must hold the model's ``config.json`` only. Prints
@@ -23,6 +23,8 @@ from rlcore.config import fail  # noqa: E402
 from rlcore.plan.memory import format_plan, plan_from_config  # noqa: E402
 
 
+DEVICE_GB = {"cuda": 80.0, "npu": 64.0}  # --device-gb's default: an H100 / A100-80GB, an Atlas A2 / A3 die
+
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     """Script options before ``--``; the trainer's ``--section.key value`` overrides after it."""
     split = argv.index("--") if "--" in argv else len(argv)
@@ -30,7 +32,9 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--config", required=True, help="the trainer's YAML config")
     parser.add_argument("--nproc", type=int, required=True, help="ranks (devices) per node")
     parser.add_argument("--nnodes", type=int, default=1)
-    parser.add_argument("--device-gb", type=float, default=80.0, help="memory of one device, GB (2^30 bytes)")
+    parser.add_argument("--device-gb", type=float, default=None,
+                        help="memory of one device, GB (2^30 bytes); default 80 on cuda (H100/A100-80GB), 64 on "
+                             "npu (Atlas A2/A3 dies)")
     parser.add_argument("--device", choices=("cuda", "npu"), default=None,
                         help="default: parallel.device of the config when cuda/npu, else cuda")
     parser.add_argument("--json", action="store_true", help="also print the plan as one JSON line, last")
@@ -61,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
         fail(f"rollout.tensor_parallel_size={cfg.rollout.tensor_parallel_size!r} is invalid: "
              f"it must divide the world size {world}")
     try:
-        plan = plan_from_config(cfg, world, args.device_gb, device, nproc_per_node=args.nproc)
+        plan = plan_from_config(cfg, world, args.device_gb or DEVICE_GB[device], device, nproc_per_node=args.nproc)
     except (KeyError, ValueError) as e:  # a config.json without a key the plan needs, an unknown dtype
         fail(f"model.path={cfg.model.path!r} is invalid for the plan: {e!r} in its config.json or model.dtype")
     print(format_plan(plan))

@@ -26,10 +26,10 @@ RUNNER = textwrap.dedent("""
     quiet.install()
     from rlcore.run.dry_run import dry_run
     out, env_changed = [], set()
-    for i, (argv, device, nproc, nnodes) in enumerate(json.loads(sys.argv[1])):
+    for i, (argv, device, nproc, nnodes, *device_gb) in enumerate(json.loads(sys.argv[1])):
         env = dict(os.environ)
         with quiet.filtered_output():
-            checks = dry_run(argv, device, nproc, nnodes)
+            checks = dry_run(argv, device, nproc, nnodes, *device_gb)
         if i:  # the first one imports vLLM and VeOmni
             env_changed |= {k for k in set(env) | set(os.environ) if env.get(k) != os.environ.get(k)}
         out.append([[c.name, c.status, c.detail] for c in checks])
@@ -127,6 +127,11 @@ def results(tmp_path_factory, tiny_model, toy_data) -> dict[str, dict[str, list]
                       "cuda", 2, 1),
         "qwen3_8b_math_16npu": (["--config", cfg("qwen3_8b_math_16npu"), *stand_in(tmp, "d", "qwen3_8b")], "npu", 16, 1),
         "moe_on_npu": (["--config", cfg("qwen3_30b_a3b_math_16gpu"), *stand_in(tmp, "e", "qwen3_30b_a3b")], "npu", 16, 1),
+        # the seed run (Ascend A3, 64 GB dies) and its CUDA twin, on Qwen3-VL-30B-A3B-Instruct's config.json
+        "qwen3_vl_30b_a3b_geo3k_16npu": (["--config", cfg("qwen3_vl_30b_a3b_geo3k_16npu"),
+                                          *stand_in(tmp, "v", "qwen3_vl_30b_a3b")], "npu", 16, 1, 64.0),
+        "qwen3_vl_30b_a3b_geo3k_16gpu": (["--config", cfg("qwen3_vl_30b_a3b_geo3k_16gpu"),
+                                          *stand_in(tmp, "w", "qwen3_vl_30b_a3b")], "cuda", 8, 2),
         "r3_cuda": (["--config", cfg("qwen3_30b_a3b_math_16gpu"), *stand_in(tmp, "h", "qwen3_30b_a3b"),
                      "--algorithm.routing_replay", "r3"], "cuda", 8, 2),
         # both passed the dry run while it only constructed EngineArgs; vLLM's create_engine_config refuses them
@@ -155,10 +160,12 @@ def results(tmp_path_factory, tiny_model, toy_data) -> dict[str, dict[str, list]
 
 
 CUDA = ["qwen3_8b_math_16gpu", "qwen3_8b_math_32k_16gpu", "qwen3_8b_tool_math_16gpu", "qwen3_8b_lora_math_8gpu", "qwen3_30b_a3b_math_16gpu",
-        "qwen3_vl_8b_geo3k_16gpu", "qwen3_8b_judge_16gpu", "qwen3_1_7b_from_8b_opd_16gpu", "gpu_check"]
+        "qwen3_vl_8b_geo3k_16gpu", "qwen3_8b_judge_16gpu", "qwen3_1_7b_from_8b_opd_16gpu", "gpu_check",
+        "qwen3_vl_30b_a3b_geo3k_16gpu"]
+NPU = ["qwen3_8b_math_16npu", "qwen3_vl_30b_a3b_geo3k_16npu", "moe_on_npu"]
 
 
-@pytest.mark.parametrize("name", CUDA + ["qwen3_8b_math_16npu"])
+@pytest.mark.parametrize("name", CUDA + NPU)
 def test_every_shipped_accelerator_config_passes_the_dry_run(results, name):
     checks = results[name]
     assert list(checks) == ["config", "world", "attention", "veomni_ops", "vllm_engine_args", "memory"], checks
@@ -228,10 +235,18 @@ def test_r3_is_judged_by_vllm_with_its_v2_model_runner(results):
     assert cpu[0] == "FAIL" and "AuxOutput Connector requires Model Runner V2" in cpu[1]
 
 
-def test_moe_on_npu_fails_the_dry_run_at_the_config(results):
-    checks = results["moe_on_npu"]
-    assert list(checks) == ["config"] and checks["config"][0] == "FAIL"
-    assert "vllm-ascend 0.26.0rc1 or newer" in checks["config"][1]
+def test_the_seed_run_passes_on_an_ascend_a3_node(results):
+    """configs/qwen3_vl_30b_a3b_geo3k_16npu.yaml (MoE + images, EP 16, TP 8, AnyPrecision AdamW) on 16
+    NPUs of 64 GB: resolved for npu (VeOmni's fused_npu experts, its flash path), vLLM's engine config
+    built, and every phase of the memory plan fits (the figures in the recipe's comment)."""
+    checks = results["qwen3_vl_30b_a3b_geo3k_16npu"]
+    assert "128 experts via npu, weight_load reload, sleep_level 2, enforce_eager False" in checks["config"][1]
+    assert "experts fused_npu" in checks["veomni_ops"][1]
+    assert checks["memory"] == ["ok", "GB per rank of 64: generate 51.2, sync 17.9, train 39.2, checkpoint 19.6 "
+                                      "(limit 61.0)"], checks["memory"]
+    twin = results["qwen3_vl_30b_a3b_geo3k_16gpu"]
+    assert "128 experts via triton" in twin["config"][1] and "experts fused_triton" in twin["veomni_ops"][1]
+    assert "GB per rank of 80: generate 72.0, sync 17.9, train 39.6, checkpoint 19.6" in twin["memory"][1], twin["memory"]
 
 
 def test_the_script_exits_2_naming_the_failed_check(tmp_path):
@@ -239,8 +254,25 @@ def test_the_script_exits_2_naming_the_failed_check(tmp_path):
     args = stand_in(tmp_path, "m", "qwen3_30b_a3b")
     proc = subprocess.run([sys.executable, os.path.join(REPO, "scripts", "check_config.py"), "--config",
                            os.path.join(REPO, "configs", "qwen3_30b_a3b_math_16gpu.yaml"), "--device", "npu",
-                           "--nproc", "16", "--", *args], cwd=REPO, env={**os.environ, **QUIET_ENV},
-                          capture_output=True, text=True, timeout=300)
+                           "--nproc", "16", "--", *args, "--rollout.emulate_sleep", "true"], cwd=REPO,
+                          env={**os.environ, **QUIET_ENV}, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2, proc.stdout + proc.stderr[-2000:]
     assert proc.stdout.splitlines()[-1] == "check FAILED on npu x 16: config", proc.stdout
-    assert proc.stdout.startswith("FAIL  config: model.path=")
+    assert proc.stdout.startswith("FAIL  config: rollout.emulate_sleep=true is for CPU runs")
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("recipe", ["qwen3_vl_30b_a3b_geo3k_16npu", "qwen3_vl_30b_a3b_geo3k_16gpu"])
+def test_the_seed_recipe_holds_the_seed_runs_settings(recipe):
+    """The settings the design was validated with (Qwen3-VL-30B-A3B GRPO on Geometry3K), in both recipes."""
+    import yaml
+
+    c = yaml.safe_load(open(os.path.join(REPO, "configs", f"{recipe}.yaml")))
+    r, a, o, t = c["rollout"], c["algorithm"], c["optim"], c["trainer"]
+    assert (r["n"], r["tensor_parallel_size"], r["enforce_eager"], r["sleep_level"], r["free_kv_cache"]) == (5, 8, False, 2, True)
+    assert (r["max_response_length"], c["data"]["max_prompt_length"], c["data"]["truncation"]) == (2048, 2048, "filter")
+    assert (t["prompts_per_step"], a["mini_batches"], a["micro_batch_size"], t["total_steps"]) == (256, 2, 2, 120)
+    assert (o["optimizer"], o["lr"], a["kl_loss_coef"], a["kl_loss_type"], a["entropy_coef"]) == (
+        "anyprecision_adamw", 1e-6, 0.01, "low_var_kl", 0.0)
+    assert c["model"]["gradient_checkpointing"] and all(c["offload"][k] for k in ("params", "optimizer", "ref"))
+    assert t["val_before_train"] and c["parallel"]["ep_size"] == (16 if recipe.endswith("npu") else 8)

@@ -71,13 +71,13 @@ def test_gpu_check_refuses_when_torch_sees_no_gpu(tmp_path):
 def test_gpu_check_refuses_unknown_parts(tmp_path):
     """A typo in PARTS or PRINT_CONFIG stops before the device checks (exit 2, the valid names)."""
     proc = run_check({"PATH": bare_path(tmp_path), "PARTS": "base,lroa"}, tmp_path)
-    assert proc.returncode == 2 and "unknown part 'lroa'" in proc.stderr and "base,judge,lora,moe_r3" in proc.stderr
+    assert proc.returncode == 2 and "unknown part 'lroa'" in proc.stderr and "base,judge,lora,moe,moe_r3" in proc.stderr
     assert not (tmp_path / "out").exists()
-    proc = run_check({"PATH": str(tmp_path / "bin"), "PRINT_CONFIG": "moe"}, tmp_path)
-    assert proc.returncode == 2 and "PRINT_CONFIG=moe" in proc.stderr, proc.stderr
+    proc = run_check({"PATH": str(tmp_path / "bin"), "PRINT_CONFIG": "moe3"}, tmp_path)
+    assert proc.returncode == 2 and "PRINT_CONFIG=moe3" in proc.stderr, proc.stderr
 
 
-PARTS = ("base", "judge", "lora", "moe_r3")
+PARTS = ("base", "judge", "lora", "moe", "moe_r3")
 
 
 @pytest.fixture(scope="module")
@@ -107,8 +107,8 @@ def printed_config(part: str, device: str, out: str, tmp_path, **env) -> tuple[d
 def test_gpu_check_overrides_are_valid_trainer_config(device, check_out, tmp_path, capsys):
     """Each part's train_grpo.py arguments parse against the current config (PRINT_CONFIG=PART skips
     the device checks), select the accelerator path and the part's feature, and resolve for the
-    device against the assets prepare_demo.py builds, with sizes that fit the 2 ranks. On npu the
-    trainer refuses moe_r3's MoE model, which is why gpu_check.sh skips that part there."""
+    device against the assets prepare_demo.py builds, with sizes that fit the 2 ranks (MoE on npu too:
+    no longer refused, the rollout restores vllm-ascend 0.23's swapped experts)."""
     import gpu_check_report
     from rlcore.config.cli import parse_config
     from rlcore.run.preflight import validate_against_world
@@ -122,9 +122,10 @@ def test_gpu_check_overrides_are_valid_trainer_config(device, check_out, tmp_pat
         assert (r["enforce_eager"], r["tensor_parallel_size"]) == (False, 2)
         assert cfg["trainer"]["total_steps"] == 3 and cfg["trainer"]["output_dir"] == os.path.join(check_out, part, "run")
         assert cfg["checkpoint"]["resume"] == "never"
-        model = "tiny_qwen3_moe" if part == "moe_r3" else "tiny_qwen3"
+        model = "tiny_qwen3_moe" if part.startswith("moe") else "tiny_qwen3"
         assert cfg["model"]["path"] == os.path.join(assets, model)
-        assert (r["sleep_level"], r["weight_load"]) == {"lora": (1, "direct"), "moe_r3": (2, "reload")}.get(part, (2, "direct"))
+        assert (r["sleep_level"], r["weight_load"]) == {"lora": (1, "direct"), "moe": (2, "reload"),
+                                                        "moe_r3": (2, "reload")}.get(part, (2, "direct"))
         assert (cfg["lora"]["rank"] > 0) == (part == "lora")
         assert (cfg["algorithm"]["routing_replay"] == "r3") == (part == "moe_r3")
         judges = cfg["reward"]["models"]
@@ -133,19 +134,13 @@ def test_gpu_check_overrides_are_valid_trainer_config(device, check_out, tmp_pat
             assert [j["name"] for j in judges] == [gpu_check_report.JUDGE]
             assert cfg["reward"]["components"] == {gpu_check_report.JUDGE: 1.0}
             assert judges[0]["path"] == os.path.join(assets, "tiny_rm_high_digits")
-        if part == "moe_r3":
-            assert cfg["parallel"]["ep_size"] == 2 and r["enable_prefix_caching"] is True
-
-        if part == "moe_r3" and device == "npu":
-            with pytest.raises(SystemExit) as e:
-                parse_config(["--config", path], device_type=device)
-            assert e.value.code == 2 and "vllm-ascend 0.23.0" in capsys.readouterr().err
-            continue
+        if part.startswith("moe"):
+            assert cfg["parallel"]["ep_size"] == 2 and r["enable_prefix_caching"] is (part == "moe_r3" or None)
         resolved = parse_config(["--config", path], device_type=device)
         validate_against_world(resolved, 2)
         assert resolved.rollout.sleep_level == (1 if part == "lora" else 2)
         assert resolved.rollout.check_sync == ("off" if part == "lora" else "warn")
-        if part == "moe_r3":
+        if part.startswith("moe"):
             assert resolved.model.moe_implementation == {"cuda": "triton", "npu": "npu"}[device]
         if part == "judge":
             assert resolved.reward.judges()[0].kind == "discriminative"
@@ -174,6 +169,7 @@ def test_gpu_check_knobs_reach_every_part(check_out, tmp_path):
 FAKE_PYTHON = """#!/bin/bash
 case "$1 $2" in
     "scripts/gpu_check_report.py --probe") echo "a library's banner"; echo 2; exit 0 ;;
+    "scripts/gpu_check_report.py --ascend-ops") echo "a library's banner"; echo "${{FAKE_ASCEND_OPS:-ok: fake}}"; exit 0 ;;
     "scripts/prepare_demo.py --out") mkdir -p "$3"; exit 0 ;;
 esac
 exec {python} "$@"
@@ -198,6 +194,7 @@ sys.exit(int(os.environ.get("FAKE_RC_" + part, "0")))
 def good_rows(part: str) -> list[dict]:
     extra = {"judge": {f"reward/{gpu_check_report.JUDGE}": 0.4, f"reward/{gpu_check_report.JUDGE}_parse_fail_frac": 0.0,
                        "timing/judge_s": 0.3},
+             "moe": {"rollout/experts_restored": 4.0},
              "moe_r3": {"actor/router_agreement": 0.93, "actor/router_replay_missing": 0.0}}.get(part, {})
     return [row(s, **extra) for s in (1, 2, 3)]
 
@@ -225,20 +222,27 @@ def verdict(proc: subprocess.CompletedProcess) -> dict:
 
 
 @pytest.mark.unit
-def test_gpu_check_runs_each_part_and_skips_moe_on_npu(tmp_path):
-    """DEVICE=npu, all parts: base, judge and lora run (each its own torchrun with its arguments
-    and the extra ones last), moe_r3 is skipped with the reason; one failing part fails the check."""
+def test_gpu_check_runs_each_part_and_skips_moe_r3_on_npu(tmp_path):
+    """DEVICE=npu, all parts: base, judge, lora and moe run (each its own torchrun with its arguments
+    and the extra ones last), moe_r3 (not in the seed recipe) is skipped with the reason unless PARTS
+    names it; vllm-ascend's custom-op check is in the JSON line; one failing part fails the check."""
     out = tmp_path / "out"
-    proc = fake_run(tmp_path, "npu", {p: good_rows(p) for p in PARTS}, "--trainer.seed", "7", FAKE_RC_lora="1")
+    proc = fake_run(tmp_path, "npu", {p: good_rows(p) for p in PARTS}, "--trainer.seed", "7", FAKE_RC_lora="1",
+                    FAKE_ASCEND_OPS="ok: custom ops load on soc_version 253 (A3)")
     res = verdict(proc)
     assert proc.returncode == 1 and res["pass"] is False, res
-    assert (res["passed"], res["failed"], res["skipped"]) == (["base", "judge"], ["lora"], ["moe_r3"])
+    assert (res["passed"], res["failed"], res["skipped"]) == (["base", "judge", "moe"], ["lora"], ["moe_r3"])
     assert list(res["parts"]) == list(PARTS) and (res["device"], res["nproc"], res["tp"]) == ("npu", 2, 2)
+    assert res["ascend_custom_ops"] == "ok: custom ops load on soc_version 253 (A3)"
     assert res["reasons"] == [f"lora: the trainer exited 1 (see {out}/lora/train.log)"]
-    assert "vllm-ascend 0.23.0" in res["parts"]["moe_r3"]["skipped"] and res["parts"]["moe_r3"]["pass"] is None
+    assert "PARTS=moe_r3 runs it" in res["parts"]["moe_r3"]["skipped"] and res["parts"]["moe_r3"]["pass"] is None
     assert not (out / "moe_r3").exists() and "moe_r3 skipped" in proc.stderr
+    assert res["parts"]["moe"]["experts_restored"] == 4.0
     assert "lora: the trainer exited 1" in proc.stderr and "trainer of lora" in proc.stderr  # the log's end
-    for part in ("base", "judge", "lora"):
+    argv = json.loads((out / "moe" / "argv.json").read_text())
+    last = lambda key: argv[len(argv) - 1 - argv[::-1].index(key) + 1]  # noqa: E731  (the last one wins)
+    assert last("--parallel.ep_size") == "2" and last("--rollout.weight_load") == "reload"
+    for part in ("base", "judge", "lora", "moe"):
         argv = json.loads((out / part / "argv.json").read_text())
         assert argv[:4] == ["--standalone", "--nproc_per_node", "2", "train_grpo.py"] and argv[-2:] == ["--trainer.seed", "7"]
         assert ("--lora.rank" in argv) == (part == "lora") and ("--reward.models" in argv) == (part == "judge")
@@ -258,10 +262,56 @@ def test_gpu_check_parts_switch(tmp_path):
     assert res["parts"]["moe_r3"]["router_agreement"] == 0.93
     argv = json.loads((out / "moe_r3" / "argv.json").read_text())
     assert argv[argv.index("--algorithm.routing_replay") + 1] == "r3" and not (out / "judge").exists()
+    # named in PARTS, moe_r3 runs on npu too
+    proc = fake_run(tmp_path / "again", "npu", {"moe_r3": good_rows("moe_r3")}, PARTS="moe_r3")
+    assert proc.returncode == 0 and verdict(proc)["passed"] == ["moe_r3"], proc.stderr
     # every part skipped: nothing was checked, which is no pass
-    proc = fake_run(tmp_path / "again", "npu", {}, PARTS="moe_r3")
-    res = verdict(proc)
-    assert proc.returncode == 1 and res["pass"] is False and res["reasons"][0].startswith("no part ran (moe_r3 skipped:")
+    rep = subprocess.run([sys.executable, REPORT, "--out", str(tmp_path), "--skipped", "moe_r3=why"],
+                         capture_output=True, text=True, timeout=60)
+    res = verdict(rep)
+    assert rep.returncode == 1 and res["pass"] is False and res["reasons"][0].startswith("no part ran (moe_r3 skipped:")
+
+
+@pytest.mark.unit
+def test_gpu_check_stops_when_vllm_ascends_ops_do_not_load(tmp_path):
+    """On NPU the custom-op check runs before any part: an ERROR line is exit 2 with its fix, no part runs."""
+    proc = fake_run(tmp_path, "npu", {}, FAKE_ASCEND_OPS="ERROR vllm-ascend does not match this NPU (soc_version 253): "
+                                                          "... use vllm-ascend's A3 image")
+    assert proc.returncode == 2 and "A3 image" in proc.stderr and proc.stdout == "", proc.stderr
+    assert not (tmp_path / "out" / "base").exists()
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("case,expect", [
+    ("ok", "ok: custom ops load on soc_version 253 (A3)"),
+    ("wrong_soc", "ERROR vllm-ascend does not match this NPU (soc_version 253): Current device type: A3 does not "
+                  "match the installed version's device type: A2"),
+    ("no_library", "ERROR vllm-ascend's custom op library (vllm_ascend.vllm_ascend_C) did not load"),
+    ("no_routing_op", "ERROR vllm-ascend's op library loaded without npu_moe_init_routing_custom")])
+def test_ascend_ops_check_logic(monkeypatch, case, expect):
+    """ascend_ops() against stand-ins of torch_npu and vllm_ascend.utils with exactly the names it calls
+    (vllm-ascend 0.23.0 utils.py:845-866 check_ascend_device_type, :409-467 enable_custom_op)."""
+    import types
+
+    import torch
+
+    def check_type():
+        if case == "wrong_soc":  # utils.py:864-866's assertion
+            raise AssertionError("Current device type: A3 does not match the installed version's device type: A2, "
+                                 "please check your installation package.")
+
+    utils = types.SimpleNamespace(check_ascend_device_type=check_type, enable_custom_op=lambda: case != "no_library",
+                                  get_ascend_device_type=lambda: "A3")
+    npu = types.SimpleNamespace(npu=types.SimpleNamespace(get_soc_version=lambda: 253))
+    monkeypatch.setitem(sys.modules, "torch_npu", npu)
+    monkeypatch.setitem(sys.modules, "vllm_ascend", types.SimpleNamespace(utils=utils))
+    monkeypatch.setitem(sys.modules, "vllm_ascend.utils", utils)
+    ops = types.SimpleNamespace(**({} if case == "no_routing_op" else {"npu_moe_init_routing_custom": object()}))
+    monkeypatch.setattr(torch.ops, "_C_ascend", ops, raising=False)
+    got = gpu_check_report.ascend_ops()
+    assert got.startswith(expect), got
+    if case != "ok":
+        assert "ascend910_9391" in got and "docs/install.md" in got
 
 
 # ---------------------------------------------------------------------------------------------
@@ -402,7 +452,7 @@ def test_report_of_all_parts(tmp_path):
     out = tmp_path / "out"
     for part in PARTS:
         write_run(out / part, good_rows(part))
-    ran = [f"--ran={p}=0" for p in ("lora", "base", "judge", "moe_r3")]
+    ran = [f"--ran={p}=0" for p in ("lora", "base", "judge", "moe_r3", "moe")]
     proc = subprocess.run([sys.executable, REPORT, "--out", str(out), *ran, "--device", "cuda", "--nproc", "1"],
                           capture_output=True, text=True, timeout=60)
     res = verdict(proc)
@@ -418,7 +468,7 @@ def test_report_of_all_parts(tmp_path):
     assert res["reasons"] == [f"judge: {r}" for r in res["parts"]["judge"]["reasons"]] and len(res["reasons"]) == 1
     assert res["parts"]["moe_r3"] == {"pass": None, "skipped": "not on npu"}
     # a part name the report does not know, or no run named at all: a usage error
-    for bad in (["--ran", "moe=0"], ["--ran", "base=x"], []):
+    for bad in (["--ran", "moe2=0"], ["--ran", "base=x"], []):
         proc = subprocess.run([sys.executable, REPORT, "--out", str(out), *bad], capture_output=True, text=True,
                               timeout=60)
         assert proc.returncode == 2 and proc.stdout == "", bad
@@ -525,3 +575,12 @@ def test_vl_recipe_is_valid_for_16_ranks_and_fits(tmp_path):
     with open(path) as f:
         text = f.read()
     assert "convert_data.py geo3k" in text and "data/geo3k/train.parquet" in text and "sbatch" in text
+
+
+@pytest.mark.unit
+def test_report_moe_part():
+    """moe: rollout/experts_restored on every step (the wake-up's check ran), reported at its largest."""
+    out = gpu_check_report.part_report("moe", good_rows("moe"), steps=3, max_logp_diff=1e-3)
+    assert out["pass"] and out["experts_restored"] == 4.0, out
+    assert part_reasons("moe", [row(s) for s in (1, 2, 3)]) == [
+        "metric rollout/experts_restored is missing from metrics.jsonl (steps [1, 2, 3])"]

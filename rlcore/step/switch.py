@@ -39,7 +39,9 @@ Metrics (``pop_metrics``): time per kind of step through the shared timer (``tim
 trainer adds ``timing/generate_s`` and ``timing/train_s``) and memory after each step and after
 each phase of the loop: ``memory/{step}_allocated_gb`` / ``_reserved_gb`` / ``_peak_allocated_gb``
 on accelerators, ``memory/{step}_rss_gb`` on CPU, with step one of the names above or
-``generate`` / ``train`` (taken when the next switch starts).
+``generate`` / ``train`` (taken when the next switch starts); for a mixture-of-experts engine
+whose weights slept, ``rollout/experts_restored``: the expert weights vLLM's wake-up had swapped for
+views and the rollout put back (vllm-ascend 0.23: 2 per MoE layer; CUDA and CPU: 0).
 """
 
 from __future__ import annotations
@@ -197,7 +199,11 @@ class PhaseSwitcher:
         if "weights" not in self.rollout.released:
             return "no-op (vLLM weights resident)"
         self.rollout.resume_memory(tags=["weights"])
-        return "vLLM weights re-allocated"
+        restored = getattr(self.rollout, "experts_restored", None)  # MoE (rlcore.rollout.expert_layout)
+        if restored is None:
+            return "vLLM weights re-allocated"
+        self.memory["rollout/experts_restored"] = float(restored)
+        return f"vLLM weights re-allocated; {restored} expert weights swapped by wake_up put back"
 
     def _sync_weights(self) -> str:
         if hasattr(self.policy, "adapter_weights"):  # LoRA: the adapter alone, vLLM's base stays
