@@ -39,8 +39,9 @@ from rlcore.rollout import cpu_sleep, expert_layout, lora as rollout_lora, vllm_
 from rlcore.rollout.checks import (
     align_sampler_logprobs_mode, capture_load_weights, check_encoder_cache_reset, check_engine_kwargs,
     check_prompt_images, check_sleep_level_supported, check_weight_load, describe_engine, detach_client_finalizer,
-    detached, greedy_threshold, image_token_id, prompt_input, registry_subprocess_with_shim, reload_weights_method,
-    request_seed as _request_seed, reset_prefix_cache, require_all_loaded, slot_token_ids, unseeded_call_seed,
+    detached, drain_paused_engine, greedy_threshold, image_token_id, prompt_input, registry_subprocess_with_shim,
+    reload_weights_method, request_seed as _request_seed, reset_prefix_cache, require_all_loaded, slot_token_ids,
+    unseeded_call_seed,
 )
 from rlcore.rollout.cpu_kv import (
     clear_stale_cpu_shm, release_cpu_kv as _release_cpu_kv, resume_cpu_kv as _resume_cpu_kv, scope_cpu_shm_names,
@@ -142,7 +143,7 @@ class ColocateRollout:
         self._full_names: frozenset[str] | None = None  # names of the last full update
         self._kv_storages: list[tuple[torch.UntypedStorage, int]] = []  # CPU release bookkeeping
         self._unseeded_calls = 0  # generate(seed=None) calls so far (see unseeded_call_seed)
-        self._workspace = None  # vLLM's workspace manager this engine's build bound (vllm_globals)
+        self._globals: dict = {}  # the process globals this engine's build left, its own (vllm_globals)
         multimodal_guess = is_multimodal_config(config_or_empty(model_path))
 
         if info.device_type == "cpu" and tp_size > 1:  # a killed run's shm files would fail this engine
@@ -201,12 +202,12 @@ class ColocateRollout:
         check_engine_kwargs((f.name for f in dataclasses.fields(EngineArgs)), kwargs)
         # A model class vLLM has not inspected before is inspected in a fresh interpreter, which
         # needs rlcore's torchvision shim too (rollout.checks.registry_subprocess_command).
-        # A rotary cache of its own; the workspace manager it binds is kept as its own (vllm_globals).
+        # A rotary cache of its own; the workspace manager and vllm-ascend globals it sets are its own (vllm_globals).
         with registry_subprocess_with_shim(registry, torchvision_shim.stubbed, _PACKAGE_ROOT), \
                 vllm_globals.engine_build({}) as owned, expert_layout.emulated_build(self.emulate_ascend_moe) as pin:
             llm = LLM(**kwargs)
             pin(llm.llm_engine.model_executor.driver_worker.worker.model_runner.get_model())
-        self._workspace = owned["workspace"]
+        self._globals = owned
         return llm
 
     def describe(self) -> str:
@@ -218,11 +219,11 @@ class ColocateRollout:
     @contextmanager
     def _engine_rng_scope(self) -> Iterator[None]:
         """Run vLLM on its own RNG stream (training randomness is neither consumed nor reseeded) and
-        its own workspace manager (rlcore.rollout.vllm_globals)."""
+        its own workspace manager and vllm-ascend globals (rlcore.rollout.vllm_globals)."""
         trainer_rng = get_torch_rng(self.info.device_type)
         set_torch_rng(self.info.device_type, self._engine_rng)
         try:
-            with vllm_globals.bind_workspace(self._workspace):
+            with vllm_globals.bind(self._globals):
                 yield
         finally:
             self._engine_rng = get_torch_rng(self.info.device_type)
@@ -382,7 +383,7 @@ class ColocateRollout:
         refill = full and not self.weights_valid  # level-2 wake-up: every parameter is garbage
         # Only the refill is checked, so only then are the loaded names recorded (not every sync).
         with capture_load_weights(model) if refill else nullcontext([]) as loaded, \
-                vllm_globals.bind_workspace(self._workspace):
+                vllm_globals.bind(self._globals):
             if self.weight_load == "direct":
                 self._load_direct(model, stream)
             else:
@@ -435,7 +436,7 @@ class ColocateRollout:
         method = reload_weights_method(self._worker())
         if method is None:
             raise RuntimeError(f"{type(self._worker()).__name__} and its model runner have no reload_weights")
-        with vllm_globals.bind_workspace(self._workspace):  # also from update_weights_from_path (judges)
+        with vllm_globals.bind(self._globals):  # also from update_weights_from_path (judges)
             self.llm.collective_rpc(method, kwargs=kwargs)
 
     def _load_direct(self, model, stream: Iterator[tuple[str, torch.Tensor]]) -> None:
@@ -477,7 +478,7 @@ class ColocateRollout:
                 self._asleep.add("weights")
                 self.weights_valid = self.sleep_level == 1
         elif self.sleep_level > 0:
-            with vllm_globals.bind_workspace(self._workspace):
+            with vllm_globals.bind(self._globals):
                 self.llm.sleep(level=self.sleep_level)  # level 1: weights to host; 2: discarded
             self._asleep = {"weights", "kv_cache"}
             if self.sleep_level == 2:
@@ -485,8 +486,9 @@ class ColocateRollout:
         else:
             # Level 0 keeps the weights resident and frees only the KV cache: vLLM requires a
             # paused scheduler (sleep(level=0)) first; wake_up(["kv_cache"]) restores both.
-            with vllm_globals.bind_workspace(self._workspace):
+            with vllm_globals.bind(self._globals):
                 self.llm.sleep(level=0)
+                drain_paused_engine(self.llm)  # generate() leaves finished ids (and an async batch) behind
                 self.llm.release_kv_cache_memory()
             self._asleep = {"kv_cache"}
 
@@ -511,7 +513,7 @@ class ColocateRollout:
                     hidden = self.llm.llm_engine.vllm_config.model_config.hf_text_config.hidden_size
                     expert_layout.emulate_wake_swap(self._model_runner().get_model(), hidden)
         else:
-            with vllm_globals.bind_workspace(self._workspace):
+            with vllm_globals.bind(self._globals):
                 self.llm.wake_up(tags=sorted(wake))
         if "weights" in wake and self._experts is not None:  # what vllm-ascend 0.23's wake_up swapped
             self.experts_restored = self._experts.restore()

@@ -122,10 +122,9 @@ class VeOmniPolicy(OffloadState):
                              "offloads a trainable one")
         attn_implementation, self.attn_reason = pick_attn_implementation(attn_implementation, info.device_type,
                                                                          dtype=dtype)
-        if ulysses_size > 1:  # the Ulysses all-to-all around sdpa with the row's whole mask
-            engine_ulysses.register()
-            attn_implementation, self.attn_reason = engine_ulysses.ATTN_NAME, (
-                f"Ulysses sequence parallel {ulysses_size}: sdpa over the whole row for 1/{ulysses_size} of the heads")
+        if ulysses_size > 1:  # VeOmni's Ulysses flash path for a flash kernel, else the project's sdpa one
+            attn_implementation, self.attn_reason = engine_ulysses.attention_for(attn_implementation, self.attn_reason,
+                                                                                 ulysses_size)
         install_cpu_shims()
         self.model_path, self.info, self.trainable = model_path, info, trainable
         self.device = info.device
@@ -152,7 +151,8 @@ class VeOmniPolicy(OffloadState):
         )
         self.sp = None  # rlcore.engine.ulysses.Context when ulysses_size > 1
         if ulysses_size > 1:
-            self.sp = engine_ulysses.Context(state.ulysses_group, ulysses_size, state.ulysses_rank)
+            self.sp = engine_ulysses.Context(state.ulysses_group, ulysses_size, state.ulysses_rank,
+                                             flash=attn_implementation in engine_ulysses.FLASH)
             tower = engine_vl.vision_tower(self.model)
             family = getattr(getattr(self.model, "config", None), "model_type", None)
             if tower is not None and family not in engine_ulysses.VL_FAMILIES:
@@ -265,7 +265,8 @@ class VeOmniPolicy(OffloadState):
 
             def sliced(ids, pos, lab, sel, keys):
                 self._set_replay_keys(keys)
-                return self._forward(ids, pos, lab, temperature, with_entropy, grad, sel, None, images)
+                extra = {**(images or {}), **self.sp.flash_kwargs(self.device)}  # flash: the whole row's cu_seq_lens
+                return self._forward(ids, pos, lab, temperature, with_entropy, grad, sel, None, extra)
 
             out = engine_ulysses.run_sliced(self.sp, sliced, input_ids, position_ids, labels, select, attention_mask,
                                             token_keys)

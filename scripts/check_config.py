@@ -39,6 +39,9 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--device-gb", type=float, default=None,
                         help="memory of one device, GB (2^30 bytes); default 80 on cuda (H100/A100-80GB), 64 on "
                              "npu (Atlas A2/A3 dies)")
+    parser.add_argument("--pre-hopper", action="store_true",
+                        help="cuda: the cluster's GPUs are older than Hopper (A100, L40S): no flash-attn-4; by "
+                             "default attention resolves for an SM90+ GPU with the pinned flash-attn-4")
     return parser.parse_args(argv[:split]), argv[split + 1:]
 
 
@@ -48,7 +51,8 @@ def main(argv: list[str] | None = None) -> int:
     args, overrides = parse_args(sys.argv[1:] if argv is None else argv)
     with quiet.filtered_output():
         device_gb = args.device_gb or DEVICE_GB[args.device]
-        checks = dry_run(["--config", args.config, *overrides], args.device, args.nproc, args.nnodes, device_gb)
+        checks = dry_run(["--config", args.config, *overrides], args.device, args.nproc, args.nnodes, device_gb,
+                         pre_hopper=args.pre_hopper)
     for c in checks:
         print(c.line(), flush=True)
     failed = [c.name for c in checks if c.status == FAIL]

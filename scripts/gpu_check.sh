@@ -15,6 +15,11 @@
 #           sleep, wake (vllm-ascend 0.23 swaps them for transposed views; the rollout puts them back:
 #           rollout/experts_restored, 4 on NPU, 0 on CUDA), are synced (weight_load reload) and generate;
 #           the trainer-vs-vLLM log-prob difference after each sync is the verdict
+#   ulysses the dense tiny Qwen3 with Ulysses sequence parallelism over 2 ranks (parallel.ulysses_size 2)
+#           and the device's own attention kernel (auto: flash-attn-4 on Hopper/Blackwell, npu_fusion_attention
+#           on Ascend: VeOmni's Ulysses flash path with the row's cu_seq_lens); needs 2 devices
+#   teacher base + on-policy distillation (distill.teacher: the tiny Qwen3 itself on a third in-process vLLM
+#           engine, asleep except while it scores every token): distill/reverse_kl every step
 #   moe_r3  the tiny Qwen3-MoE with R3 routing replay (vLLM returns its routed experts, the trainer
 #           replays them). Not in the seed recipe: on NPU it runs only when PARTS names it
 # On NPU, before any part: vllm-ascend's custom ops must load on this SoC (PyPI's wheels carry Atlas A2
@@ -38,7 +43,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-ALL_PARTS="base judge lora moe moe_r3"
+ALL_PARTS="base judge lora moe ulysses teacher moe_r3"
 PARTS_GIVEN=${PARTS:+1}
 DEVICE=${DEVICE:-cuda}
 SMI=$([ "$DEVICE" = npu ] && echo "npu-smi info" || echo nvidia-smi)
@@ -163,6 +168,17 @@ moe_r3_args() {
     ARGS+=(--rollout.enable_prefix_caching true --algorithm.routing_replay r3)
 }
 
+# The row split over 2 ranks; attention left to the device (auto), share_prompt off with a flash kernel.
+ulysses_args() {
+    ARGS+=(--parallel.ulysses_size 2 --model.attn_implementation auto)
+}
+
+# The teacher is the policy's own starting model (same tokenizer, checked before loading): what the part
+# checks is the third engine's sleep, wake and scoring on the device, not what it teaches.
+teacher_args() {
+    ARGS+=(--distill.teacher "$OUT/assets/tiny_qwen3" --distill.reward_weight 1.0)
+}
+
 part_args() {
     local part=$1
     shift
@@ -173,6 +189,10 @@ part_args() {
 
 # Why PART cannot run on this device (nothing when it can).
 skip_reason() {
+    if [ "$1" = ulysses ] && [ "$NPROC" -lt 2 ]; then
+        echo "Ulysses sequence parallelism splits each row over 2 ranks; NPROC=$NPROC (one visible device)"
+        return
+    fi
     case "$1:$DEVICE" in
         moe_r3:npu) [ -n "$PARTS_GIVEN" ] \
                         || echo "R3 routing replay is not in the seed recipe, and whether vllm-ascend 0.23.0's model" \

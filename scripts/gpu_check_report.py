@@ -18,7 +18,9 @@ judge: the judge's component ``reward/high_digit`` logged every step, finite, in
 every sample scored (``reward/high_digit_parse_fail_frac`` 0) and ``timing/judge_s`` logged;
 lora: a non-zero finite ``actor/grad_norm`` every step (the adapter learns) and at least 2 steps
 (the first sync of a trained adapter is checked at step 2); moe: ``rollout/experts_restored`` (expert
-weights vLLM's wake-up swapped and the rollout put back) logged every step and finite; moe_r3: ``actor/router_agreement``
+weights vLLM's wake-up swapped and the rollout put back) logged every step and finite; ulysses:
+``perf/sp_pad_frac`` every step (the rows went through Ulysses); teacher: ``distill/reverse_kl`` and
+``timing/teacher_s`` every step; moe_r3: ``actor/router_agreement``
 (tokens whose trainer top-k already was vLLM's) at least --min-router-agreement every step and
 ``actor/router_replay_missing`` 0. The whole check passes when at least one part ran and every part
 that ran passed (a skipped part, e.g. moe_r3 on NPU, is named with its reason). Exit code: 0 pass, 1 fail.
@@ -35,7 +37,7 @@ import sys
 MISMATCH_MAX = "rollout/mismatch_max"
 MISMATCH_KL = "rollout/mismatch_kl"
 STEP_TIME = "timing/step_s"
-PARTS = ("base", "judge", "lora", "moe", "moe_r3")
+PARTS = ("base", "judge", "lora", "moe", "ulysses", "teacher", "moe_r3")
 EXPERTS_RESTORED = "rollout/experts_restored"
 JUDGE = "high_digit"  # the judge part's reward component (scripts/gpu_check.sh JUDGE)
 
@@ -171,7 +173,22 @@ def check_moe(rows: list[dict], out: dict, reasons: list[str], **_) -> None:
     out["experts_restored"] = max(restored) if restored else None
 
 
-PART_CHECKS = {"judge": check_judge, "lora": check_lora, "moe": check_moe, "moe_r3": check_moe_r3}
+def check_ulysses(rows: list[dict], out: dict, reasons: list[str], **_) -> None:
+    """The rows really went through the Ulysses path: ``perf/sp_pad_frac`` (padding to a multiple of U)
+    logged every step, in [0, 1)."""
+    pad = _per_step(rows, "perf/sp_pad_frac", out, "sp_pad_frac", reasons)
+    if pad is not None and not all(0 <= p < 1 for p in pad):
+        reasons.append(f"perf/sp_pad_frac={pad}: outside [0, 1)")
+
+
+def check_teacher(rows: list[dict], out: dict, reasons: list[str], **_) -> None:
+    """The teacher scored every step: ``distill/reverse_kl`` finite and ``timing/teacher_s`` logged."""
+    _per_step(rows, "distill/reverse_kl", out, "reverse_kl", reasons)
+    _per_step(rows, "timing/teacher_s", out, "teacher_s", reasons)
+
+
+PART_CHECKS = {"judge": check_judge, "lora": check_lora, "moe": check_moe, "ulysses": check_ulysses,
+               "teacher": check_teacher, "moe_r3": check_moe_r3}
 
 
 def part_report(part: str, rows: list[dict], *, steps: int, max_logp_diff: float, min_router_agreement: float = 0.5,

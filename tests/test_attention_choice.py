@@ -141,3 +141,26 @@ def test_unknown_names_and_devices(site):
     name, device = choose(site["none"], ("flash_attn", "cuda", None), ("auto", "tpu", None))[:2]
     assert "unknown attention implementation" in name["error"] and "flash_attention_4" in name["error"]
     assert "unknown device type" in device["error"]
+
+
+@pytest.mark.unit
+def test_the_dry_run_resolves_cuda_for_the_gpu_it_targets():
+    """scripts/check_config.py --device cuda on a login node (no GPU, flash-attn-4 not importable here):
+    auto resolves flash_attention_4 for an SM90+ GPU with the pinned wheel, says it assumed so, and
+    with --pre-hopper probes the other kernels (none here: sdpa); an explicit flash_attention_4 is
+    accepted for SM90+ and refused for older GPUs."""
+    from rlcore.engine.attention import assume_gpu, pick_attn_implementation
+
+    with assume_gpu("fa4"):
+        impl, reason = pick_attn_implementation("auto", "cuda", dtype="bfloat16")
+        assert impl == "flash_attention_4" and "assumed for the dry run" in reason and "--pre-hopper" in reason
+        assert pick_attn_implementation("flash_attention_4", "cuda", dtype="bfloat16")[0] == "flash_attention_4"
+        assert pick_attn_implementation("auto", "npu", dtype="bfloat16")[0] == "flash_attention_2"  # npu unchanged
+        assert pick_attn_implementation("auto", "cuda", dtype="float32")[0] == "sdpa"  # fp32 rules flash out
+    with assume_gpu("older"), pytest.warns(UserWarning, match="dense"):
+        assert pick_attn_implementation("auto", "cuda", dtype="bfloat16")[0] == "sdpa"
+    with assume_gpu("older"), pytest.raises(ValueError, match="Hopper/Blackwell.*--pre-hopper"):
+        pick_attn_implementation("flash_attention_4", "cuda", dtype="bfloat16")
+    with pytest.raises(ValueError, match="use 'fa4'"):
+        with assume_gpu("sm80"):
+            pass

@@ -26,10 +26,10 @@ RUNNER = textwrap.dedent("""
     quiet.install()
     from rlcore.run.dry_run import dry_run
     out, env_changed = [], set()
-    for i, (argv, device, nproc, nnodes, *device_gb) in enumerate(json.loads(sys.argv[1])):
+    for i, (argv, device, nproc, nnodes, *extra) in enumerate(json.loads(sys.argv[1])):
         env = dict(os.environ)
         with quiet.filtered_output():
-            checks = dry_run(argv, device, nproc, nnodes, *device_gb)
+            checks = dry_run(argv, device, nproc, nnodes, **(extra[0] if extra else {}))
         if i:  # the first one imports vLLM and VeOmni
             env_changed |= {k for k in set(env) | set(os.environ) if env.get(k) != os.environ.get(k)}
         out.append([[c.name, c.status, c.detail] for c in checks])
@@ -126,10 +126,16 @@ def results(tmp_path_factory, tiny_model, toy_data) -> dict[str, dict[str, list]
         "gpu_check": (["--config", gpu_check_config(tmp, tiny), *tiny, "--trainer.output_dir", str(tmp / "g")],
                       "cuda", 2, 1),
         "qwen3_8b_math_16npu": (["--config", cfg("qwen3_8b_math_16npu"), *stand_in(tmp, "d", "qwen3_8b")], "npu", 16, 1),
+        # Ulysses (the 32k recipe, ulysses_size 2) where a flash kernel resolves: an A3 node's dies, and
+        # CUDA GPUs older than Hopper (no flash-attn-4: sdpa, the project's own Ulysses path)
+        "qwen3_8b_math_32k_npu": (["--config", cfg("qwen3_8b_math_32k_16gpu"), *stand_in(tmp, "t", "qwen3_8b")],
+                                  "npu", 16, 1, {"device_gb": 64.0}),
+        "qwen3_8b_math_32k_pre_hopper": (["--config", cfg("qwen3_8b_math_32k_16gpu"), *stand_in(tmp, "u", "qwen3_8b")],
+                                         "cuda", 8, 2, {"pre_hopper": True}),
         "moe_on_npu": (["--config", cfg("qwen3_30b_a3b_math_16gpu"), *stand_in(tmp, "e", "qwen3_30b_a3b")], "npu", 16, 1),
         # the seed run (Ascend A3, 64 GB dies) and its CUDA twin, on Qwen3-VL-30B-A3B-Instruct's config.json
         "qwen3_vl_30b_a3b_geo3k_16npu": (["--config", cfg("qwen3_vl_30b_a3b_geo3k_16npu"),
-                                          *stand_in(tmp, "v", "qwen3_vl_30b_a3b")], "npu", 16, 1, 64.0),
+                                          *stand_in(tmp, "v", "qwen3_vl_30b_a3b")], "npu", 16, 1, {"device_gb": 64.0}),
         "qwen3_vl_30b_a3b_geo3k_16gpu": (["--config", cfg("qwen3_vl_30b_a3b_geo3k_16gpu"),
                                           *stand_in(tmp, "w", "qwen3_vl_30b_a3b")], "cuda", 8, 2),
         "r3_cuda": (["--config", cfg("qwen3_30b_a3b_math_16gpu"), *stand_in(tmp, "h", "qwen3_30b_a3b"),
@@ -162,10 +168,10 @@ def results(tmp_path_factory, tiny_model, toy_data) -> dict[str, dict[str, list]
 CUDA = ["qwen3_8b_math_16gpu", "qwen3_8b_math_32k_16gpu", "qwen3_8b_tool_math_16gpu", "qwen3_8b_lora_math_8gpu", "qwen3_30b_a3b_math_16gpu",
         "qwen3_vl_8b_geo3k_16gpu", "qwen3_8b_judge_16gpu", "qwen3_1_7b_from_8b_opd_16gpu", "gpu_check",
         "qwen3_vl_30b_a3b_geo3k_16gpu"]
-NPU = ["qwen3_8b_math_16npu", "qwen3_vl_30b_a3b_geo3k_16npu", "moe_on_npu"]
+NPU = ["qwen3_8b_math_16npu", "qwen3_vl_30b_a3b_geo3k_16npu", "moe_on_npu", "qwen3_8b_math_32k_npu"]
 
 
-@pytest.mark.parametrize("name", CUDA + NPU)
+@pytest.mark.parametrize("name", CUDA + NPU + ["qwen3_8b_math_32k_pre_hopper"])
 def test_every_shipped_accelerator_config_passes_the_dry_run(results, name):
     checks = results[name]
     assert list(checks) == ["config", "world", "attention", "veomni_ops", "vllm_engine_args", "memory"], checks
@@ -186,10 +192,24 @@ def test_the_dry_run_reports_what_each_device_would_run(results):
         memory = results[name]["memory"][1]
         assert "checkpoint" in memory and "train" in memory and "generate" in memory, memory
     # flash_attn imports (the wheel's namespace package) but no entry point does on this machine
-    # (flash_attn.cute needs nvidia-cutlass-dsl): never flash_attention_2, sdpa said loudly
+    # (flash_attn.cute needs nvidia-cutlass-dsl): never flash_attention_2. For cuda the dry run
+    # resolves auto as on the GPU node it targets: an SM90+ GPU with the pinned flash-attn-4, said so
     for name in CUDA:
         assert "flash_attention_2" not in results[name]["config"][1]
-    assert results["qwen3_8b_math_16gpu"]["attention"][0] == "warn"
+    assert results["qwen3_8b_math_16gpu"]["attention"] == ["ok", results["qwen3_8b_math_16gpu"]["attention"][1]]
+    assert "attention flash_attention_4" in results["qwen3_8b_math_16gpu"]["config"][1]
+
+
+def test_ulysses_resolves_the_targets_flash_kernel_and_passes(results):
+    """F1: the 32k recipe (ulysses_size 2) on cuda resolves flash-attn-4 (assumed SM90+: said in the
+    attention line) and VeOmni's Ulysses flash path; on npu npu_fusion_attention through the same path;
+    on GPUs older than Hopper (--pre-hopper) sdpa, the project's own Ulysses path. All pass."""
+    cuda, npu, old = (results[n] for n in ("qwen3_8b_math_32k_16gpu", "qwen3_8b_math_32k_npu",
+                                           "qwen3_8b_math_32k_pre_hopper"))
+    assert "attention flash_attention_4" in cuda["config"][1] and "assumed for the dry run" in cuda["attention"][1]
+    assert "attention veomni_flash_attention_4_with_sp" in cuda["veomni_ops"][1]
+    assert "attention flash_attention_2" in npu["config"][1] and "veomni_flash_attention_2_with_sp" in npu["veomni_ops"][1]
+    assert "attention sdpa" in old["config"][1] and old["attention"][0] == "warn"
 
 
 def test_the_judge_recipe_plans_its_judging_phase(results):

@@ -357,6 +357,53 @@ def test_teacher_logprobs_equal_transformers_at_temperature_1_and_07(distilled, 
     assert (t1 - t07).abs().max() > 0.05  # the temperature changed them: the comparison means something
 
 
+def test_teacher_temperature_is_applied_in_fp32(tmp_path):
+    """Issue 60, F4: a bfloat16 teacher at T = 0.7 against transformers' fp32 log_softmax(logits / T)
+    of the same bf16 model, whose bf16 logits (up to |50|) both compute exactly. Within 1e-4 (measured:
+    0); vLLM's own scale (the bf16 logits multiplied in place: the code before) is off by more than 0.05
+    on the same engine (measured: 0.16), the control."""
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM
+
+    from rlcore import quiet
+    from rlcore.demo.toy import make_tiny_model
+
+    with quiet.filtered_output():
+        d = make_tiny_model(str(tmp_path / "teacher"), seed=5)
+    path = os.path.join(d, "model.safetensors")
+    w, g = load_file(path), torch.Generator().manual_seed(0)
+    # Logits every kernel computes alike: the layers add nothing to the residual stream (outputs zeroed),
+    # embeddings of +-1 (RMS-normed to +-1 in bf16), a head of multiples of 1/8 (exact fp32 sums of 128
+    # terms, then one bf16 rounding), |logit| up to ~50.
+    for name in w:
+        if name.endswith(("o_proj.weight", "down_proj.weight")):
+            w[name].zero_()
+    w["model.embed_tokens.weight"] = torch.where(torch.randn(w["model.embed_tokens.weight"].shape, generator=g) < 0,
+                                                 -1.0, 1.0)
+    w["lm_head.weight"] = (torch.randn(w["lm_head.weight"].shape, generator=g) * 1.2 * 8).round() / 8
+    save_file(w, path, metadata={"format": "pt"})
+    sequences = [[3, 4, 5, 6, 7, 8, 9, 10], [11, 12, 13, 3, 14, 15], [16, 17, 18, 19, 20, 21, 22]]
+    job, out = tmp_path / "in.json", tmp_path / "out.json"
+    job.write_text(json.dumps({"sequences": sequences, "temperature": 0.7}))
+    run_torchrun(os.path.join(REPO, "tests", "workers", "teacher_temperature.py"), 1, d, str(job), str(out))
+    m = json.loads(out.read_text())
+    model = AutoModelForCausalLM.from_pretrained(d, dtype=torch.bfloat16)
+    worst, peak = {"teacher": 0.0, "scaled_in_bf16": 0.0, "t1": 0.0}, 0.0
+    for i, s in enumerate(sequences):
+        ids = torch.tensor([s])
+        with torch.no_grad():
+            logits = model(ids).logits[0, :-1]  # bf16, (L - 1, V)
+        peak = max(peak, logits.float().abs().max().item())
+        for key, temp in (("teacher", 0.7), ("scaled_in_bf16", 0.7), ("t1", 1.0)):
+            ref = torch.log_softmax(logits.float() / temp, -1).gather(-1, ids[0, 1:, None])[:, 0]
+            worst[key] = max(worst[key], (torch.tensor(m[key][i]) - ref).abs().max().item())
+    print(f"T=0.7 bf16 teacher vs transformers fp32: {worst}, largest |logit| {peak:.1f}")
+    assert peak > 30, peak  # logits where a bf16 rounding of l / T is worth ~0.1
+    assert worst["t1"] < 1e-4 and worst["teacher"] < 1e-4, worst
+    assert worst["scaled_in_bf16"] > 0.05, worst  # the control: the setup shows the bf16 rounding
+    assert m["after_control_t1"] == m["t1"]
+
+
 def test_the_loops_advantage_and_metrics_equal_a_hand_computation(distilled):
     """reward_weight 0.5, coef 2: A = 0.5 * A_reward - 2 * (log p_vllm - log p_teacher) on the response tokens."""
     m = distilled

@@ -71,13 +71,13 @@ def test_gpu_check_refuses_when_torch_sees_no_gpu(tmp_path):
 def test_gpu_check_refuses_unknown_parts(tmp_path):
     """A typo in PARTS or PRINT_CONFIG stops before the device checks (exit 2, the valid names)."""
     proc = run_check({"PATH": bare_path(tmp_path), "PARTS": "base,lroa"}, tmp_path)
-    assert proc.returncode == 2 and "unknown part 'lroa'" in proc.stderr and "base,judge,lora,moe,moe_r3" in proc.stderr
+    assert proc.returncode == 2 and "unknown part 'lroa'" in proc.stderr and "base,judge,lora,moe,ulysses,teacher,moe_r3" in proc.stderr
     assert not (tmp_path / "out").exists()
     proc = run_check({"PATH": str(tmp_path / "bin"), "PRINT_CONFIG": "moe3"}, tmp_path)
     assert proc.returncode == 2 and "PRINT_CONFIG=moe3" in proc.stderr, proc.stderr
 
 
-PARTS = ("base", "judge", "lora", "moe", "moe_r3")
+PARTS = ("base", "judge", "lora", "moe", "ulysses", "teacher", "moe_r3")
 
 
 @pytest.fixture(scope="module")
@@ -136,12 +136,17 @@ def test_gpu_check_overrides_are_valid_trainer_config(device, check_out, tmp_pat
             assert judges[0]["path"] == os.path.join(assets, "tiny_rm_high_digits")
         if part.startswith("moe"):
             assert cfg["parallel"]["ep_size"] == 2 and r["enable_prefix_caching"] is (part == "moe_r3" or None)
+        assert cfg["parallel"]["ulysses_size"] == (2 if part == "ulysses" else 1)
+        assert (cfg["distill"]["teacher"] == os.path.join(assets, "tiny_qwen3")) == (part == "teacher")
         resolved = parse_config(["--config", path], device_type=device)
         validate_against_world(resolved, 2)
         assert resolved.rollout.sleep_level == (1 if part == "lora" else 2)
         assert resolved.rollout.check_sync == ("off" if part == "lora" else "warn")
         if part.startswith("moe"):
             assert resolved.model.moe_implementation == {"cuda": "triton", "npu": "npu"}[device]
+        if part == "ulysses":  # the device's flash kernel through VeOmni's Ulysses path (no GPU here: FA4 on
+            # cuda needs its entry point, so this machine resolves sdpa there; npu resolves its kernel)
+            assert resolved.model.attn_implementation == {"cuda": "sdpa", "npu": "flash_attention_2"}[device]
         if part == "judge":
             assert resolved.reward.judges()[0].kind == "discriminative"
 
@@ -194,7 +199,8 @@ sys.exit(int(os.environ.get("FAKE_RC_" + part, "0")))
 def good_rows(part: str) -> list[dict]:
     extra = {"judge": {f"reward/{gpu_check_report.JUDGE}": 0.4, f"reward/{gpu_check_report.JUDGE}_parse_fail_frac": 0.0,
                        "timing/judge_s": 0.3},
-             "moe": {"rollout/experts_restored": 4.0},
+             "moe": {"rollout/experts_restored": 4.0}, "ulysses": {"perf/sp_pad_frac": 0.05},
+             "teacher": {"distill/reverse_kl": 0.02, "timing/teacher_s": 0.4},
              "moe_r3": {"actor/router_agreement": 0.93, "actor/router_replay_missing": 0.0}}.get(part, {})
     return [row(s, **extra) for s in (1, 2, 3)]
 
@@ -231,7 +237,8 @@ def test_gpu_check_runs_each_part_and_skips_moe_r3_on_npu(tmp_path):
                     FAKE_ASCEND_OPS="ok: custom ops load on soc_version 253 (A3)")
     res = verdict(proc)
     assert proc.returncode == 1 and res["pass"] is False, res
-    assert (res["passed"], res["failed"], res["skipped"]) == (["base", "judge", "moe"], ["lora"], ["moe_r3"])
+    assert (res["passed"], res["failed"], res["skipped"]) == (["base", "judge", "moe", "ulysses", "teacher"], ["lora"],
+                                                              ["moe_r3"])
     assert list(res["parts"]) == list(PARTS) and (res["device"], res["nproc"], res["tp"]) == ("npu", 2, 2)
     assert res["ascend_custom_ops"] == "ok: custom ops load on soc_version 253 (A3)"
     assert res["reasons"] == [f"lora: the trainer exited 1 (see {out}/lora/train.log)"]
@@ -452,7 +459,7 @@ def test_report_of_all_parts(tmp_path):
     out = tmp_path / "out"
     for part in PARTS:
         write_run(out / part, good_rows(part))
-    ran = [f"--ran={p}=0" for p in ("lora", "base", "judge", "moe_r3", "moe")]
+    ran = [f"--ran={p}=0" for p in ("lora", "base", "judge", "moe_r3", "moe", "teacher", "ulysses")]
     proc = subprocess.run([sys.executable, REPORT, "--out", str(out), *ran, "--device", "cuda", "--nproc", "1"],
                           capture_output=True, text=True, timeout=60)
     res = verdict(proc)
@@ -584,3 +591,20 @@ def test_report_moe_part():
     assert out["pass"] and out["experts_restored"] == 4.0, out
     assert part_reasons("moe", [row(s) for s in (1, 2, 3)]) == [
         "metric rollout/experts_restored is missing from metrics.jsonl (steps [1, 2, 3])"]
+
+
+@pytest.mark.unit
+def test_report_ulysses_and_teacher_parts():
+    assert part_reasons("ulysses", good_rows("ulysses")) == [] and part_reasons("teacher", good_rows("teacher")) == []
+    assert part_reasons("ulysses", [row(s) for s in (1, 2, 3)]) == [
+        "metric perf/sp_pad_frac is missing from metrics.jsonl (steps [1, 2, 3])"]
+    assert part_reasons("ulysses", [row(s, **{"perf/sp_pad_frac": 1.0}) for s in (1, 2, 3)]) == [
+        "perf/sp_pad_frac=[1.0, 1.0, 1.0]: outside [0, 1)"]
+    assert len(part_reasons("teacher", [row(s, **{"timing/teacher_s": 0.1}) for s in (1, 2, 3)])) == 1
+
+
+@pytest.mark.unit
+def test_gpu_check_skips_ulysses_on_one_device(tmp_path):
+    proc = fake_run(tmp_path, "cuda", {p: good_rows(p) for p in PARTS}, PARTS="base,ulysses", NPROC="1")
+    res = verdict(proc)
+    assert res["passed"] == ["base"] and res["skipped"] == ["ulysses"] and "NPROC=1" in res["parts"]["ulysses"]["skipped"]

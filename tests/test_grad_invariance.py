@@ -62,6 +62,24 @@ def test_ulysses_sequence_parallel_gradients_equal_the_data_parallel_ones(by_ran
           f"largest absolute {worst_abs:.2e}; largest policy-loss difference {_loss_diff(sp, dp):.2e}")
 
 
+def test_ulysses_through_veomnis_flash_path_equals_data_parallel(by_ranks, tiny_model, tmp_path):
+    """A flash kernel under Ulysses (issue 60, F1b): the policy takes VeOmni's own Ulysses flash path
+    (its all-to-all, transformers' varlen call with the row's cu_seq_lens), with the CUDA kernel
+    replaced by a stand-in that attends by sdpa per cu_seq_lens segment: the cu_seq_lens it receives
+    are the sdpa path's segments on every call, and the gradients and losses equal data parallelism's
+    (the few modes, every packing variant without a dense mask)."""
+    path = tmp_path / "flash.pt"
+    run_torchrun(WORKER, 2, tiny_model, str(path), "ulysses=2", "flash=1", "few=1")
+    sp = torch.load(path, weights_only=True)
+    calls, mismatch = sp.pop("flash/calls").item(), sp.pop("flash/cu_mismatch").item()
+    assert calls > 0 and mismatch == 0, (calls, mismatch)  # every attention call went through the flash path
+    assert sp.pop("sp/row_tokens") > 0 and sp.pop("sp/pad_tokens") > 0
+    dp = {k: by_ranks[2][k] for k in sp}
+    worst_rel, worst_abs = _compare(sp, dp, "flash")
+    print(f"Ulysses 2 through VeOmni's flash path ({calls:.0f} kernel calls) vs data parallel 2: largest relative "
+          f"gradient difference {worst_rel:.2e}, absolute {worst_abs:.2e}")
+
+
 def _compare(sp: dict, dp: dict, what: str, tol: float = 1e-6) -> tuple[float, float]:
     """Every gradient within ``tol`` relative (the worst relative and absolute differences are
     returned) and every summed policy loss (``/loss``) within ``tol`` x max(|loss|, 1): a loss is a

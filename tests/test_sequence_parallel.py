@@ -77,10 +77,12 @@ def test_ulysses_size_is_checked_against_the_world_and_the_heads(tmp_path):
     _check_sequence_parallel(_cfg(tmp_path, 4, 2, 2), 4)
     _check_sequence_parallel(_cfg(tmp_path, 8, 1, 4), 4)  # KV heads repeated up to U
     _check_sequence_parallel(_cfg(tmp_path, 3, 3, 1), 4)  # off: nothing checked
+    for kernel in ("sdpa", "flash_attention_2", "flash_attention_4"):  # what resolve gives on cpu, npu, Hopper
+        _check_sequence_parallel(_cfg(tmp_path, 4, 2, 2, kernel), 4)
     bad = [((4, 2, 3), 4, "it must divide the world size 4 (e.g. 1, 2, 4)"),
            ((6, 6, 4), 4, "it must divide the model's 6 attention heads"),
            ((8, 6, 4), 4, "the model's 6 key/value heads must divide one another"),
-           ((4, 2, 2, "eager"), 2, "model.attn_implementation=eager; set model.attn_implementation to auto or sdpa")]
+           ((4, 2, 2, "eager"), 2, "not eager; set model.attn_implementation to auto (the device's kernel) or sdpa")]
     for args, world, text in bad:
         with pytest.raises(ConfigError, match="parallel.ulysses_size") as e:
             _check_sequence_parallel(_cfg(tmp_path, *args), world)
@@ -143,3 +145,26 @@ def test_the_plan_gives_each_rank_its_share_of_the_patches_plus_the_images_mask(
     assert full - output == 2 * (half - output // 2)  # blocks and mergers linear in the patches
     frozen = replace(p, freeze_vision=True)
     assert vision_activation_bytes(replace(frozen, ulysses=2)) == vision_activation_bytes(frozen)
+
+
+def test_ulysses_takes_veomnis_flash_path_for_a_flash_kernel():
+    """F1b: the attention a Ulysses policy runs for each resolved kernel, and the row's cu_seq_lens
+    that go to VeOmni's flash path: the sdpa path's segments (the padding one of its own)."""
+    from rlcore.engine import ulysses
+
+    for impl in ulysses.FLASH:
+        name, reason = ulysses.attention_for(impl, "why", 2)
+        assert name == impl and "VeOmni's" in reason and "cu_seq_lens" in reason
+    assert ulysses.attention_for("sdpa", "why", 2)[0] == ulysses.ATTN_NAME
+    with pytest.raises(ValueError, match="attention eager has no Ulysses path"):
+        ulysses.attention_for("eager", "why", 2)
+    pos = torch.tensor([[0, 1, 2, 0, 1, 0, 1, 2, 3]])  # three packed sequences, 9 tokens, padded to 12 for U = 4
+    ctx = ulysses.Context(group=None, size=4, rank=0, flash=True)
+    ctx.set_mask(None, ulysses.row_segments(pos, 12))
+    kw = ctx.flash_kwargs("cpu")
+    assert kw["cu_seq_lens_q"].tolist() == [0, 3, 5, 9, 12] and kw["cu_seq_lens_q"].dtype == torch.int32
+    assert kw["cu_seq_lens_k"] is kw["cu_seq_lens_q"] and kw["max_length_q"] == kw["max_length_k"] == 4
+    assert ulysses.Context(group=None, size=4, rank=0).flash_kwargs("cpu") == {}  # the sdpa path passes none
+    ctx.set_mask(torch.ones(1, 1, 12, 12, dtype=torch.bool))  # a shared-prompt row: no flash
+    with pytest.raises(ValueError, match="share_prompt is off with them"):
+        ctx.flash_kwargs("cpu")

@@ -39,6 +39,7 @@ config can resolve ``model.attn_implementation`` before any model is built.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import warnings
 
@@ -52,6 +53,25 @@ KNOWN = ("auto", "sdpa", "eager", "flash_attention_2", "flash_attention_3", "fla
 # The flash kernels (and npu_fusion_attention) take fp16/bf16 only; VeOmni casts fp32 queries to
 # the Linear weight dtype (flash.py:219-227), which is fp32 again in an fp32 run.
 _FLASH_DTYPES = ("bfloat16", "float16")
+
+
+# What ``auto`` and an explicit flash name assume about the GPU where a dry run (scripts/check_config.py
+# --device cuda) has none to probe: None probes this machine; "fa4" an SM90+ GPU with the pinned
+# flash-attn-4 of requirements-cuda.txt (the default of check_config.py); "older" a GPU before Hopper.
+_ASSUMED_GPU: str | None = None
+
+
+@contextlib.contextmanager
+def assume_gpu(kind: str | None):
+    """Resolve cuda attention for the GPU node a dry run targets (``_ASSUMED_GPU``), not this machine."""
+    global _ASSUMED_GPU
+    if kind not in (None, "fa4", "older"):
+        raise ValueError(f"assume_gpu({kind!r}): use 'fa4' (SM90+ with flash-attn-4) or 'older'")
+    before, _ASSUMED_GPU = _ASSUMED_GPU, kind
+    try:
+        yield
+    finally:
+        _ASSUMED_GPU = before
 
 
 def flash_entry_available(impl: str) -> bool:
@@ -108,8 +128,12 @@ def _auto(device_type: str, dtype: str | None) -> tuple[str, str]:
         return "flash_attention_2", ("auto on npu: VeOmni's flash path runs torch_npu.npu_fusion_attention "
                                      "varlen over the packed sequences (no L x L mask)")
     if device_type == "cuda":
+        if _ASSUMED_GPU == "fa4":
+            return "flash_attention_4", ("auto on cuda, assumed for the dry run: an SM90+ GPU (Hopper/Blackwell) with "
+                                         "the pinned flash-attn-4 (flash_attn.cute.flash_attn_varlen_func) over the "
+                                         "packed sequences, no L x L mask; pass --pre-hopper for older GPUs")
         for impl, (module, attr) in _FLASH_ENTRY.items():
-            if impl == "flash_attention_4" and _fa4_capable_gpu() is False:
+            if impl == "flash_attention_4" and (_ASSUMED_GPU == "older" or _fa4_capable_gpu() is False):
                 continue
             if flash_entry_available(impl):
                 return impl, f"auto on cuda: {module}.{attr} over the packed sequences (no L x L mask)"
@@ -137,6 +161,11 @@ def _check_explicit(name: str, device_type: str, dtype: str | None) -> str:
                              f"(torch_npu.npu_fusion_attention) or auto")
         return "torch_npu.npu_fusion_attention varlen over the packed sequences (no L x L mask)"
     module, attr = _FLASH_ENTRY[name]
+    if name == "flash_attention_4" and _ASSUMED_GPU is not None:
+        if _ASSUMED_GPU == "older":
+            raise ValueError("flash_attention_4 runs on Hopper/Blackwell (SM90+) only, and the dry run was told the "
+                             "GPUs are older (--pre-hopper); set model.attn_implementation to auto or sdpa")
+        return f"{module}.{attr} over the packed sequences (assumed for the dry run: SM90+ with the pinned flash-attn-4)"
     if not flash_entry_available(name):
         raise ValueError(f"{name} needs {module}.{attr}, which does not import here; install "
                          f"{_FLASH_PACKAGE[name]}, or set model.attn_implementation to auto or sdpa")

@@ -72,8 +72,13 @@ def _apply(opt, overrides: dict) -> None:
 
     if not isinstance(opt, AnyPrecisionAdamW):
         raise TypeError(f"VeOmni built {type(opt).__name__} for optimizer_type='anyprecision_adamw'")
+    # A load adds "differentiable" to the defaults (torch 2.13 Optimizer.__setstate__, optimizer.py:434,
+    # run by load_state_dict :1018) and VeOmni's restore copies the defaults into the groups
+    # (optimizer.py:153-180): set it from the start, so a resumed run's groups equal a straight one's.
+    opt.defaults.setdefault("differentiable", False)
     opt.defaults.update(overrides)
     for group in opt.param_groups:
+        group.setdefault("differentiable", False)
         group.update(overrides)
 
 
@@ -82,8 +87,8 @@ def _after_load(opt, overrides: dict) -> None:
     """After ``load_state_dict``: the configured options over the checkpoint's groups, and the
     state in its dtypes again (a Kahan buffer added when the config turned Kahan on)."""
     for group in opt.param_groups:
-        for key, value in opt.defaults.items():  # what VeOmni's restore does later, needed here already
-            group.setdefault(key, value)
+        for key in ("use_kahan_summation", *_STATE_DTYPE_KEYS.values()):  # what step() reads (:227-231); only
+            group.setdefault(key, opt.defaults[key])  # those: a group of the run never stopped has no others
         group.update(overrides)
         for p in group["params"]:
             state = opt.state.get(p)

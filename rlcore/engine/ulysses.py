@@ -10,8 +10,15 @@ which also repeats KV heads when U exceeds them), so each rank attends over the 
 heads. Rotary embeddings are per token and applied before the all-to-all, so the slice's own
 ``position_ids`` are the right ones.
 
-VeOmni registers Ulysses wrappers only for its flash and flex kernels (ops/kernels/attention/
-__init__.py:83-92); flex has no CPU backward and flash needs CUDA/NPU. ``ATTN_NAME`` is an SDPA one.
+Which attention (``attention_for``): where the resolved kernel is a flash one (CUDA's flash-attn,
+Ascend's npu_fusion_attention), VeOmni's own Ulysses flash path: its ``veomni_flash_attention_*_with_sp``
+forward (ops/kernels/attention/flash.py:153-301) all-to-alls q/k/v over VeOmni's Ulysses group
+(:235-256, the group ``ensure_parallel_state`` made) and calls transformers' varlen flash with the
+row's ``cu_seq_lens`` (``Context.flash_kwargs``: the whole padded row's sequences, the padding one of
+its own, as VeOmni's collator computes them before slicing, data/data_collator.py:50-105; a sliced
+``position_ids`` could not show them). Elsewhere (sdpa: CPU, GPUs without a flash kernel) ``ATTN_NAME``,
+the project's sdpa path below (VeOmni registers Ulysses wrappers only for its flash and flex kernels,
+ops/kernels/attention/__init__.py:83-92, and flex has no CPU backward).
 A block-causal row (the packed sequences found from the full ``position_ids`` as transformers finds
 them) is attended sequence by sequence, each a causal sdpa with no mask (``Context.segments``): no
 O(S^2) tensor, the kernel's own memory per sequence. A shared-prompt row (the caller's mask: the
@@ -43,6 +50,19 @@ VIT_NAME = "rlcore_ulysses_flash_vit"
 # (patched_modeling_qwen3_vl{,_moe}_gpu.py, the sp_enabled branches) and whose ViT attention takes
 # VIT_NAME; Qwen2.5-VL's window attention reorders the patches first (not wired).
 VL_FAMILIES = ("qwen3_vl", "qwen3_vl_moe")
+FLASH = ("flash_attention_2", "flash_attention_3", "flash_attention_4")  # VeOmni's *_with_sp for each
+
+
+def attention_for(impl: str, reason: str, size: int) -> tuple[str, str]:
+    """The text attention of a Ulysses policy and why, for the resolved kernel ``impl``: a flash one
+    keeps its name (VeOmni renames it to its Ulysses flash path, arguments_types.py:1239-1251), sdpa
+    becomes ``ATTN_NAME`` (registered here). Eager is refused (the config check names it first)."""
+    register()
+    if impl in FLASH:
+        return impl, f"Ulysses sequence parallel {size}: VeOmni's {impl} path over the row's cu_seq_lens ({reason})"
+    if impl != "sdpa":
+        raise ValueError(f"ulysses_size {size}: attention {impl} has no Ulysses path; use auto or sdpa")
+    return ATTN_NAME, f"Ulysses sequence parallel {size}: sdpa per packed sequence over the whole row for 1/{size} of the heads"
 
 
 @dataclass
@@ -61,11 +81,26 @@ class Context:
     row_tokens: int = 0
     masks: dict = field(default_factory=dict)  # the mask as ``additive`` made it, per (dtype, device)
     segments: list | None = None
+    flash: bool = False  # VeOmni's flash path attends (attention_for): the row goes as cu_seq_lens
 
     def set_mask(self, mask: torch.Tensor | None, segments: list | None = None) -> None:
         """The row's mask or its segments; both None releases them (a mask is O(S^2) bytes that
         generation should not hold)."""
         self.mask, self.masks, self.segments = mask, {}, segments
+
+    def flash_kwargs(self, device) -> dict:
+        """The row's sequences as transformers' FlashAttentionKwargs (modeling_flash_attention_utils.py:
+        745-748: with all four the varlen kernel runs on them, :784-786): ``cu_seq_lens_q/k`` (n + 1,)
+        int32 boundaries over the padded row and the longest sequence; {} on the sdpa path."""
+        if not self.flash:
+            return {}
+        if self.segments is None:
+            raise ValueError("a shared-prompt row (its dense mask) cannot go through the flash kernels; "
+                             "algorithm.share_prompt is off with them")
+        lengths = [n for _, n in self.segments]
+        cu = torch.tensor([0, *lengths], dtype=torch.int32, device=device).cumsum(0, dtype=torch.int32)  # (n + 1,)
+        longest = max(lengths)
+        return {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": longest, "max_length_k": longest}
 
     def additive(self, dtype: torch.dtype, device) -> torch.Tensor:
         """The mask as 0 / -inf in ``dtype``, made once per row and shared by every layer: sdpa

@@ -233,6 +233,35 @@ def check_sleep_level_supported(llm_cls, device_type: str, sleep_level: int) -> 
                          "this vLLM lacks it: use sleep_level 1 or 2")
 
 
+def drain_paused_engine(llm, max_steps: int = 8) -> int:
+    """Step a paused in-process engine until it is idle, as ``release_kv_cache_memory`` requires: a
+    paused scheduler with no requests and an empty batch queue (vllm 0.32.0 v1/engine/core.py:1021-1033).
+    Returns the steps taken.
+
+    ``LLM.generate`` stops stepping once its outputs are finished (entrypoints/common/offline.py:610),
+    which leaves the engine core (InprocClient: nothing steps it between calls, v1/engine/core_client.py:385-388)
+    holding (a) the finished requests' ids until the next ``schedule()`` (v1/core/sched/scheduler.py:2736,
+    cleared at :1647), so ``scheduler.has_requests()`` is True (:2813-2815, :2823-2838), with or without
+    async scheduling; and (b) with async scheduling, which vLLM turns on for the external launcher on CUDA
+    (config/vllm.py:1585-1644; queue of 2, :577-587), the batch scheduled ahead of the outputs
+    (core.py:698-768). A multiprocess engine's busy loop steps until both are gone (``has_work``,
+    core.py:1534-1540); this does the same: an empty step sends the finished ids to the runner (1 step),
+    and with a batch in flight one more step collects it (2 in all; the next decode was launched already).
+    The sampled outputs, of requests already returned, are dropped."""
+    client = llm.llm_engine.engine_core  # InprocClient (VLLM_ENABLE_V1_MULTIPROCESSING=0)
+    core = client.engine_core
+    steps = 0
+    while core.scheduler.has_requests() or core.batch_queue:
+        if steps == max_steps:
+            raise RuntimeError(f"rollout.sleep_level=0: the paused vLLM engine still holds requests or queued "
+                               f"batches after {max_steps} steps (batch queue {len(core.batch_queue or ())}), and "
+                               f"release_kv_cache_memory needs it idle; make sure no request is in flight at "
+                               f"release_memory(), or set rollout.sleep_level to 1 or 2")
+        client.get_output()
+        steps += 1
+    return steps
+
+
 # What a fused-MoE layer is in each pinned vLLM: vllm 0.32.0 builds ``MoERunner`` layers
 # (model_executor/layers/fused_moe/runner/moe_runner.py:228, a MoERunnerInterface,
 # runner/moe_runner_interface.py:19) through ``FusedMoEFactory`` (fused_moe/layer.py:88) and has no

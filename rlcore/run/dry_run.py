@@ -137,15 +137,21 @@ def check_memory(cfg: Config, device: str, world: int, nproc: int, device_gb: fl
                                     + ("" if plan.fits else "; " + "; ".join(plan.suggestions[:2])))
 
 
-def dry_run(argv: list[str], device: str, nproc: int, nnodes: int = 1, device_gb: float = 80.0) -> list[Check]:
-    """Every check, in order; after a config failure only that one (the rest need the config)."""
-    cfg, checks = check_config(argv, device)
-    if cfg is None:
-        return checks
-    world = nproc * nnodes
-    checks.append(check_world(cfg, nproc, nnodes))
-    checks.append(check_attention(cfg, device))
-    checks.append(check_veomni_ops(cfg, device))
-    checks.append(check_vllm(cfg, device))
-    checks.append(check_memory(cfg, device, world, nproc, device_gb))
+def dry_run(argv: list[str], device: str, nproc: int, nnodes: int = 1, device_gb: float = 80.0,
+            pre_hopper: bool = False) -> list[Check]:
+    """Every check, in order; after a config failure only that one (the rest need the config).
+    On cuda, attention resolves as on the GPU node, not this machine: an SM90+ GPU with the pinned
+    flash-attn-4, or (``pre_hopper``) an older one (rlcore.engine.attention.assume_gpu)."""
+    from rlcore.engine.attention import assume_gpu
+
+    with assume_gpu(("older" if pre_hopper else "fa4") if device == "cuda" else None):
+        cfg, checks = check_config(argv, device)
+        if cfg is None:
+            return checks
+        world = nproc * nnodes
+        checks.append(check_world(cfg, nproc, nnodes))
+        checks.append(check_attention(cfg, device))
+        checks.append(check_veomni_ops(cfg, device))
+        checks.append(check_vllm(cfg, device))
+        checks.append(check_memory(cfg, device, world, nproc, device_gb))
     return checks

@@ -249,9 +249,11 @@ def _check_sequence_parallel(cfg: Config, world_size: int) -> None:
               f"supported (its vision tower has no Ulysses path here; {', '.join(VL_FAMILIES)} have one); use 1")
         vit_heads = int(config["vision_config"].get("num_heads", 0))
         check(vit_heads % u == 0, field, u, f"it must divide the vision tower's {vit_heads} attention heads too")
-    check(cfg.model.attn_implementation in ("auto", "sdpa"), field, u,
-          f"the Ulysses path runs its own sdpa attention over the whole row, not model.attn_implementation="
-          f"{cfg.model.attn_implementation}; set model.attn_implementation to auto or sdpa, or ulysses_size 1")
+    # What resolve produced: a flash kernel runs VeOmni's Ulysses flash path, sdpa the project's own
+    # (rlcore.engine.ulysses.attention_for); eager has neither.
+    check(cfg.model.attn_implementation != "eager", field, u,
+          "the Ulysses path attends through VeOmni's flash kernels or its own sdpa, not eager; set "
+          "model.attn_implementation to auto (the device's kernel) or sdpa, or ulysses_size 1")
 
 
 def _read_config(model_path: str) -> dict:

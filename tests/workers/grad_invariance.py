@@ -8,7 +8,7 @@ The batch is two prompt groups of 3 and 5 samples with unequal response lengths,
 lone EOS (a response of one token): on 2 ranks the second group is split, a partial group on each.
 
     torchrun --nproc_per_node=W tests/workers/grad_invariance.py MODEL_DIR OUT.pt [ulysses=U] [ep=E] [replay=1]
-        [lora=R] [env=1] [vl=1] [few=1]
+        [lora=R] [env=1] [vl=1] [few=1] [flash=1]
 
 With ``ulysses`` U > 1 the ranks form Ulysses sequence-parallel groups (rlcore.engine.ulysses): each
 rank still holds its own share, and the group's shares are gathered as ``grpo.train_on_batch``
@@ -24,7 +24,11 @@ group's prompt holds an image (the first group stays text-only, so some rows hav
 dummy ViT forward), its patches sliced over a Ulysses group; the vision tower trains. ``few=1``:
 only the aggregation modes of ``FEW_MODES``, a token-level and a sequence-level normaliser (the model
 families' runs: the aggregation is the same code for every model, the packing variants are what
-meets it).
+meets it). ``flash=1`` (with ``ulysses``): the policy's kernel is a flash one, so Ulysses takes
+VeOmni's flash path (``rlcore.engine.ulysses.attention_for``, VeOmni's all-to-all and its call of
+transformers' varlen flash with the row's ``cu_seq_lens``); the CUDA kernel is replaced by a stand-in
+that attends by sdpa per segment of those ``cu_seq_lens`` (``flash_standin``), which also checks them
+against the sdpa path's segments. The shared-prompt variants are left out (they need a dense mask).
 """
 
 import gc
@@ -102,6 +106,47 @@ def count_vit_attention() -> list[int]:
     return calls
 
 
+FLASH_SEEN = {"calls": 0, "cu_mismatch": 0}
+
+
+def flash_standin(policy):
+    """The flash kernel's stand-in, installed where VeOmni calls transformers' ``_flash_attention_forward``
+    (veomni/ops/kernels/attention/flash.py:36-39 names the attribute for this; :278): q/k/v
+    (B, S, H/U, D) after VeOmni's all-to-all, attended causally within each ``cu_seq_lens_q`` segment
+    by sdpa. The engine's kernel choice is told a flash kernel exists (this stand-in is it); the
+    Ulysses path it then takes is the engine's own decision."""
+    from types import SimpleNamespace
+
+    import torch.nn.functional as F
+    import veomni.ops.kernels.attention.flash as veomni_flash
+
+    import rlcore.engine_veomni as ev
+
+    def kernel(q, k, v, attention_mask, query_length, is_causal=True, dropout=0.0, softmax_scale=None,
+               cu_seq_lens_q=None, cu_seq_lens_k=None, max_length_q=None, max_length_k=None, **_):
+        bounds = cu_seq_lens_q.tolist()
+        want = [0] + torch.tensor([n for _, n in policy.sp.segments]).cumsum(0).tolist()
+        FLASH_SEEN["calls"] += 1
+        FLASH_SEEN["cu_mismatch"] += int(bounds != want or not torch.equal(cu_seq_lens_q, cu_seq_lens_k)
+                                         or max_length_q != max(b - a for a, b in zip(bounds, bounds[1:])))
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, H, S, D)
+        if k.shape[1] != q.shape[1]:
+            k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
+        out = torch.cat([F.scaled_dot_product_attention(*(t[:, :, a:b] for t in (q, k, v)), is_causal=True,
+                                                        scale=softmax_scale) for a, b in zip(bounds, bounds[1:])], 2)
+        return out.transpose(1, 2)  # (B, S, H, D)
+
+    def unused(*_a, **_k):
+        raise RuntimeError("the stand-in replaces transformers' _flash_attention_forward: no entry point is called")
+
+    veomni_flash._flash_attention_forward = kernel
+    # what transformers' model init loads for a VeOmni flash name (flash.py:54-92, via its hub-kernel patch :94-150)
+    veomni_flash._load_veomni_local_flash_kernel = lambda impl: SimpleNamespace(flash_attn_func=unused,
+                                                                                 flash_attn_varlen_func=unused)
+    ev.pick_attn_implementation = lambda requested, device_type, dtype=None: (
+        "flash_attention_2", "a flash kernel stand-in (sdpa per cu_seq_lens segment)")
+
+
 @torch.no_grad()
 def grad_vector(policy, prefix: str = "") -> torch.Tensor:
     """The accumulated gradients of the engine's parameters named ``prefix*`` (all by default),
@@ -150,10 +195,16 @@ def main():
     from rlcore.engine_veomni import VeOmniPolicy
 
     kwargs = dict(lr=1e-3, total_steps=1, ulysses_size=ulysses, ep_size=opts.get("ep", 1), routing_replay=replay)
+    if opts.get("flash"):
+        holder = type("Holder", (), {})()
+        flash_standin(holder)
     if opts.get("lora"):
         policy = lora_policy(model_dir, info, opts["lora"], kwargs)
     else:
         policy = VeOmniPolicy(model_dir, info, **kwargs)
+    if opts.get("flash"):
+        holder.sp = policy.sp
+        assert policy.attn_implementation == "flash_attention_2" and policy.sp.flash, policy.attn_reason
     batch, rewards = global_batch(bool(opts.get("env", 0)), model_dir if opts.get("vl") else None)
     vit_calls = count_vit_attention() if opts.get("vl") and ulysses > 1 else None
     adv = advantage.compute_advantages("grpo", rewards, batch.response_mask(), GROUP)  # (N, T) global
@@ -173,6 +224,8 @@ def main():
     for mode in FEW_MODES if opts.get("few") else advantage.AGG_MODES:
         for loss in ("vanilla", "gspo"):
             for name, fields in VARIANTS.items():
+                if opts.get("flash") and fields.get("share_prompt"):
+                    continue
                 cfg = AlgorithmConfig(loss_agg_mode=mode, policy_loss=loss, kl_loss_coef=0.1, entropy_coef=0.01,
                                       clip_high=0.28, **fields, **routing)
                 for opt in policy._inner_optimizers():  # one AdamW per mesh under EP
@@ -192,6 +245,9 @@ def main():
         results.update({k: torch.tensor(float(v)) for k, v in policy.routing_metrics().items() if k.startswith("actor/")})
     if vit_calls is not None:  # the ViT blocks attended through the Ulysses ViT attention
         results["sp/vit_calls"] = torch.tensor(float(vit_calls[0]))
+    if opts.get("flash"):
+        results["flash/calls"] = torch.tensor(float(FLASH_SEEN["calls"]))
+        results["flash/cu_mismatch"] = torch.tensor(float(FLASH_SEEN["cu_mismatch"]))
     if policy.sp is not None:  # the Ulysses path really ran: rows sliced, padding counted
         results["sp/row_tokens"] = torch.tensor(float(policy.sp.row_tokens))
         results["sp/pad_tokens"] = torch.tensor(float(policy.sp.pad_tokens))
