@@ -117,8 +117,8 @@ def build(cfg: Config, info: DistInfo, stop, watchdog) -> Run:
     sampler = StepSampler(engines.rollout, PromptSampler(prompts, cfg.data.seed, cfg.data.shuffle), tokenizer, scorer,
                           cfg.rollout, cfg.algorithm, t.prompts_per_step, t.seed, timer, processor, tool_agent,
                           switch=engines.switch)
-    logger = MetricsLogger(t.output_dir, info.is_main, cfg.logging.tensorboard, cfg.logging.console_every,
-                           total_steps=t.total_steps)
+    logger = MetricsLogger(t.output_dir, info.is_main, console_every=cfg.logging.console_every, run_config=cfg,
+                           total_steps=t.total_steps, trackers=cfg.logging.enabled_trackers, options=cfg.logging)
     return Run(cfg, info, engines, sampler, logger, timer, stop, watchdog, resume_from=resume_from,
                val_prompts=val_prompts, entropy=EntropyControl(cfg.algorithm, cfg.exploration),
                loss_options=loss_options(cfg))

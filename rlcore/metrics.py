@@ -1,15 +1,21 @@
-"""Metrics sinks on rank 0: TensorBoard events, one JSON object per step in metrics.jsonl, and a
-readable console line. Other ranks construct the logger too but write nothing.
+"""Metrics sinks on rank 0: one JSON object per step in metrics.jsonl, a readable console line, and
+the trackers named by logging.trackers (``rlcore.trackers``: TensorBoard, wandb, MLflow, ...). Other
+ranks construct the logger too but write nothing.
 """
 
 from __future__ import annotations
 
+import atexit
 import json
 import math
 import os
+import sys
 import time
 from collections import deque
 from contextlib import contextmanager
+from typing import Any
+
+from rlcore.trackers import get_tracker
 
 
 CONSOLE_KEYS = (
@@ -24,33 +30,44 @@ CONSOLE_KEYS = (
 
 
 class MetricsLogger:
+    """``trackers``: names in ``rlcore.trackers.TRACKERS`` (None = ["tensorboard"] when ``tensorboard``,
+    else none); ``options``: the logging section the trackers read their settings from (e.g. its
+    ``wandb``); ``run_config``: the resolved Config (or a dict), handed to each tracker once."""
+
     def __init__(self, output_dir: str, is_main: bool, tensorboard: bool = True, console_every: int = 1,
-                 total_steps: int | None = None):
+                 total_steps: int | None = None, *, trackers: list[str] | None = None, options: Any = None,
+                 run_config: Any = None):
         self.is_main, self.console_every, self.total_steps = is_main, console_every, total_steps
         self.step_times: deque[float] = deque(maxlen=10)  # recent timing/step_s, for the ETA
-        self.writer, self.jsonl = None, None
+        self.jsonl, self.trackers = None, {}
+        names = list(trackers) if trackers is not None else ["tensorboard"] if tensorboard else []
+        classes = [get_tracker(name) for name in names]  # an unknown name fails on every rank
         if not is_main:
             return
         os.makedirs(output_dir, exist_ok=True)
-        if tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
-
-            self.writer = SummaryWriter(log_dir=os.path.join(output_dir, "tensorboard"))
+        for name, cls in zip(names, classes):
+            self.trackers[name] = cls(output_dir, options, run_config)
+        if self.trackers:
+            atexit.register(self.close)  # exits that skip teardown (exit 3, a crash) still close the trackers
         # Appending keeps the rows of earlier (resumed) segments of the same run.
         self.jsonl = open(os.path.join(output_dir, "metrics.jsonl"), "a")
+
+    @property
+    def writer(self):
+        """The TensorBoard SummaryWriter, or None (rlcore.run.checkpoint.purge_tensorboard uses it)."""
+        tb = self.trackers.get("tensorboard")
+        return getattr(tb, "writer", None)
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         if not self.is_main:
             return
         clean = {k: float(v) for k, v in sorted(metrics.items())}
-        for key, value in clean.items():
-            if self.writer is not None and math.isfinite(value):
-                self.writer.add_scalar(key, value, step)
         row = {"step": step, **{k: (v if math.isfinite(v) else str(v)) for k, v in clean.items()}}
         self.jsonl.write(json.dumps(row) + "\n")
         self.jsonl.flush()
-        if self.writer is not None:
-            self.writer.flush()
+        finite = {k: v for k, v in clean.items() if math.isfinite(v)}  # metrics.jsonl keeps nan/inf as text
+        for tracker in self.trackers.values():
+            tracker.log(step, finite)
         if "timing/step_s" in clean:
             self.step_times.append(clean["timing/step_s"])
         if step % self.console_every == 0 and any(key in clean for key, _, _ in CONSOLE_KEYS):
@@ -64,10 +81,17 @@ class MetricsLogger:
         return recent[len(recent) // 2] * max(self.total_steps - step, 0)
 
     def close(self) -> None:
-        if self.writer is not None:
-            self.writer.close()
+        """Closes every tracker once (a second call does nothing)."""
+        trackers, self.trackers = self.trackers, {}
+        for name, tracker in trackers.items():
+            try:
+                tracker.close()
+            except Exception as e:  # the others (and metrics.jsonl) still close
+                print(f"warning: closing the {name} tracker failed: {type(e).__name__}: {e}", file=sys.stderr,
+                      flush=True)
         if self.jsonl is not None:
             self.jsonl.close()
+            self.jsonl = None
 
 
 def format_console(step: int, metrics: dict[str, float], total_steps: int | None = None,

@@ -218,6 +218,14 @@ CASES = [
     ("grace_zero", ["--trainer.preempt_grace_s", "0"], "trainer.preempt_grace_s=0", 2),
     ("skips_zero", ["--trainer.max_consecutive_skips", "0"], "trainer.max_consecutive_skips=0", 2),
     ("watchdog_negative", ["--trainer.watchdog_s", "-1"], "trainer.watchdog_s=-1", 2),
+    ("total_epochs_zero", ["--trainer.total_epochs", "0"], "trainer.total_epochs=0 is invalid: it must be > 0", 2),
+    ("save_every_below_never", ["--checkpoint.save_every", "-2"],
+     "checkpoint.save_every=-2 is invalid: [...] or -1 (never save)", 2),
+    # verl's keys (docs/from_verl.md): total_epochs resolves against the filtered prompts in preflight
+    ("epochs_and_steps_disagree", ["--trainer.total_epochs", "1"],  # demo_cpu.yaml sets total_steps: 100
+     "trainer.total_steps=100 is invalid: trainer.total_epochs=1 over the 200 training prompts at "
+     "trainer.prompts_per_step=32 is 7 steps; set one of the two to null", 2),
+    ("truncation_unknown", ["--data.truncation", "both"], "data.truncation", 2),
     # against the world size
     ("ulysses_zero", ["--parallel.ulysses_size", "0"], "parallel.ulysses_size=0", 2),
     ("ulysses_not_dividing_world", ["--parallel.ulysses_size", "3"],
@@ -264,6 +272,8 @@ CASES = [
      "vl_two_placeholders.jsonl:3 has 1 image(s) under 'images' but 2 '<image>' placeholder(s)", 2),
     ("image_limit_too_small", VL + ["--data.train_files", "[{vl_good}]", "--rollout.limit_mm_per_prompt",
                                     "{{image: 0}}"], "rollout.limit_mm_per_prompt={'image': 0} is too small", 2),
+    ("truncation_cuts_images", VL + ["--data.train_files", "[{vl_good}]", "--data.truncation", "middle"],
+     "data.truncation='middle' is invalid: with data.image_key='images' [...] set data.truncation: filter", 2),
     # reward, output folder, resume
     ("reward_fn_import", ["--reward.fn", "no_such_package.rewards:score", "--reward.components", "{{custom: 1.0}}"],
      "importing no_such_package.rewards failed", 2),

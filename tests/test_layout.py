@@ -26,7 +26,7 @@ ROOT = os.path.join(REPO, "rlcore")
 
 # rlcore/ itself: only the ground floor, which every wing may use and which imports no wing.
 GROUND = {"rlcore", "rlcore.dist", "rlcore.errors", "rlcore.heap", "rlcore.hf_folder", "rlcore.metrics",
-          "rlcore.protocols", "rlcore.quiet", "rlcore.torchvision_shim"}
+          "rlcore.protocols", "rlcore.quiet", "rlcore.torchvision_shim", "rlcore.trackers"}
 WINGS = ("agent", "algo", "config", "demo", "distill", "engine", "judge", "plan", "rollout", "run", "step", "task")
 # The design card's modules -> the wing of their parts, and what each must define itself.
 CARD = {"rlcore.engine_veomni": ("engine", {"VeOmniPolicy", "LoraPolicy"}),

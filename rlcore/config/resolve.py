@@ -72,6 +72,17 @@ def _check_sync_every(r, mode: str) -> int:
     return 1 if mode == "strict" else SYNC_CHECK_EVERY_WARN
 
 
+DEFAULT_TOTAL_STEPS = 10  # trainer.total_steps when neither it nor trainer.total_epochs is set
+
+
+def _total_steps(t) -> int | None:
+    """trainer.total_steps null: DEFAULT_TOTAL_STEPS, unless trainer.total_epochs is set (then it stays
+    null here and ``rlcore.run.preflight.resolve_total_steps`` computes it once the data is read)."""
+    if t.total_steps is None and t.total_epochs is None:
+        return DEFAULT_TOTAL_STEPS
+    return t.total_steps
+
+
 def _has_vision(model_path: str) -> bool:
     from rlcore.hf_folder import config_or_empty
     from rlcore.rollout.settings import is_multimodal_config
@@ -188,4 +199,5 @@ def resolve(cfg: Config, device_type: str) -> Config:
         val=dataclasses.replace(cfg.val, max_response_length=cfg.val.max_response_length or r.max_response_length),
         distill=dataclasses.replace(cfg.distill, temperature=cfg.distill.temperature or r.temperature,
                                     max_model_len=cfg.distill.max_model_len or r.max_model_len + 1),
+        trainer=dataclasses.replace(cfg.trainer, total_steps=_total_steps(cfg.trainer)),
     )

@@ -326,13 +326,18 @@ class CheckpointConfig:
     """Run checkpoints and HF exports."""
 
     save_every: int = 0
-    """Steps between checkpoints; 0 = only at the end."""
+    """Steps between checkpoints; 0 = only at the end (the last step always saves); -1 = never (verl's
+    trainer.save_freq=-1): no periodic, final, preemption or divergence checkpoint is written, so a
+    restart has nothing of this run to resume from (a preempted run still exits 75, a diverged one 3).
+    HF exports are not checkpoints and keep their own keys: save_hf_final and hf_every still export."""
     resume: str = "auto"
     """auto (newest complete checkpoint in trainer.output_dir, else fresh), never, or a path."""
     keep_last: int = 2
     """Complete checkpoints kept."""
     save_hf_final: bool = True
-    """Export an HF safetensors folder to {output_dir}/hf_final at the end."""
+    """Export an HF safetensors folder to {output_dir}/hf_final at the end: a model for inference or
+    evaluation, not a checkpoint (no optimizer or data position; a run cannot resume from it), so
+    save_every=-1 does not turn it off; set this to false for no output at all."""
     hf_every: int = 0
     """Steps between HF exports to {output_dir}/hf/step_N; 0 = none."""
     hf_dtype: Literal["float32", "bfloat16"] = "float32"
@@ -343,7 +348,8 @@ class CheckpointConfig:
     plain checkpoint of base + adapter that transformers and vLLM load alone."""
 
     def __post_init__(self):
-        check(self.save_every >= 0, "checkpoint.save_every", self.save_every, "it must be >= 0")
+        check(self.save_every >= -1, "checkpoint.save_every", self.save_every,
+              "it must be >= 0 (steps between checkpoints; 0 = only at the end) or -1 (never save)")
         check(self.keep_last >= 1, "checkpoint.keep_last", self.keep_last, "keep at least 1")
         check(self.hf_every >= 0, "checkpoint.hf_every", self.hf_every, "it must be >= 0 (0 = no periodic export)")
         check(bool(self.resume.strip()), "checkpoint.resume", self.resume,
@@ -351,23 +357,90 @@ class CheckpointConfig:
 
 
 @dataclass
-class LoggingConfig:
-    """TensorBoard, metrics.jsonl and the console."""
+class WandbConfig:
+    """Weights & Biases (logging.trackers contains wandb). Offline unless asked: no network by default."""
 
+    project: str = "rlcore"
+    """The wandb project."""
+    name: Optional[str] = None
+    """The run's name; null = the name of trainer.output_dir."""
+    group: Optional[str] = None
+    """Groups runs in the wandb UI (e.g. the segments of a resumed run, or a sweep)."""
+    tags: list[str] = field(default_factory=list)
+    """Tags of the run."""
+    mode: str = "offline"
+    """offline (files only; upload later with `wandb sync`), online (opens a connection to the wandb
+    server) or disabled. The WANDB_MODE environment variable, when set, wins (said at start-up)."""
+    dir: Optional[str] = None
+    """Folder wandb writes its wandb/ folder into; null = trainer.output_dir ({output_dir}/wandb/)."""
+
+    def __post_init__(self):
+        from rlcore.trackers import WANDB_MODES
+
+        check(self.mode in WANDB_MODES, "logging.wandb.mode", self.mode, f"use one of {', '.join(WANDB_MODES)}")
+        check(bool(self.project), "logging.wandb.project", self.project, "give a project name")
+
+
+@dataclass
+class LoggingConfig:
+    """metrics.jsonl, the console, and the trackers (TensorBoard, wandb, MLflow)."""
+
+    trackers: list[str] = field(default_factory=lambda: ["tensorboard"])
+    """Where metrics go besides metrics.jsonl (rank 0 only): tensorboard ({output_dir}/tensorboard),
+    wandb (logging.wandb), mlflow (a local store in {output_dir}/mlruns or logging.mlflow_uri); [] = none."""
     tensorboard: bool = True
-    """Write TensorBoard events to {output_dir}/tensorboard."""
+    """false drops tensorboard from logging.trackers (the older switch); with trackers naming more
+    than tensorboard, keep it true or leave tensorboard out of trackers."""
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+    """The wandb tracker's settings."""
+    mlflow_uri: Optional[str] = None
+    """MLflow tracking URI; null = the local file store file:{output_dir}/mlruns (no server)."""
+    mlflow_experiment: str = "rlcore"
+    """MLflow experiment the run goes into (created when missing)."""
     console_every: int = 1
     """Steps between console lines."""
     switch_trace: bool = False
     """Print every step of every phase switch (rank, order, what it did, seconds)."""
+
+    def __post_init__(self):
+        from rlcore.trackers import TRACKERS
+
+        for name in self.trackers:
+            check(name in TRACKERS, "logging.trackers", list(self.trackers),
+                  f"unknown tracker {name!r}: valid names are {', '.join(sorted(TRACKERS))}")
+        check(len(set(self.trackers)) == len(self.trackers), "logging.trackers", list(self.trackers),
+              "name each tracker once")
+        check(self.tensorboard or "tensorboard" not in self.trackers or list(self.trackers) == ["tensorboard"],
+              "logging.tensorboard", self.tensorboard,
+              f"it conflicts with logging.trackers={list(self.trackers)}, which names tensorboard: remove "
+              "tensorboard from logging.trackers (logging.tensorboard is then not needed)")
+        check(self.console_every > 0, "logging.console_every", self.console_every, "it must be > 0")
+
+    @property
+    def enabled_trackers(self) -> list[str]:
+        """logging.trackers less tensorboard when logging.tensorboard is false."""
+        return [t for t in self.trackers if self.tensorboard or t != "tensorboard"]
 
 
 @dataclass
 class TrainerConfig:
     """The loop."""
 
-    total_steps: int = 10
-    """Training steps of the run."""
+    total_steps: Optional[int] = None
+    """Training steps of the run (the LR schedule, trainer.val_every's final validation and the
+    final checkpoint follow it). null = 10, or computed from trainer.total_epochs when that is set.
+    With both set (verl's total_training_steps silently wins over total_epochs), they must agree:
+    a mismatch exits 2 naming both; set one of them to null."""
+    total_epochs: Optional[int] = None
+    """verl's trainer.total_epochs: passes over the training prompts. total_steps is computed at
+    start-up, once the data is read: ceil(total_epochs x P / prompts_per_step), P = the prompts kept
+    after data.truncation filtering. Epochs run into one another here (a step whose batch crosses
+    the end of an epoch takes its rest from the next epoch's shuffle, while verl drops that partial
+    batch), so the run draws every prompt total_epochs times, and its last step tops up with at most
+    prompts_per_step - 1 prompts of one more epoch; when prompts_per_step divides P this is verl's
+    total_epochs x (P // prompts_per_step). algorithm.dynamic_sampling and rollout.partial draw more
+    prompts a step than prompts_per_step: those runs pass over the data more often than this.
+    null = use total_steps."""
     prompts_per_step: int = 8
     """Prompts per step, global over all data-parallel rollout replicas."""
     output_dir: str = "outputs/run"
@@ -387,7 +460,7 @@ class TrainerConfig:
     """Report a phase running longer than this, naming phase and rank; 0 = off."""
 
     def __post_init__(self):
-        check_positive("trainer", self, "total_steps", "prompts_per_step", "preempt_grace_s",
+        check_positive("trainer", self, "total_steps", "total_epochs", "prompts_per_step", "preempt_grace_s",
                         "max_consecutive_skips")
         check(self.watchdog_s >= 0, "trainer.watchdog_s", self.watchdog_s, "it must be >= 0 (0 = no watchdog)")
         check(self.val_every >= 0, "trainer.val_every", self.val_every, "it must be >= 0 (0 = no periodic validation)")

@@ -100,9 +100,11 @@ def step_snapshot(run: Run) -> dict:
 
 def stop_preempted(run: Run, at_start: dict | None) -> None:
     """Every rank, after a collective stop decision: checkpoint the last complete step (unless that
-    is saved already), then exit with Exit.PREEMPTED. ``at_start``: the current step is abandoned."""
+    is saved already; never with checkpoint.save_every=-1), then exit with Exit.PREEMPTED. ``at_start``:
+    the current step is abandoned."""
     step = run.state.step if at_start is None else at_start["step"]
-    if step > 0 and run.state.saved_step != step:
+    never = run.cfg.checkpoint.save_every == NEVER_SAVE
+    if step > 0 and run.state.saved_step != step and not never:
         state, rng = (trainer_state(run), None) if at_start is None else (at_start["trainer"], at_start["rng"])
         with run.watchdog.phase("checkpoint"):
             asleep_for_checkpoint(run, f"save step_{step}")
@@ -113,8 +115,11 @@ def stop_preempted(run: Run, at_start: dict | None) -> None:
     since = run.stop.seconds_since_signal()
     origin = f"{since:.1f} s after the signal reached this rank" if since is not None else "signal on another rank"
     saved = f"checkpoint step_{step} is complete" if step > 0 else "no step completed, nothing to save"
+    then = "resume with checkpoint.resume=auto"
+    if never and step > 0:
+        saved, then = "nothing saved (checkpoint.save_every=-1)", "a restart starts over"
     print(f"rank {run.info.rank}: preempted at step {step} ({origin}); {saved}; exiting with code "
-          f"{int(Exit.PREEMPTED)} (resume with checkpoint.resume=auto)", file=sys.stderr, flush=True)
+          f"{int(Exit.PREEMPTED)} ({then})", file=sys.stderr, flush=True)
     # The grace period is short: skip the engine shutdown and interpreter teardown (~10 s on CPU).
     # The checkpoint ended with a barrier, logs are flushed, and no collective follows. C++
     # destructors still run (exit_process): on CPU they remove vLLM's tensor-parallel shm files,
@@ -139,21 +144,25 @@ def count_skips(run: Run, metrics: dict) -> dict:
 
 def stop_if_diverged(run: Run) -> None:
     """After max_consecutive_skips skipped steps: checkpoint (model and optimizer are those of the last
-    good update, as skipped steps change neither) and exit with Exit.NON_FINITE."""
+    good update, as skipped steps change neither; none with checkpoint.save_every=-1) and exit with
+    Exit.NON_FINITE."""
     limit = run.cfg.trainer.max_consecutive_skips
     if run.state.skips_consecutive < limit:
         return
-    if run.state.saved_step != run.state.step:
+    never = run.cfg.checkpoint.save_every == NEVER_SAVE
+    if run.state.saved_step != run.state.step and not never:
         asleep_for_checkpoint(run, f"save step_{run.state.step}")
         checkpoint.save(run.engines.policy, run.cfg.trainer.output_dir, run.state.step, trainer_state(run), run.info.rank,
                         run.cfg.checkpoint.keep_last)
         run.state.saved_step = run.state.step
     if run.info.is_main:
+        saved = (f"Checkpoint step_{run.state.step} holds the model and optimizer of the last good update. "
+                 if not never else "No checkpoint was written (checkpoint.save_every=-1). ")
+        then = "then resume with checkpoint.resume=auto" if not never else "then start again"
         print(f"error: training stopped at step {run.state.step}: {limit} steps in a row had a non-finite loss or "
               f"gradient norm (trainer.max_consecutive_skips={limit}), and their optimizer steps were skipped. "
-              f"Checkpoint step_{run.state.step} holds the model and optimizer of the last good update. Lower optim.lr, "
-              f"check rewards and data for NaN/inf, or raise trainer.max_consecutive_skips, then resume with "
-              f"checkpoint.resume=auto.", file=sys.stderr, flush=True)
+              f"{saved}Lower optim.lr, check rewards and data for NaN/inf, or raise trainer.max_consecutive_skips, "
+              f"{then}.", file=sys.stderr, flush=True)
     teardown(run)
     raise SystemExit(int(Exit.NON_FINITE))
 
@@ -167,6 +176,17 @@ def asleep_for_checkpoint(run: Run, what: str) -> None:
     run.engines.switch.record_checkpoint(what)
 
 
+NEVER_SAVE = -1  # checkpoint.save_every: no checkpoint at all (verl's trainer.save_freq=-1)
+
+
+def checkpoint_due(step: int, total_steps: int, save_every: int) -> bool:
+    """Whether step ``step`` writes a checkpoint: every ``save_every`` steps and at the last step;
+    save_every 0: the last step only; NEVER_SAVE: never (HF exports are decided apart)."""
+    if save_every == NEVER_SAVE:
+        return False
+    return step == total_steps or (save_every > 0 and step % save_every == 0)
+
+
 def write_due_checkpoint(run: Run) -> int | None:
     """In the train phase, after the optimizer step (vLLM asleep, the trainer state on the device):
     write the checkpoint and the HF exports due at this step. Returns the step whose checkpoint
@@ -174,7 +194,7 @@ def write_due_checkpoint(run: Run) -> int | None:
     c, out, step = run.cfg.checkpoint, run.cfg.trainer.output_dir, run.state.step
     last = step == run.cfg.trainer.total_steps
     pending = None
-    if last or (c.save_every and step % c.save_every == 0):
+    if checkpoint_due(step, run.cfg.trainer.total_steps, c.save_every):
         run.engines.switch.record_checkpoint(f"save step_{step}")
         checkpoint.write(run.engines.policy, out, step, trainer_state(run), run.info.rank)
         pending = step
@@ -222,6 +242,6 @@ def end_summary(run: Run) -> str:
         parts.append(f"HF model {os.path.join(out, 'hf_final')}")
     parts.append(f"metrics {os.path.join(out, 'metrics.jsonl')}")
     curves = f"curves: python scripts/plot_metrics.py {out}"
-    if run.cfg.logging.tensorboard:
+    if run.logger.writer is not None or "tensorboard" in run.cfg.logging.enabled_trackers:
         curves += f" or tensorboard --logdir {os.path.join(out, 'tensorboard')}"
     return " | ".join(parts + [curves])

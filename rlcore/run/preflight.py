@@ -41,6 +41,7 @@ def preflight(cfg: Config, rank: int, world_size: int):
                                       agent.renderer_for(cfg, tokenizer))
         check_image_limit(cfg, prompts)
         check_judge_data(cfg.reward.judges(), [p.row for p in prompts])  # the templates' fields
+        epochs_note = resolve_total_steps(cfg, len(prompts))  # before the engines: the LR schedule follows it
     except ConfigError as e:
         fail(str(e))
     if rank == 0:
@@ -49,10 +50,53 @@ def preflight(cfg: Config, rank: int, world_size: int):
         if note:
             print(f"warning: {note}", flush=True)
         images = sum(len(p.images or []) for p in prompts)
+        cut = stats.get("data/truncated_too_long")
+        too_long = (f"{stats['data/filtered_too_long']} over data.max_prompt_length filtered" if cut is None else
+                    f"{cut} over data.max_prompt_length truncated, data.truncation={cfg.data.truncation}")
         print(f"train data: {stats['data/prompts']} prompts{f' with {images} images' if images else ''} "
-              f"({stats['data/bad_rows']} bad rows skipped, "
-              f"{stats['data/filtered_too_long']} over data.max_prompt_length filtered)", flush=True)
+              f"({stats['data/bad_rows']} bad rows skipped, {too_long})", flush=True)
+        for note in (epochs_note, checkpoint_note(cfg)):
+            if note:
+                print(note, flush=True)
     return tokenizer, processor, prompts, resume_from
+
+
+def epochs_to_steps(epochs: int, prompts: int, per_step: int) -> int:
+    """trainer.total_epochs -> total_steps: ceil(epochs x prompts / per_step). PromptSampler runs the
+    epochs into one another (a batch crossing an epoch's end takes its rest from the next epoch's
+    order), so this many steps draw every prompt ``epochs`` times, the last step topping up with
+    fewer than ``per_step`` prompts of one more epoch. verl drops each epoch's partial batch instead:
+    epochs x (prompts // per_step) steps; both agree when ``per_step`` divides ``prompts``."""
+    return -(-epochs * prompts // per_step)
+
+
+def resolve_total_steps(cfg: Config, num_prompts: int) -> str | None:
+    """trainer.total_epochs set: fill in trainer.total_steps from the training prompts kept after
+    filtering (in place: the one Config the run builds everything from after preflight) and return
+    the start-up line; None when total_epochs is not set. Both set and disagreeing: ConfigError."""
+    t = cfg.trainer
+    if t.total_epochs is None:
+        return None
+    steps = epochs_to_steps(t.total_epochs, num_prompts, t.prompts_per_step)
+    check(t.total_steps is None or t.total_steps == steps, "trainer.total_steps", t.total_steps,
+          f"trainer.total_epochs={t.total_epochs} over the {num_prompts} training prompts at trainer.prompts_per_step="
+          f"{t.prompts_per_step} is {steps} steps; set one of the two to null (with both, they must agree)")
+    t.total_steps = steps
+    extra = t.total_epochs * num_prompts % t.prompts_per_step
+    tail = f"; the last step draws {t.prompts_per_step - extra} prompts of one more epoch" if extra else ""
+    return (f"trainer.total_epochs {t.total_epochs} -> total_steps {steps} ({num_prompts} prompts, "
+            f"{t.prompts_per_step} per step){tail}")
+
+
+def checkpoint_note(cfg: Config) -> str | None:
+    """The start-up line of checkpoint.save_every=-1 (never save); None otherwise."""
+    c = cfg.checkpoint
+    if c.save_every != -1:
+        return None
+    hf = (f"; checkpoint.save_hf_final=true still exports {os.path.join(cfg.trainer.output_dir, 'hf_final')} at "
+          f"the end (an HF model for inference, not a checkpoint)" if c.save_hf_final else "")
+    return ("checkpoint.save_every=-1: this run writes no checkpoint (periodic, final, on preemption or divergence); "
+            f"a restart cannot resume it{hf}")
 
 
 def cpu_bf16_isa() -> str | None:

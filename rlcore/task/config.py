@@ -9,7 +9,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal, Optional
 
-from rlcore.errors import check_positive
+from rlcore.errors import check, check_positive
+
+CUTTING_MODES = ("left", "right", "middle")  # data.truncation values that cut a prompt to max_prompt_length
 
 
 @dataclass
@@ -34,8 +36,13 @@ class DataConfig:
     """System turn placed before each prompt (with apply_chat_template)."""
     max_prompt_length: int = 256
     """Prompt tokens at most."""
-    truncation: Literal["filter", "error"] = "filter"
-    """Prompts over max_prompt_length: filter (drop and count them) or error (exit 2 at the row)."""
+    truncation: Literal["filter", "error", "left", "right", "middle"] = "filter"
+    """Prompts over max_prompt_length (counted in tokens after the chat template): filter (drop and
+    count them), error (exit 2 at the row), or cut them to max_prompt_length tokens and count them,
+    as verl's data.truncation does: left keeps the last max_prompt_length tokens, right the first,
+    middle the first max_prompt_length // 2 and the last max_prompt_length - max_prompt_length // 2.
+    A cut applies to the token ids (a chat template's header or generation prompt may be cut too);
+    left/right/middle are refused with data.image_key (a cut could split an image's tokens)."""
     skip_bad_rows: bool = False
     """Skip (and count) malformed rows instead of stopping at the first with file:line."""
     shuffle: bool = True
@@ -45,3 +52,6 @@ class DataConfig:
 
     def __post_init__(self):
         check_positive("data", self, "max_prompt_length")
+        check(self.truncation not in CUTTING_MODES or not self.image_key, "data.truncation", self.truncation,
+              f"with data.image_key={self.image_key!r} a cut could remove image placeholder tokens (each image's "
+              f"tokens must stay whole); set data.truncation: filter (drop over-long prompts), or error")

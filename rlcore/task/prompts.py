@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 
 from rlcore.errors import ConfigError
 from rlcore.task import images as vision
+from rlcore.task.config import CUTTING_MODES
 
 if TYPE_CHECKING:  # annotations only
     from rlcore.task.config import DataConfig
@@ -189,10 +190,11 @@ def render_prompt(row: dict, cfg: DataConfig, tokenizer, processor=None, chat=No
 
 
 def load_prompts(files: list[str], cfg: DataConfig, tokenizer, processor=None, chat=None) -> tuple[list[Prompt], dict]:
-    """Tokenize every row; filter or reject over-long prompts. Returns (prompts, data/* stats).
+    """Tokenize every row; filter, reject or cut (data.truncation) over-long prompts. Returns (prompts,
+    data/* stats: bad rows, filtered over-long prompts, prompts, and with a cutting mode the number cut).
     ``processor`` (a ``rlcore.task.images.VisionProcessor``) is needed for rows with images; ``chat``
     renders multi-turn prompts with the tools."""
-    prompts, bad, too_long = [], 0, 0
+    prompts, bad, too_long, truncated = [], 0, 0, 0
     for path in files:
         rows, nbad = read_rows(path, cfg)
         bad += nbad
@@ -209,15 +211,39 @@ def load_prompts(files: list[str], cfg: DataConfig, tokenizer, processor=None, c
                         f"a prompt in {path} has {length} tokens (image tokens included) > data.max_prompt_length="
                         f"{cfg.max_prompt_length}; raise the limit or set data.truncation=filter"
                     )
-                too_long += 1
-                continue
+                if cfg.truncation in CUTTING_MODES:  # text only (DataConfig refuses a cut with image_key)
+                    ids = truncate_ids(ids, cfg.max_prompt_length, cfg.truncation)
+                    text = tokenizer.decode(ids)  # what the model sees (validation examples show it)
+                    truncated += 1
+                else:
+                    too_long += 1
+                    continue
             prompts.append(Prompt(ids=ids, text=text, answer=str(get_key(row, cfg.answer_key)),
                                   images=[vision.encode_image(im) for im in images] or None,
                                   row=row))  # environments reset on it; judges read its fields
     if not prompts:
         raise ConfigError(f"data files {files} hold no usable prompt after filtering "
                           f"({bad} bad rows, {too_long} over data.max_prompt_length); check the files and keys")
-    return prompts, {"data/bad_rows": bad, "data/filtered_too_long": too_long, "data/prompts": len(prompts)}
+    stats = {"data/bad_rows": bad, "data/filtered_too_long": too_long, "data/prompts": len(prompts)}
+    if cfg.truncation in CUTTING_MODES:
+        stats["data/truncated_too_long"] = truncated
+    return prompts, stats
+
+
+def truncate_ids(ids: list[int], max_len: int, mode: str) -> list[int]:
+    """``ids`` cut to ``max_len`` tokens as verl's ``data.truncation`` cuts them: left keeps the last
+    ``max_len``, right the first ``max_len``, middle the first ``max_len // 2`` and the last
+    ``max_len - max_len // 2``. Shorter lists come back unchanged."""
+    if len(ids) <= max_len:
+        return list(ids)
+    if mode == "left":
+        return list(ids[len(ids) - max_len:])
+    if mode == "right":
+        return list(ids[:max_len])
+    if mode == "middle":
+        head = max_len // 2
+        return list(ids[:head]) + list(ids[len(ids) - (max_len - head):])
+    raise ValueError(f"unknown truncation mode {mode!r} (expected one of {CUTTING_MODES})")
 
 
 def derive_seed(seed: int, offset: int) -> int:
