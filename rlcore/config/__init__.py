@@ -2,6 +2,7 @@
 
     sections.py  one dataclass per concern (field docstrings = ``--help``); ``__post_init__`` only checks
     lora.py      the ``lora`` section and its checks against the model folder
+    rollout.py   the ``rollout`` section (the vLLM engine) and its ``partial`` sub-section
     resolve.py   dependent defaults (device, model folder), filled in once after parsing
     cli.py       the command line: YAML + ``--section.key value``, ``--help``, ``--print_config``
 
@@ -17,9 +18,10 @@ from rlcore.algo.config import AlgorithmConfig, ExplorationConfig, RolloutCorrec
 from rlcore.config.lora import LoraConfig
 from rlcore.config.resolve import resolve
 from rlcore.config.sections import (
-    CheckpointConfig, Config, LoggingConfig, ModelConfig, OffloadConfig, OptimConfig, ParallelConfig,
-    PartialConfig, RewardConfig, RolloutConfig, TrainerConfig, ValConfig,
+    CheckpointConfig, Config, LoggingConfig, ModelConfig, OffloadConfig, OptimConfig, ParallelConfig, RewardConfig,
+    TrainerConfig, ValConfig,
 )
+from rlcore.config.rollout import PartialConfig, RolloutConfig
 from rlcore.errors import ConfigError, check, fail
 from rlcore.hf_folder import model_num_experts
 from rlcore.task.config import DataConfig
