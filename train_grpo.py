@@ -27,7 +27,7 @@ from rlcore.dist import DistInfo, init_distributed, run_then_exit, torchrun_env 
 from rlcore.errors import Exit  # noqa: E402
 from rlcore.run import preempt  # noqa: E402
 from rlcore.run.build import build_engines, loss_options  # noqa: E402
-from rlcore.step import validation  # noqa: E402
+from rlcore.step import balance, validation  # noqa: E402
 from rlcore.task.prompts import PromptSampler  # noqa: E402
 from rlcore.run.lifecycle import (  # noqa: E402
     Run, commit_checkpoint, count_skips, resume, step_snapshot, stop_if_diverged, stop_preempted, teardown,
@@ -36,7 +36,7 @@ from rlcore.run.lifecycle import (  # noqa: E402
 from rlcore.metrics import MetricsLogger, Timer  # noqa: E402
 from rlcore.run.ownership import tie_to_launcher  # noqa: E402
 from rlcore.run.preflight import preflight, prepare_scoring, resolve_image_limit  # noqa: E402
-from rlcore.step.sampling import StepSampler, generation_seed, response_budget, shard_for_training  # noqa: E402
+from rlcore.step.sampling import StepSampler, generation_seed, response_budget  # noqa: E402
 from rlcore.step.sync_check import SyncMismatchError  # noqa: E402
 
 
@@ -74,7 +74,7 @@ def loop(run: Run) -> None:
             adv, distill_metrics = distill.advantages(e.teacher, batch, adv)  # the teacher scores every token
         if stop.agreed():  # phase boundary, collective: drop this step's samples, keep step - 1
             stop_preempted(run, at_start)
-        batch, adv, scores = shard_for_training(e.rollout, batch, adv, scores)
+        batch, adv, scores = balance.for_training(e.rollout, batch, adv, scores, cfg, reward_metrics)  # TP slice
         with watchdog.phase("train"):
             e.switch.to_training()
             with run.timer("train"):

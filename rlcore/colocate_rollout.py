@@ -100,6 +100,8 @@ class ColocateRollout:
         sleep_mode: bool = True,
         emulate_sleep: bool = False,
         emulate_ascend_moe: bool = False,
+        trust_remote_code: bool = False,
+        vllm: dict | None = None,
     ):
         """``enforce_eager`` None: eager on CPU, CUDA/ACL graphs on accelerators (they survive
         sleep/wake: see rollout.settings.pick_enforce_eager). ``max_num_seqs``,
@@ -115,7 +117,8 @@ class ColocateRollout:
         ``emulate_sleep`` (CPU only; tests and debugging): ``sleep_level`` 1 and 2 act on the CPU
         engine's weights as vLLM's sleep mode does on a device (rlcore.rollout.cpu_sleep);
         ``emulate_ascend_moe`` (with it) also treats the experts as vllm-ascend 0.23 does: the NPU
-        kernel's layout after loading, swapped views after wake-up (rlcore.rollout.expert_layout)."""
+        kernel's layout after loading, swapped views after wake-up (rlcore.rollout.expert_layout).
+        ``vllm``: enable_chunked_prefill / expert_parallel / engine_kwargs of llm_kwargs (rollout.engine_keys)."""
         if tp_size < 1 or info.world_size % tp_size:
             raise ValueError(f"tp_size={tp_size} must divide world_size={info.world_size}")
         self.info = info
@@ -157,7 +160,8 @@ class ColocateRollout:
             speed=dict(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                        enable_prefix_caching=enable_prefix_caching, block_size=block_size),
             limit_mm_per_prompt=limit_mm_per_prompt, mm_processor_cache_gb=mm_processor_cache_gb,
-            routed_experts=return_routed_experts, lora_rank=lora_rank, runner=runner, sleep_mode=sleep_mode)
+            routed_experts=return_routed_experts, lora_rank=lora_rank, runner=runner, sleep_mode=sleep_mode,
+            trust_remote_code=trust_remote_code, **(vllm or {}))
         self.lora_request = None  # the policy's adapter once pushed (update_adapter)
         try:
             self.llm = self._build_engine(model_path, engine_kwargs)

@@ -102,6 +102,7 @@ class VeOmniPolicy(OffloadState):
         ulysses_size: Ulysses sequence parallelism (``rlcore.engine.ulysses``): each group of this
             many consecutive ranks runs one packed row, 1/U of its positions each; the caller
             hands every rank of a group the same rows (``rlcore.algo.grpo``). 1 = off.
+        fsdp_size: HSDP, shard over blocks of this many ranks, replicate across them (None = all).
     """
 
     _wrap = adapter_path = None  # LoRA (LoraPolicy below) sets both
@@ -115,7 +116,8 @@ class VeOmniPolicy(OffloadState):
                  kahan_summation: bool | None = None, lr_schedule: str = "constant", warmup_steps: int = 0,
                  min_lr_ratio: float = 0.0, total_steps: int = 1, grad_clip: float | None = 1.0,
                  ops_overrides: dict | None = None, ep_size: int = 1, moe_implementation: str = "auto",
-                 freeze_vision_tower: bool = False, routing_replay: bool = False, ulysses_size: int = 1):
+                 freeze_vision_tower: bool = False, routing_replay: bool = False, ulysses_size: int = 1,
+                 fsdp_size: int | None = None, trust_remote_code: bool = False):
         dtype = str(_to_dtype(dtype)).removeprefix("torch.")  # validate; VeOmni wants the name
         if offload_outside_forward and trainable:
             raise ValueError("offload_outside_forward is for frozen (trainable=False) policies; the phase switch "
@@ -134,7 +136,7 @@ class VeOmniPolicy(OffloadState):
         self.offload_outside_forward = offload_outside_forward
         self.offloaded = {"params": False, "optimizer": False}  # where the state is now (see offload)
         self._host_copies = HostCopies.from_env(info.device_type)
-        state = ensure_parallel_state(info, ep_size, ulysses_size)
+        state = ensure_parallel_state(info, ep_size, ulysses_size, fsdp_size)
         self.ep_size, self.ulysses_size = ep_size, ulysses_size
         self.moe_implementation = engine_moe.pick_moe_implementation(moe_implementation, info.device_type, ep_size)
         self.expert_layout = engine_moe.checkpoint_expert_layout(model_path)  # how experts go out again
@@ -147,7 +149,7 @@ class VeOmniPolicy(OffloadState):
             attn_implementation=attn_implementation,
             ops_overrides=ops_overrides,
             moe_implementation=self.moe_implementation,
-            wrap=self._wrap, adapter_path=self.adapter_path,
+            wrap=self._wrap, adapter_path=self.adapter_path, trust_remote_code=trust_remote_code,
         )
         self.sp = None  # rlcore.engine.ulysses.Context when ulysses_size > 1
         if ulysses_size > 1:

@@ -3,6 +3,7 @@ samples) on 2 CPU ranks, with the packing options switched on one after the othe
 
     .venv/bin/python scripts/bench_train.py [--prompts 8] [--n 8] [--prompt-len 48] [--response-len 12]
         [--micro-batch-tokens 2048] [--repeats 3] [--layers 30] [--vocab 49152] [--nproc 2]
+        [--log-prob-factor 4]  (the no-gradient forwards instead: scripts/bench_log_prob.py)
 
 Starts its own ranks (torchrun, gloo). Rank 0 writes a random model with SmolLM2-135M-Instruct's
 config (LlamaForCausalLM, 576 wide, 30 layers, 9/3 heads, 49152 vocab, tied embeddings; nothing
@@ -77,6 +78,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--nproc", type=int, default=2)
     p.add_argument("--timeout-s", type=float, default=3600)
+    p.add_argument("--log-prob-factor", type=int, default=0,
+                   help="instead: time the old + reference log-prob forwards with training's micro-batch vs "
+                        "this many times it (algorithm.log_prob_micro_batch_size; scripts/bench_log_prob.py)")
     args = p.parse_args(argv)
     if min(args.prompts, args.n, args.prompt_len, args.response_len, args.micro_batch_tokens, args.repeats,
            args.layers, args.nproc) < 1 or args.vocab < 16:
@@ -328,6 +332,10 @@ def worker(args) -> None:
     from rlcore.dist import init_distributed
 
     info = init_distributed("cpu")
+    if args.log_prob_factor:
+        from scripts.bench_log_prob import log_prob_worker
+
+        return log_prob_worker(args, info)
     root, policy = setup(args, info)
     local, inp = local_inputs(args, info)
     cfgs = configs(args)
@@ -349,6 +357,12 @@ def worker(args) -> None:
 def main(argv: list[str]) -> None:
     r = bc.run_or_relaunch(os.path.abspath(__file__), argv, parse_args, worker)
     if r is None:  # this process was a rank
+        return
+    if r.get("log_prob"):
+        from scripts.bench_log_prob import print_log_prob
+
+        print_log_prob(r)
+        print(json.dumps(r))
         return
     for name, v in r["variants"].items():
         print(f"  {name:16s} {v['median_s']:8.3f}s  x{r['baseline_s'] / v['median_s']:5.2f}  "

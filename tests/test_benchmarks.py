@@ -98,6 +98,15 @@ def test_bench_train_small():
     assert r["variants"]["+shared_prompt"]["packed_tokens"] < r["variants"]["+response_only"]["packed_tokens"]
 
 
+def test_bench_train_log_prob_micro_batches_small():
+    # the old + reference forwards at training's micro-batch (2) vs 4x it (algorithm.log_prob_micro_batch_size)
+    r = run_bench("bench_train.py", "--log-prob-factor", "4", "--layers", "2", "--vocab", "512", "--prompts", "2",
+                  "--n", "4", "--repeats", "1", "--nproc", "2")
+    assert r["log_prob"] and r["ranks"] == 2 and r["factor"] == 4 and r["ratio"] > 0
+    assert {n: v["forwards"] for n, v in r["variants"].items()} == {"train_micro": 4, "x4": 2}  # 4 sequences/rank
+    assert r["max_logp_diff"] <= 1e-5  # the same log-probs
+
+
 def test_bench_vl_small():
     # image+text demo at a tiny size: 1 warm-up + 1 measured step, 4 prompts x 2 samples
     r = run_bench("bench_vl.py", "--steps", "1", "--warmup", "1", "--prompts_per_step", "4", "--n", "2",

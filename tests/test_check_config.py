@@ -145,6 +145,16 @@ def results(tmp_path_factory, tiny_model, toy_data) -> dict[str, dict[str, list]
                                             *stand_in(tmp, "i", "qwen3_30b_a3b"), "--algorithm.routing_replay", "r3",
                                             "--rollout.enable_prefix_caching", "false"], "cuda", 8, 2),
         "judge_context_too_long": (judge_recipe(tmp, "long", max_model_len=65536), "cuda", 8, 2),
+        # rollout.enable_expert_parallel and rollout.engine_kwargs (rlcore/rollout/engine_keys.py) through vLLM
+        "ep_cuda": (["--config", cfg("qwen3_30b_a3b_math_16gpu"), *stand_in(tmp, "x", "qwen3_30b_a3b"),
+                     "--rollout.enable_expert_parallel", "true", "--rollout.engine_kwargs", "{max_logprobs: 5}"],
+                    "cuda", 8, 2),
+        "ep_npu": (["--config", cfg("qwen3_30b_a3b_math_16gpu"), *stand_in(tmp, "y", "qwen3_30b_a3b"),
+                    "--rollout.enable_expert_parallel", "true"], "npu", 16, 1),
+        "engine_kwargs_bad_type": (["--config", cfg("qwen3_8b_math_16gpu"), *stand_in(tmp, "z", "qwen3_8b"),
+                                    "--rollout.engine_kwargs", "{max_logprobs: many}"], "cuda", 8, 2),
+        "engine_kwargs_bad_choice": (["--config", cfg("qwen3_30b_a3b_math_16gpu"), *stand_in(tmp, "k", "qwen3_30b_a3b"),
+                                      "--rollout.engine_kwargs", "{kv_cache_dtype: int3}"], "npu", 16, 1),
         "r3_cpu": (["--config", cfg("demo_moe_cpu"), "--model.path", make_tiny_moe_model(str(tmp / "moe")),
                     "--data.train_files", json.dumps([toy_data[0]]), "--data.val_files", json.dumps([toy_data[0]]),
                     "--trainer.output_dir", str(tmp / "r3"), "--algorithm.routing_replay", "r3"], "cpu", 2, 1),
@@ -269,6 +279,24 @@ def test_the_seed_run_passes_on_an_ascend_a3_node(results):
     assert "GB per rank of 80: generate 72.0, sync 17.9, train 39.6, checkpoint 19.6" in twin["memory"][1], twin["memory"]
 
 
+def test_expert_parallel_and_engine_kwargs_go_through_vllms_engine_config(results):
+    """rollout.enable_expert_parallel on a MoE model passes vLLM's create_engine_config for cuda and
+    npu (one more LLM keyword each; engine_kwargs' max_logprobs one more again), and engine_kwargs
+    values vLLM refuses fail the dry run with vLLM's own message."""
+    base = results["qwen3_30b_a3b_math_16gpu"]["vllm_engine_args"][1]
+    count = lambda d: int(d.split(" accepts all ")[1].split()[0])  # noqa: E731
+    assert results["ep_cuda"]["vllm_engine_args"][0] == "ok"
+    assert count(results["ep_cuda"]["vllm_engine_args"][1]) == count(base) + 2
+    assert results["ep_cuda"]["memory"] == results["qwen3_30b_a3b_math_16gpu"]["memory"]  # E / tp experts: same bytes
+    assert results["ep_npu"]["vllm_engine_args"][0] == "warn"  # the npu pin note, as for every npu config
+    assert count(results["ep_npu"]["vllm_engine_args"][1]) == count(results["moe_on_npu"]["vllm_engine_args"][1]) + 1
+    status, detail = results["engine_kwargs_bad_type"]["vllm_engine_args"]
+    assert status == "FAIL" and "(with rollout.engine_kwargs {'max_logprobs': 'many'})" in detail
+    assert "Input should be a valid integer" in detail, detail
+    status, detail = results["engine_kwargs_bad_choice"]["vllm_engine_args"]
+    assert status == "FAIL" and "Input should be 'auto', 'float16', 'bfloat16', 'fp8'" in detail, detail
+
+
 def test_the_script_exits_2_naming_the_failed_check(tmp_path):
     """The command a user runs: one line per check, exit 2 and the failed checks named."""
     args = stand_in(tmp_path, "m", "qwen3_30b_a3b")
@@ -296,3 +324,5 @@ def test_the_seed_recipe_holds_the_seed_runs_settings(recipe):
         "anyprecision_adamw", 1e-6, 0.01, "low_var_kl", 0.0)
     assert c["model"]["gradient_checkpointing"] and all(c["offload"][k] for k in ("params", "optimizer", "ref"))
     assert t["val_before_train"] and c["parallel"]["ep_size"] == (16 if recipe.endswith("npu") else 8)
+    if recipe.endswith("npu"):  # the seed run's "chunked prefill off" (the CUDA twin keeps vLLM's default)
+        assert r["enable_chunked_prefill"] is False

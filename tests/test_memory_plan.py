@@ -456,3 +456,33 @@ def test_moe_sync_scratch_is_a_layers_gathered_experts():
 
     scratch = sync_bucket_bytes(PlanInputs(shape=shape, world=16, device_gb=80, dtype="bfloat16", tp=4, ep=8))
     assert scratch == 5 * 128 * 2048 * 768 * 2 and scratch / GB == pytest.approx(1.875)
+
+
+@pytest.mark.unit
+def test_hsdp_shards_the_trainer_state_over_fsdp_size():
+    """parallel.fsdp_size (HSDP): a rank holds 1/fsdp_size of the trainer state, not 1/world; the rest
+    of the plan (vLLM, activations) does not change. Qwen3-8B on 16 ranks, fsdp_size 8: twice the bytes."""
+    from dataclasses import replace
+
+    from rlcore.plan.memory import component_bytes
+
+    p = PlanInputs(ModelShape.from_path(FIXTURE), world=16, device_gb=80, reference=True, tp=2)
+    plain, hsdp = component_bytes(p), component_bytes(replace(p, fsdp=8))
+    assert (plain["trainer_params"], plain["optimizer"]) == (4 * N // 16, 8 * N // 16)
+    for key, per_param in (("trainer_params", 4), ("gradients", 4), ("optimizer", 8), ("reference", 2)):
+        assert hsdp[key] == per_param * N // 8, key
+    assert {k: v for k, v in hsdp.items() if k not in ("trainer_params", "gradients", "optimizer", "reference")} \
+        == {k: v for k, v in plain.items() if k not in ("trainer_params", "gradients", "optimizer", "reference")}
+    assert component_bytes(replace(p, fsdp=16)) == plain  # fsdp_size = world is plain FSDP
+
+
+def test_hsdp_plan_from_config_and_its_suggestion(recipe):
+    """The script reads parallel.fsdp_size; a plan that misses names a bigger shard group, not more ranks."""
+    proc = run_script(recipe, "--nproc", "16", "--nnodes", "1", "--device-gb", "80", "--json", "--",
+                      "--parallel.fsdp_size", "2")
+    plan = last_json(proc)
+    train = plan["phases"]["train"]["components"]
+    assert train["trainer_params"] == pytest.approx(4 * N // 2 / GB, abs=1e-3)
+    assert plan["fits"] is False
+    assert any(s.startswith("parallel.fsdp_size=") for s in plan["suggestions"]), plan["suggestions"]
+    assert not any("more ranks shard" in s for s in plan["suggestions"]), plan["suggestions"]

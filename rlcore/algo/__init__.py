@@ -9,6 +9,8 @@
     rollout_correction.py  importance weights and rejection between vLLM's and the trainer's log-probs
     exploration.py         entropy control and clip-cov options
     distill.py             on-policy distillation's per-token advantage (reverse KL) and its sums
+    balance.py             trainer.balance_batch's partition: equal token counts per data-parallel part
+    log_prob.py            the old/reference log-prob forwards' own micro-batches (log_prob_micro_batch_*)
 
 The advantage estimators, KL penalties, loss aggregation and policy losses are the design card's
 ``rlcore/advantage.py``, which this wing builds on (and which imports none of it).

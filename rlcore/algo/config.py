@@ -48,6 +48,17 @@ class AlgorithmConfig:
     micro_batch_tokens: Optional[int] = None
     """Pack micro-batches up to this many tokens instead of micro_batch_size sequences, balanced
     so every rank runs the same number of micro-batches with similar token counts; null = off."""
+    log_prob_micro_batch_size: Optional[int] = None
+    """Sequences per no-gradient forward (the old-policy and reference log-probs) on each rank, or
+    Ulysses group: no activations are kept for a backward, so it can be larger than
+    micro_batch_size; the log-probs do not depend on it. verl's
+    actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu and
+    actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu. null = micro_batch_size."""
+    log_prob_micro_batch_tokens: Optional[int] = None
+    """Token budget of one no-gradient micro-batch, packed as micro_batch_tokens packs; set, it
+    makes those forwards token-budgeted even when training is not (then log_prob_micro_batch_size
+    is unused); at least the longest sequence (data.max_prompt_length + the response's maximum).
+    verl's log_prob_use_dynamic_bsz + log_prob_max_token_len_per_gpu. null = micro_batch_tokens."""
     gamma: float = 1.0
     """reinforce_pp discount."""
     overlong_buffer_len: int = 0
@@ -96,7 +107,8 @@ class AlgorithmConfig:
             ("kl_loss_type", self.kl_loss_type, advantage.KL_KINDS),
         ):
             check(value in valid, f"algorithm.{key}", value, f"choose one of {', '.join(valid)}")
-        check_positive("algorithm", self, "ppo_epochs", "mini_batches", "micro_batch_size", "micro_batch_tokens")
+        check_positive("algorithm", self, "ppo_epochs", "mini_batches", "micro_batch_size", "micro_batch_tokens",
+                       "log_prob_micro_batch_size", "log_prob_micro_batch_tokens")
         check(0 <= self.clip_low < 1, "algorithm.clip_low", self.clip_low, "it must be in [0, 1)")
         check(self.clip_high >= 0, "algorithm.clip_high", self.clip_high, "it must be >= 0")
         check(self.dual_clip_c > 1, "algorithm.dual_clip_c", self.dual_clip_c, "it must be > 1 (3.0 is usual)")

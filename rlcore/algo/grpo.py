@@ -17,6 +17,7 @@ from rlcore import advantage
 from rlcore.algo import rollout_correction
 from rlcore.algo.batch import RolloutBatch, concat
 from rlcore.algo.distill import topk_divergence
+from rlcore.algo.log_prob import describe_log_prob_micro, log_prob_micro
 from rlcore.algo.packing import micro_batches, pack, rollout_routing, split_micro, token_keys
 from rlcore.dist import all_gather_objects, all_rank_sums, all_reduce_max, all_reduce_sum
 
@@ -72,7 +73,7 @@ def describe_train_phase(cfg: AlgorithmConfig) -> str:
              else "each sample with its own prompt copy (algorithm.share_prompt off)")
     micro = (f"micro-batches up to {cfg.micro_batch_tokens} tokens" if cfg.micro_batch_tokens
              else f"micro-batches of {cfg.micro_batch_size} sequences")
-    return f"train phase: {head}, {share}, {micro}"
+    return f"train phase: {head}, {share}, {micro}{describe_log_prob_micro(cfg)}"
 
 
 def _pack_options(cfg: AlgorithmConfig | int) -> dict[str, bool]:
@@ -333,18 +334,19 @@ def train_on_batch(policy, ref, batch: RolloutBatch, adv: torch.Tensor, cfg: Alg
     on_policy = cfg.ppo_epochs == 1 and cfg.mini_batches == 1
     replay = {"r2": "record", "r3": "replay"}.get(cfg.routing_replay)
     rows = rollout_routing(batch) if cfg.routing_replay == "r3" else None
+    no_grad = log_prob_micro(cfg)  # the no-gradient forwards' micro-batches (algorithm.log_prob_micro_*)
     if cfg.use_rollout_logprobs:  # vLLM's log-probs as the ratio's denominator: no recompute
         old = batch.rollout_logp_matrix().to(device)
     elif on_policy and correction is None and replay != "record":
         old = None
     else:
         with _routing(policy, replay, rows):
-            old = compute_logprobs_in_chunks(policy, batch, temperature, cfg, device, shared=True)
+            old = compute_logprobs_in_chunks(policy, batch, temperature, no_grad, device, shared=True)
         rows = None  # loaded: the update replays the same
     ref_logp = None
     if ref is not None:
         with ref.on_device():  # an offloaded reference comes to the device once per step, not per micro-batch
-            ref_logp = compute_logprobs_in_chunks(ref, batch, temperature, cfg, device, shared=True)
+            ref_logp = compute_logprobs_in_chunks(ref, batch, temperature, no_grad, device, shared=True)
     corr, extra = None, {}
     if correction is not None:
         corr, sums = rollout_correction.correct(old, batch.rollout_logp_matrix().to(device),

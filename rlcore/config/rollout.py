@@ -5,10 +5,11 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal, Optional
+from typing import Any, Literal, Optional
 
 from rlcore.agent.config import MultiTurnConfig
 from rlcore.errors import check, check_positive
+from rlcore.rollout.engine_keys import check_keys as check_engine_kwargs_keys
 
 
 @dataclass
@@ -90,6 +91,18 @@ class RolloutConfig:
     """vLLM's token budget per scheduler step; null = vLLM's default."""
     enable_prefix_caching: Optional[bool] = None
     """Share the prompt's KV blocks between the n samples of a prompt; null = vLLM's default."""
+    enable_chunked_prefill: Optional[bool] = None
+    """Let vLLM split a long prompt's prefill over scheduler steps (max_num_batched_tokens each).
+    null = vLLM's default on cuda/npu (on), false on cpu; true is refused on cpu (vLLM's CPU runner
+    cannot rewind a seeded request's generator after a partial prefill: rollout.engine_keys)."""
+    enable_expert_parallel: bool = False
+    """Mixture-of-experts models: vLLM shards the routed experts over the engine's tensor_parallel_size
+    ranks (E / tp whole experts each) instead of splitting every expert over them; attention stays
+    tensor-parallel. Needs tensor_parallel_size > 1 and a MoE model."""
+    engine_kwargs: dict[str, Any] = field(default_factory=dict)
+    """More vLLM EngineArgs for the policy's engine (not judges' or the teacher's), merged last,
+    e.g. {max_logprobs: 5, disable_log_stats: false}. Names the rollout sets itself (TP, seed, sleep
+    mode, max_model_len, ...) are refused with the key to use; the dry run checks the values."""
     block_size: Optional[int] = None
     """Tokens per KV-cache block (prefix caching shares whole blocks only). null = 32 on cpu (vLLM's CPU
     default, 128, shares no prompt shorter than 128 tokens; 32 made SmolLM2's generate 1.8x faster),
@@ -136,6 +149,11 @@ class RolloutConfig:
               "it must be in (0, 1), e.g. 0.5; the trainer's state needs the rest while vLLM is awake")
         check(self.check_sync_tol is None or self.check_sync_tol > 0, "rollout.check_sync_tol", self.check_sync_tol,
               "it must be > 0 (a log-prob difference, e.g. 1e-3 in float32), or null for the dtype's default")
-        check(self.max_num_batched_tokens is None or self.max_num_batched_tokens >= self.max_model_len,
+        check_engine_kwargs_keys(self.engine_kwargs)
+        # Below max_model_len only with chunked prefill (a prompt then prefills over several steps);
+        # where it is null, the device decides (rollout.engine_keys.check_config).
+        check(self.max_num_batched_tokens is None or self.max_num_batched_tokens >= self.max_model_len
+              or self.enable_chunked_prefill is not False,
               "rollout.max_num_batched_tokens", self.max_num_batched_tokens,
-              f"it must be >= rollout.max_model_len={self.max_model_len} (or null for vLLM's default)")
+              f"with rollout.enable_chunked_prefill=false it must be >= rollout.max_model_len={self.max_model_len} "
+              f"(or null for vLLM's default)")

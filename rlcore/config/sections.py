@@ -46,6 +46,10 @@ class ModelConfig:
     """Experts kernel of a mixture-of-experts model: auto (VeOmni's fused kernel: triton on cuda,
     npu on Ascend; torch_ep on cpu), torch_ep (pure PyTorch, expert-parallel, any device),
     triton, quack, npu, eager (no expert parallelism). Ignored for dense models."""
+    trust_remote_code: bool = False
+    """Run the model folder's own Python code (config.json auto_map: configuration_*.py, modeling_*.py) in
+    the trainer, vLLM and the tokenizer. Off, such a folder stops the run at start-up; read that code
+    before turning this on. Policy only: judges and the teacher load no custom code (rlcore/engine/remote_code.py)."""
 
     def __post_init__(self):
         check(bool(self.attn_implementation), "model.attn_implementation", self.attn_implementation,
@@ -185,11 +189,19 @@ class ParallelConfig:
     the heads), so one rank holds the activations of a fraction of a long sequence. It divides the
     world size and the attention heads. Token budgets (algorithm.micro_batch_tokens) are per group.
     vLLM is unaffected (rollout.tensor_parallel_size). 1 = off."""
+    fsdp_size: Optional[int] = None
+    """HSDP (verl's fsdp_config.fsdp_size): FSDP2 shards the trainer state (weights, gradients,
+    optimizer) over blocks of fsdp_size consecutive ranks and replicates it across the blocks, so a
+    shard group can stay inside a node; per-rank trainer memory is 1/fsdp_size of it, not 1/world.
+    It divides the world size and is a multiple of ulysses_size and of ep_size (VeOmni's mesh).
+    null = the world size: plain FSDP over every rank."""
 
     def __post_init__(self):
         check(self.ep_size >= 1, "parallel.ep_size", self.ep_size, "it must be >= 1 (1 = no expert parallelism)")
         check(self.ulysses_size >= 1, "parallel.ulysses_size", self.ulysses_size,
               "it must be >= 1 (1 = no sequence parallelism)")
+        check(self.fsdp_size is None or self.fsdp_size >= 1, "parallel.fsdp_size", self.fsdp_size,
+              "it must be >= 1, or null for plain FSDP over every rank")
 
 
 @dataclass
@@ -329,6 +341,13 @@ class TrainerConfig:
     """Steps in a row with a non-finite loss or gradient norm before the run stops (exit 3)."""
     watchdog_s: float = 600.0
     """Report a phase running longer than this, naming phase and rank; 0 = off."""
+    balance_batch: bool = False
+    """verl's trainer.balance_batch: after the advantages, move samples between the train phase's
+    data-parallel ranks (a Ulysses group counts as one) so each trains about as many prompt+response
+    tokens; each mini-batch is balanced on its own, so the update's gradient is unchanged. Spread
+    per mini-batch: at most the longest minus the shortest sample. Logs
+    perf/rank_tokens_max_over_mean (and _before). verl's default is true; false here keeps existing
+    runs' per-rank data (scripts/from_verl.py writes true for verl scripts)."""
 
     def __post_init__(self):
         check_positive("trainer", self, "total_steps", "total_epochs", "prompts_per_step", "preempt_grace_s",

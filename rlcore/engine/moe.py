@@ -189,12 +189,16 @@ def gloo_sum_reduction(model) -> None:
     ep < world the ``ep_fsdp`` group is smaller than that, so FSDP2 reduce-scatters with
     PREMUL_SUM (torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py:849-851), which gloo
     does not implement. Forcing SUM divides afterwards instead (same result). Not with a
-    one-rank ``ep_fsdp`` group: torch 2.13 then divides twice (:629 and :686)."""
+    one-rank ``ep_fsdp`` group: torch 2.13 then divides twice (:629 and :686). The group's size is
+    the ``ep_fsdp`` mesh dim: fsdp_size / ep under HSDP (veomni parallel_state.py:625-644), where
+    VeOmni's ``ep_fsdp_size`` (:325, world / ep) would count the replicas too."""
     from torch.distributed.fsdp import FSDPModule
     from veomni.distributed.parallel_state import get_parallel_state
 
     ps = get_parallel_state()
-    if dist.get_backend() != "gloo" or not ps.ep_enabled or ps.ep_fsdp_size == 1:
+    if dist.get_backend() != "gloo" or not ps.ep_enabled:
+        return
+    if ps.extra_parallel_fsdp_device_mesh["ep"]["ep_fsdp"].size() == 1:
         return
     for m in model.modules():
         meshes = [getattr(getattr(p, "device_mesh", None), "mesh_dim_names", None) or ()

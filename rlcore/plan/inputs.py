@@ -38,6 +38,8 @@ class PlanInputs:
     free_kv_cache: bool = True
     sync_bucket_mb: float = 64.0
     micro_batch_size: int = 8
+    log_prob_micro_batch_size: int | None = None  # algorithm.log_prob_micro_batch_size; None: micro_batch_size
+    log_prob_micro_batch_tokens: int | None = None  # algorithm.log_prob_micro_batch_tokens; None: by count
     prompt_len: int = 256
     response_len: int = 64
     max_model_len: int = 512
@@ -59,6 +61,7 @@ class PlanInputs:
     oversample: float = 1.0  # rollout.partial: groups in flight per group trained (KV cache, host memory)
     ulysses: int = 1  # parallel.ulysses_size: a group's ranks share each micro-batch, 1/U of its tokens each
     share_prompt: bool = False  # algorithm.share_prompt: under Ulysses the row's dense (T, T) mask
+    fsdp: int | None = None  # parallel.fsdp_size (HSDP): the ranks that shard the trainer state; None: all
 
     @property
     def phase_names(self) -> tuple[str, ...]:
@@ -78,6 +81,12 @@ class PlanInputs:
             per_layer = (s.hidden + q) * 2 + (s.hidden + kv) * 2 + (s.hidden + s.intermediate) * 3
             return self.lora_rank * per_layer * s.layers
         return self.shape.params - self.shape.vision_params() * self.freeze_vision
+
+    @property
+    def shard(self) -> int:
+        """Ranks one copy of the trainer state is sharded over: parallel.fsdp_size under HSDP (the
+        copies are replicated across the world / fsdp_size shard groups), else the world."""
+        return self.fsdp or self.world
 
     @property
     def c(self) -> int:
@@ -106,6 +115,16 @@ class PlanInputs:
     def micro_tokens(self) -> int:
         """T: one packed micro-batch."""
         return self.micro_seqs * self.seq_len
+
+    @property
+    def log_prob_micro_tokens(self) -> int:
+        """T' of one no-gradient micro-batch (old-policy and reference log-probs): its sequences,
+        as ``micro_seqs`` counts them, or with a token budget the budget plus one sequence (the
+        split balances whole sequences, so a micro-batch may pass the mean by one of them)."""
+        held = max(1, int(self.seqs_per_replica // self.tp)) * self.ulysses * self.seq_len
+        if self.log_prob_micro_batch_tokens:
+            return min(self.log_prob_micro_batch_tokens + self.seq_len, held)
+        return min((self.log_prob_micro_batch_size or self.micro_batch_size) * self.seq_len, held)
 
     def vllm_defaults(self) -> tuple[int, int]:
         """(max_num_batched_tokens, max_num_seqs): vLLM 0.32's offline (LLM class) defaults pick

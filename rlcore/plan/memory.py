@@ -2,12 +2,13 @@
 
 Pure arithmetic from the model's ``config.json`` and the run's ``Config``: no torch.distributed,
 no weights (torch only in ``device_total_gb``). GB = 2**30 bytes, as torch reports device memory.
-Notation: P parameters, W world size (FSDP shards over every rank), c bytes of ``model.dtype``
-(compute and rollout dtype; master weights are fp32, optimizer state as OPTIMIZER_BYTES says), T tokens
-of one micro-batch, h hidden size, V vocab. Each component's formula is in its function's docstring; docs/memory_plan.md
-has them all with a worked Qwen3-8B plan. Vision-language models (Qwen3-VL, Qwen2.5-VL, Qwen2-VL)
-add their vision tower (``VisionShape``) to P, the ViT's activations for the images of a
-micro-batch, and vLLM's profile run of the ViT.
+Notation: P parameters, W the ranks FSDP shards over (the world size; parallel.fsdp_size under
+HSDP), c bytes of ``model.dtype`` (compute and rollout dtype; master weights are fp32, optimizer
+state as OPTIMIZER_BYTES says), T tokens of one micro-batch, h hidden size, V vocab. Each
+component's formula is in its function's docstring; docs/memory_plan.md has them all with a
+worked Qwen3-8B plan. Vision-language models (Qwen3-VL, Qwen2.5-VL, Qwen2-VL) add their vision
+tower (``VisionShape``) to P, the ViT's activations for the images of a micro-batch, and vLLM's
+profile run of the ViT.
 
 This module holds the plan: the bytes of each component per phase,
 the search for a setting that fits (``suggest_fixes``), ``plan_from_config`` and ``format_plan``.
@@ -55,6 +56,7 @@ VLLM_OVERHEAD_GB = 0.5  # non-torch memory vLLM keeps: TP communicator, cuBLAS/A
 VLLM_GRAPHS_GB = 1.0
 LOGITS_CHUNK = 1024  # tokens per lm_head chunk of VeOmni's log-prob kernel (its default)
 LOGITS_BUFFERS = 6  # fp32 (chunk, V) buffers alive at the kernel's backward peak
+LOGITS_FORWARD_BUFFERS = 2  # fp32 (chunk, V) buffers of a no-gradient forward: the logits, their log-softmax
 SAMPLER_BUFFERS = 3  # fp32 (max_num_seqs, V) buffers of vLLM's sampler in its profile run
 # Optimizer state in bytes per trainable parameter, as measured after a real step (tests/test_optimizer.py:
 # the state tensors' nbytes over the trainable shards' elements, tiny Qwen3 of 302,336 parameters on 2 CPU
@@ -100,6 +102,24 @@ def activation_bytes(p: PlanInputs) -> int:
         layers = t * sum(per_layer) * c + t * max(per_layer) * c
     head = 2 * t * s.hidden * c + LOGITS_BUFFERS * min(LOGITS_CHUNK, t) * s.vocab * 4
     return layers + head + mask + vision_activation_bytes(p)
+
+
+def no_grad_activation_bytes(p: PlanInputs) -> int:
+    """The old-policy and reference log-prob forwards' transient bytes at their own micro-batch of
+    T' tokens (``PlanInputs.log_prob_micro_tokens``: algorithm.log_prob_micro_batch_size/_tokens).
+    Nothing is saved for a backward, so only one layer is alive at a time: its input and output
+    hidden states (2 x T' x h) and its working set (T' x max layer_activations, an upper bound),
+    then the head: the final hidden state (T' x h) and LOGITS_FORWARD_BUFFERS fp32 (chunk, V)
+    buffers. Ulysses: T' / U per rank, plus the shared-prompt row's (T', T') mask as in training.
+    A vision tower is counted as training counts it at that micro-batch (an upper bound)."""
+    s, c = p.shape, p.c
+    t = -(-p.log_prob_micro_tokens // p.ulysses)
+    mask = (t * p.ulysses) ** 2 * (1 + c) if p.ulysses > 1 and p.share_prompt else 0
+    layer = max(s.layer_activations(i) for i in range(s.layers))
+    head = t * s.hidden * c + LOGITS_FORWARD_BUFFERS * min(LOGITS_CHUNK, t) * s.vocab * 4
+    seqs = max(1, p.log_prob_micro_tokens // p.seq_len)
+    vision = vision_activation_bytes(replace(p, micro_batch_size=seqs)) if p.shape.vision is not None else 0
+    return 2 * t * s.hidden * c + t * layer * c + head + mask + vision
 
 
 def fsdp_gathered_bytes(p: PlanInputs, activations: int) -> int:
@@ -203,15 +223,17 @@ def component_bytes(p: PlanInputs) -> dict[str, int]:
     P, trainable = p.shape.params, p.trainable
     vllm_budget = int(p.gpu_memory_utilization * p.device_gb * GB)
     sizes = {
-        "trainer_params": 4 * P // p.world, "gradients": 4 * trainable // p.world,
-        "optimizer": p.optimizer_bytes * trainable // p.world,
-        "reference": p.c * P // p.world if p.reference and not p.lora_rank else 0,  # LoRA: the adapter off
+        "trainer_params": 4 * P // p.shard, "gradients": 4 * trainable // p.shard,
+        "optimizer": p.optimizer_bytes * trainable // p.shard,
+        "reference": p.c * P // p.shard if p.reference and not p.lora_rank else 0,  # LoRA: the adapter off
         "activations": activation_bytes(p), "vllm_weights": vllm_weight_bytes(p),
         "vllm_activations": vllm_activation_bytes(p),
         "vllm_overhead": int((VLLM_OVERHEAD_GB + VLLM_GRAPHS_GB * p.graphs) * GB),
         "sync_buckets": sync_bucket_bytes(p),
     }
     sizes["fsdp_gathered"] = fsdp_gathered_bytes(p, sizes["activations"])
+    # the no-gradient forwards run in the train phase before the update, never beside its activations
+    sizes["activations"] = max(sizes["activations"], no_grad_activation_bytes(p))
     sizes["judges"] = sum(int(j.gpu_memory_utilization * p.device_gb * GB) for j in p.judges)  # all awake at once
     sizes["judges_asleep"] = len(p.judges) * int(VLLM_OVERHEAD_GB * GB)  # eager: no graph pool
     if p.teacher:
@@ -381,12 +403,19 @@ def _searched(p: PlanInputs) -> list[tuple[str, PlanInputs]]:
            if p.tp < t <= (p.nproc_per_node or p.world) and p.world % t == 0]
     node = p.nproc_per_node
     worlds = [(f"--nnodes {p.world * k // node}" if node else f"world size {p.world * k}",
-               replace(p, world=p.world * k)) for k in (2, 4)]
+               replace(p, world=p.world * k)) for k in (2, 4)] if p.fsdp is None else []  # HSDP: more replicas
+    # HSDP: bigger shard groups shard the trainer state over more ranks (null: all of them)
+    fsdps = [(f, replace(p, fsdp=f)) for f in range(p.fsdp + 1, p.world + 1)
+             if p.world % f == 0 and f % p.ulysses == 0 and f % p.ep == 0] if p.fsdp else []
+    lp = [(m, replace(p, log_prob_micro_batch_size=m))
+          for m in range((p.log_prob_micro_batch_size or 0) - 1, p.micro_batch_size - 1, -1)]
     return (_first_fit("algorithm.micro_batch_size={}", micro)
+            + _first_fit("algorithm.log_prob_micro_batch_size={}", lp)
             + _first_fit("rollout.gpu_memory_utilization={:.2f}",
                          [(u, replace(p, gpu_memory_utilization=u)) for u in utils])
             + _first_fit("rollout.tensor_parallel_size={}", [(t, replace(p, tp=t)) for t in tps])
-            + _first_fit("{} (more ranks shard the trainer state)", worlds))
+            + _first_fit("{} (more ranks shard the trainer state)", worlds)
+            + _first_fit("parallel.fsdp_size={}", fsdps))
 
 
 def _peak(plan: MemoryPlan) -> str:
@@ -442,6 +471,8 @@ def plan_from_config(cfg, world_size: int, device_gb: float, device_type: str = 
         offload_params=o.params, offload_optimizer=o.optimizer, reference=a.kl_loss_coef > 0, offload_ref=o.ref,
         tp=r.tensor_parallel_size, gpu_memory_utilization=r.gpu_memory_utilization, sleep_level=r.sleep_level,
         free_kv_cache=r.free_kv_cache, sync_bucket_mb=r.sync_bucket_mb, micro_batch_size=a.micro_batch_size,
+        log_prob_micro_batch_size=a.log_prob_micro_batch_size,
+        log_prob_micro_batch_tokens=a.log_prob_micro_batch_tokens,
         prompt_len=cfg.data.max_prompt_length, max_model_len=r.max_model_len,
         response_len=r.multi_turn.max_total_tokens if r.multi_turn.enable else r.max_response_length,
         gradient_checkpointing=cfg.model.gradient_checkpointing, prompts_per_step=cfg.trainer.prompts_per_step,
@@ -454,7 +485,8 @@ def plan_from_config(cfg, world_size: int, device_gb: float, device_type: str = 
         judges=tuple(JudgePlan(ModelShape.from_path(j.path), j.gpu_memory_utilization, j.sleep_level or 1,
                                DTYPE_BYTES[j.dtype or r.dtype or cfg.model.dtype]) for j in cfg.reward.judges()),
         teacher=teacher_plan(cfg, DTYPE_BYTES), oversample=r.partial.oversample if r.partial.enable else 1.0,
-        ulysses=cfg.parallel.ulysses_size, share_prompt=bool(cfg.algorithm.share_prompt))
+        ulysses=cfg.parallel.ulysses_size, share_prompt=bool(cfg.algorithm.share_prompt),
+        fsdp=cfg.parallel.fsdp_size)
     return build_plan(p)
 
 

@@ -106,8 +106,9 @@ def _check_engines(cfg, device: str, quiet) -> tuple[bool | None, str]:
             warnings.simplefilter("ignore")
             problem = vllm_verdict(checked, here)
         if problem:
+            mine = f" (with rollout.engine_kwargs {r.engine_kwargs})" if r.engine_kwargs and not who else ""
             return None, (f"vLLM {vllm.__version__}{who} refuses the engine config "
-                          f"(EngineArgs.create_engine_config): {problem}")
+                          f"(EngineArgs.create_engine_config){mine}: {problem}")
     pin = {"npu": "0.23.0", "cuda": "0.32.0"}.get(device)
     note = "" if pin in (None, vllm.__version__) else f" (the {device} pin is vLLM {pin}: install the cluster's set here)"
     names = f" and those of judge(s) {', '.join(j.name for j in judges)}" if judges else ""

@@ -10,7 +10,7 @@ import logging
 import os
 from collections.abc import MutableMapping
 
-from rlcore.rollout import lora as rollout_lora
+from rlcore.rollout import engine_keys, lora as rollout_lora
 
 log = logging.getLogger("rlcore.rollout")
 
@@ -172,8 +172,9 @@ def cpu_prefill_kwargs(device_type: str) -> dict:
     ``torch.Generator`` has no offset ("CPU Generator does not use offset"), so the step dies as
     soon as a step's prompts exceed ``max_num_batched_tokens`` (every request here is seeded). Without
     chunking the scheduler waits for room instead of splitting a prompt (v1/core/sched/
-    scheduler.py:1158-1167). Accelerators keep vLLM's default (their generators have offsets)."""
-    return {"enable_chunked_prefill": False} if device_type == "cpu" else {}
+    scheduler.py:1158-1167). Accelerators keep vLLM's default (their generators have offsets);
+    rollout.enable_chunked_prefill sets it there (engine_keys.chunked_prefill_kwargs)."""
+    return engine_keys.chunked_prefill_kwargs(device_type, None)
 
 
 def disable_npu_nz(device_type: str, environ: MutableMapping[str, str] | None = None) -> dict:
@@ -207,7 +208,8 @@ def llm_kwargs(model_path: str, device_type: str, *, tp_size: int, seed: int, ma
                kv_cache_gb: float, gpu_memory_utilization: float, enforce_eager: bool, multimodal: bool,
                speed: dict, limit_mm_per_prompt: dict | None = None, mm_processor_cache_gb: float | None = None,
                routed_experts: bool = False, lora_rank: int = 0, runner: str = "generate",
-               sleep_mode: bool = True) -> dict:
+               sleep_mode: bool = True, trust_remote_code: bool = False, enable_chunked_prefill: bool | None = None,
+               expert_parallel: bool = False, engine_kwargs: dict | None = None) -> dict:
     """Every keyword ``ColocateRollout`` hands ``vllm.LLM(...)`` (and so vLLM's ``EngineArgs``),
     without building anything: the engine and scripts/check_config.py's dry run use this one.
     ``seed``: the engine seed plus the DP rank (same inside a TP group: ranks must sample the same
@@ -217,7 +219,9 @@ def llm_kwargs(model_path: str, device_type: str, *, tp_size: int, seed: int, ma
     experts per token (R3 routing replay; rlcore.rollout.routing). ``lora_rank``: LoRA for
     the policy's adapter (rlcore.rollout.lora). ``runner``, ``sleep_mode``: a judge's engine
     (pooling for reward models; no vLLM sleep mode for a second engine: rlcore.rollout.offload).
-    ``speed["block_size"]`` None is 32 on CPU (rollout.settings.pick_block_size)."""
+    ``speed["block_size"]`` None is 32 on CPU (rollout.settings.pick_block_size).
+    ``enable_chunked_prefill``, ``expert_parallel``, ``engine_kwargs`` (merged last, owned names
+    refused): rlcore.rollout.engine_keys; only the policy's engine gets them."""
     if device_type == "cpu":
         # Explicit size: vLLM's auto sizing takes ~60% of host RAM per rank (OOM with 2 ranks).
         # The legacy env var would silently override it (restored by ProcessState).
@@ -225,20 +229,22 @@ def llm_kwargs(model_path: str, device_type: str, *, tp_size: int, seed: int, ma
         memory = {"kv_cache_memory_bytes": int(kv_cache_gb * 2**30)}
     else:  # release_memory() -> llm.sleep(level) or release_kv_cache_memory(): the sleep-mode allocator
         memory = {"gpu_memory_utilization": gpu_memory_utilization, "enable_sleep_mode": sleep_mode}
-    return dict(
+    return engine_keys.merged(dict(
         model=model_path, tensor_parallel_size=tp_size, distributed_executor_backend="external_launcher",
         seed=seed, logprobs_mode=LOGPROBS_MODE, use_tqdm_on_load=False,
         max_model_len=max_model_len, dtype=dtype, enforce_eager=enforce_eager, **memory,
         **speed_kwargs(**{**speed, "block_size": pick_block_size(device_type, speed.get("block_size"),
                                                                  speed.get("enable_prefix_caching"))}),
         **disable_npu_nz(device_type),  # before the build: vllm-ascend reads its NZ setting then
-        **cpu_prefill_kwargs(device_type),
+        **engine_keys.chunked_prefill_kwargs(device_type, enable_chunked_prefill),
+        **engine_keys.expert_parallel_kwargs(expert_parallel, device_type),
         **multimodal_kwargs(multimodal, limit_mm_per_prompt=limit_mm_per_prompt,
                             mm_processor_cache_gb=mm_processor_cache_gb),
         **({"enable_return_routed_experts": True} if routed_experts else {}),
         **rollout_lora.engine_kwargs(lora_rank),
         **({"runner": runner} if runner != "generate" else {}),
-    )
+        **({"trust_remote_code": True} if trust_remote_code else {}),  # model.trust_remote_code (rlcore.engine.remote_code)
+    ), engine_kwargs)
 
 
 def config_llm_kwargs(cfg, device_type: str) -> dict:
@@ -250,7 +256,9 @@ def config_llm_kwargs(cfg, device_type: str) -> dict:
                       multimodal=bool(cfg.data.image_key), limit_mm_per_prompt=r.limit_mm_per_prompt,
                       speed=dict(max_num_seqs=r.max_num_seqs, max_num_batched_tokens=r.max_num_batched_tokens,
                                  enable_prefix_caching=r.enable_prefix_caching, block_size=r.block_size),
-                      routed_experts=cfg.algorithm.routing_replay == "r3", lora_rank=config_lora_rank(cfg))
+                      routed_experts=cfg.algorithm.routing_replay == "r3", lora_rank=config_lora_rank(cfg),
+                      trust_remote_code=m.trust_remote_code, enable_chunked_prefill=r.enable_chunked_prefill,
+                      expert_parallel=r.enable_expert_parallel, engine_kwargs=r.engine_kwargs)
 
 
 def config_lora_rank(cfg) -> int:

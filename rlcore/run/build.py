@@ -40,17 +40,17 @@ def loss_options(cfg: Config) -> dict:
 
 def build_policy(model: ModelConfig, optim: OptimConfig, info: DistInfo, total_optim_steps: int,
                  ep_size: int = 1, routing_replay: bool = False, lora=None, merge_lora: bool = False,
-                 ulysses_size: int = 1) -> Policy:
+                 ulysses_size: int = 1, fsdp_size: int | None = None) -> Policy:
     from rlcore.engine_veomni import VeOmniPolicy
 
     if lora is not None and lora.enabled:
         from rlcore.engine_veomni import LoraPolicy
 
         return LoraPolicy(model.path, info, lora=lora, merge_export=merge_lora,
-                          ulysses_size=ulysses_size,
+                          ulysses_size=ulysses_size, fsdp_size=fsdp_size,
                           **_policy_kwargs(model, optim, total_optim_steps, ep_size, routing_replay))
     return VeOmniPolicy(model.path, info, **_policy_kwargs(model, optim, total_optim_steps, ep_size, routing_replay),
-                        ulysses_size=ulysses_size)
+                        ulysses_size=ulysses_size, fsdp_size=fsdp_size)
 
 
 def _policy_kwargs(model: ModelConfig, optim: OptimConfig, total_optim_steps: int, ep_size: int,
@@ -63,16 +63,18 @@ def _policy_kwargs(model: ModelConfig, optim: OptimConfig, total_optim_steps: in
         warmup_steps=optim.warmup_steps, min_lr_ratio=optim.min_lr_ratio, total_steps=total_optim_steps,
         grad_clip=optim.grad_clip, ep_size=ep_size, moe_implementation=model.moe_implementation,
         **({"freeze_vision_tower": True} if model.freeze_vision_tower else {}),
-        **({"routing_replay": True} if routing_replay else {}))
+        **({"routing_replay": True} if routing_replay else {}),
+        **({"trust_remote_code": True} if model.trust_remote_code else {}))
 
 
 def build_reference(model: ModelConfig, offload: OffloadConfig, info: DistInfo, ep_size: int = 1,
-                    ulysses_size: int = 1) -> Policy:
+                    ulysses_size: int = 1, fsdp_size: int | None = None) -> Policy:
     from rlcore.engine_veomni import VeOmniPolicy
 
     return VeOmniPolicy(model.path, info, dtype=model.dtype, trainable=False,
                         attn_implementation=model.attn_implementation, offload_outside_forward=offload.ref,
-                        ep_size=ep_size, moe_implementation=model.moe_implementation, ulysses_size=ulysses_size)
+                        ep_size=ep_size, moe_implementation=model.moe_implementation, ulysses_size=ulysses_size,
+                        fsdp_size=fsdp_size, trust_remote_code=model.trust_remote_code)
 
 
 def build_rollout(model: ModelConfig, rollout: RolloutConfig, info: DistInfo, seed: int,
@@ -88,7 +90,9 @@ def build_rollout(model: ModelConfig, rollout: RolloutConfig, info: DistInfo, se
         enforce_eager=r.enforce_eager,
         max_num_seqs=r.max_num_seqs, max_num_batched_tokens=r.max_num_batched_tokens,
         enable_prefix_caching=r.enable_prefix_caching, block_size=r.block_size,
-        return_routed_experts=routed_experts, lora_rank=lora_rank,
+        return_routed_experts=routed_experts, lora_rank=lora_rank, trust_remote_code=model.trust_remote_code,
+        vllm=dict(enable_chunked_prefill=r.enable_chunked_prefill, expert_parallel=r.enable_expert_parallel,
+                  engine_kwargs=r.engine_kwargs),
         **({"limit_mm_per_prompt": r.limit_mm_per_prompt} if r.limit_mm_per_prompt is not None else {}))
 
 
@@ -130,13 +134,14 @@ def build_engines(cfg: Config, info: DistInfo, timer: Timer, probe_prompts: list
         ep = cfg.parallel.ep_size
         optim_steps = cfg.trainer.total_steps * cfg.algorithm.optim_steps_per_step
         policy = build_policy(cfg.model, cfg.optim, info, optim_steps, ep, cfg.algorithm.routing_replay is not None,
-                              cfg.lora, cfg.checkpoint.merge_lora, cfg.parallel.ulysses_size)
+                              cfg.lora, cfg.checkpoint.merge_lora, cfg.parallel.ulysses_size, cfg.parallel.fsdp_size)
         ref = None
         if cfg.algorithm.kl_loss_coef > 0:  # LoRA: the policy with its adapter off, no second model
             from rlcore.engine_veomni import AdapterOffReference
 
             ref = (AdapterOffReference(policy) if cfg.lora.enabled
-                   else build_reference(cfg.model, cfg.offload, info, ep, cfg.parallel.ulysses_size))
+                   else build_reference(cfg.model, cfg.offload, info, ep, cfg.parallel.ulysses_size,
+                                        cfg.parallel.fsdp_size))
         if cfg.offload.params or cfg.offload.optimizer:
             # The run starts in the generation phase: the trainer's state waits on the host, so
             # vLLM sizes its KV cache from the memory generation really has.

@@ -35,7 +35,7 @@ def preflight(cfg: Config, rank: int, world_size: int):
                                              report=_print_main if rank == 0 else None)
         if resume_from is not None:
             checkpoint.validate_resume(resume_from, rank, world_size)
-        tokenizer = load_tokenizer(cfg.model.path)
+        tokenizer = load_tokenizer(cfg.model.path, cfg.model.trust_remote_code)
         processor = load_vision(cfg) if cfg.data.image_key else None
         prompts, stats = load_prompts(cfg.data.train_files, cfg.data, tokenizer, processor,
                                       agent.renderer_for(cfg, tokenizer))
@@ -182,7 +182,7 @@ def check_image_limit(cfg: Config, prompts: list) -> None:
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 
-def load_tokenizer(path: str):
+def load_tokenizer(path: str, trust_remote_code: bool = False):
     from transformers import AutoTokenizer
 
     fix = "the folder needs the model's tokenizer files (tokenizer.json and tokenizer_config.json)"
@@ -190,7 +190,7 @@ def load_tokenizer(path: str):
     if not any(os.path.isfile(os.path.join(path, f)) for f in TOKENIZER_FILES):
         raise ConfigError(f"model.path={path!r} is invalid: no tokenizer there; {fix}")
     try:
-        tokenizer = AutoTokenizer.from_pretrained(path)
+        tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
     except (OSError, ValueError, TypeError, KeyError) as e:
         raise ConfigError(f"model.path={path!r} is invalid: no tokenizer loads from it ({type(e).__name__}); {fix}") from e
     if len(tokenizer) < 2:
@@ -221,8 +221,10 @@ def validate_against_world(cfg: Config, world_size: int, nodes: list[int] | None
     check(any(f.endswith(".safetensors") for f in os.listdir(cfg.model.path)), "model.path", cfg.model.path,
           "it holds no *.safetensors weights; weights are read only from safetensors (re-save the model with "
           "save_pretrained(..., safe_serialization=True))")
+    check_remote_code(cfg)  # before anything imports the folder's code (VeOmni would, unasked)
     _check_experts(cfg, world_size)
     _check_sequence_parallel(cfg, world_size)
+    _check_fsdp_size(cfg, world_size)
     context = _model_context(cfg.model.path)
     check(context is None or cfg.rollout.max_model_len <= context, "rollout.max_model_len", cfg.rollout.max_model_len,
           f"the model's context (max_position_embeddings in config.json) is {context}; use at most that")
@@ -255,6 +257,21 @@ def check_tp_inside_nodes(tp: int, nodes: list[int]) -> None:
                 f"tensor-parallel group on nodes {sorted(set(group))} (torchrun agents of {per_node} "
                 f"rank(s) each): a tensor-parallel group must stay inside a node; use a tensor_parallel_size "
                 f"that divides the ranks per node, or more ranks per node (--nproc_per_node)")
+
+
+def check_remote_code(cfg: Config) -> None:
+    """Model folders with their own code (config.json auto_map) against model.trust_remote_code
+    (rlcore.engine.remote_code.refusal): the policy's, each judge's, the teacher's."""
+    from rlcore.engine.remote_code import refusal
+
+    folders = [("model.path", cfg.model.path, True)] + [("reward.models.path", j.path, False)
+                                                        for j in cfg.reward.judges()]
+    if cfg.distill.teacher:
+        folders.append(("distill.teacher", cfg.distill.teacher, False))
+    for key, path, policy in folders:
+        problem = refusal(path, key, cfg.model.trust_remote_code, policy)
+        if problem:
+            raise ConfigError(problem)
 
 
 def _check_experts(cfg: Config, world_size: int) -> None:
@@ -298,6 +315,25 @@ def _check_sequence_parallel(cfg: Config, world_size: int) -> None:
     check(cfg.model.attn_implementation != "eager", field, u,
           "the Ulysses path attends through VeOmni's flash kernels or its own sdpa, not eager; set "
           "model.attn_implementation to auto (the device's kernel) or sdpa, or ulysses_size 1")
+
+
+def _check_fsdp_size(cfg: Config, world_size: int) -> None:
+    """parallel.fsdp_size (HSDP, rlcore.engine.build.mesh_sizes) against what VeOmni 0.1.12's mesh
+    takes: dp_replicate x dp_shard = dp (veomni/distributed/parallel_state.py:99-102), the shard
+    group dp_shard x ulysses (:597-610), and ep_size a factor of that group (:633-636)."""
+    f, u, ep = cfg.parallel.fsdp_size, cfg.parallel.ulysses_size, cfg.parallel.ep_size
+    if f is None:
+        return
+    fits = [str(d) for d in range(1, world_size + 1) if world_size % d == 0 and d % u == 0 and d % ep == 0]
+    check(world_size % f == 0, "parallel.fsdp_size", f,
+          f"it must divide the world size {world_size} (e.g. {', '.join(fits)}; null = {world_size}, plain FSDP); "
+          "VeOmni needs dp_replicate x dp_shard = dp (veomni/distributed/parallel_state.py:99)")
+    check(f % u == 0, "parallel.fsdp_size", f,
+          f"it must be a multiple of parallel.ulysses_size {u} (e.g. {', '.join(fits)}): VeOmni shards over "
+          "dp_shard x ulysses (veomni/distributed/parallel_state.py:597-610)")
+    check(f % ep == 0, "parallel.fsdp_size", f,
+          f"it must be a multiple of parallel.ep_size {ep} (e.g. {', '.join(fits)}): VeOmni asserts ep_size is a "
+          "factor of the shard group (veomni/distributed/parallel_state.py:633-636)")
 
 
 def _read_config(model_path: str) -> dict:
