@@ -52,17 +52,9 @@ def test_refusal_needs_both_model_classes(custom_model, tmp_path):
 def test_off_exits_2_before_any_model_loads(custom_model, toy_data, tmp_path, capsys):
     """Preflight refuses the folder with the key off: exit 2 from what train_grpo.main runs before
     its first engine (parse_config, then preflight), one paragraph naming the key and auto_map."""
-    import train_grpo
-    from rlcore.run.ownership import release_output_dirs
+    from test_bad_inputs import checks_exit_code
 
-    try:
-        train_grpo.preflight(train_grpo.parse_config(train_args(custom_model, toy_data[0], str(tmp_path / "run"), 1)),
-                             0, 1)
-        code = 0
-    except SystemExit as e:
-        code = e.code
-    finally:
-        release_output_dirs()
+    code = checks_exit_code(train_args(custom_model, toy_data[0], str(tmp_path / "run"), 1), 1)
     err = capsys.readouterr().err
     assert code == 2 and "model.trust_remote_code is false" in err and "auto_map" in err, err
     assert err.startswith("error: ") and "Traceback" not in err

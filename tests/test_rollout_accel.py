@@ -152,7 +152,7 @@ class FakeLLM(FakeLLMWithoutKVRelease):  # vllm 0.32.0 (entrypoints/llm.py:861)
 # distributed_executor_backend 449, tensor_parallel_size 465, block_size 504, enable_prefix_caching 505,
 # gpu_memory_utilization 518, kv_cache_memory_bytes 519, max_num_batched_tokens 520, max_num_seqs 524,
 # logprobs_mode 526, enforce_eager 543, enable_sleep_mode 661, additional_config 685, use_tqdm_on_load 687;
-# enable_chunked_prefill (an EngineArgs field since vLLM 0.4; CPU only: rollout.settings.cpu_prefill_kwargs).
+# enable_chunked_prefill (an EngineArgs field since vLLM 0.4; CPU only: rollout.engine_keys.chunked_prefill_kwargs).
 ENGINE_ARGS = ("model dtype seed max_model_len distributed_executor_backend tensor_parallel_size enable_prefix_caching "
                "gpu_memory_utilization kv_cache_memory_bytes max_num_batched_tokens max_num_seqs logprobs_mode "
                "enforce_eager enable_sleep_mode additional_config use_tqdm_on_load enable_chunked_prefill block_size").split()

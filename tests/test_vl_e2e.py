@@ -32,7 +32,7 @@ def args(model, data, out, *extra):
             "--trainer.total_steps", str(STEPS), "--trainer.prompts_per_step", "4", "--rollout.n", "4",
             "--checkpoint.keep_last", "10", "--checkpoint.save_hf_final", "false",
             # 16 prompts of ~27 tokens per rank and step against a 64-token scheduler budget: vLLM
-            # would chunk them, which kills seeded requests on CPU (rollout.settings.cpu_prefill_kwargs)
+            # would chunk them, which kills seeded requests on CPU (rollout.engine_keys.chunked_prefill_kwargs)
             "--rollout.max_num_batched_tokens", "64",
             "--rollout.emulate_sleep", "true", *extra]  # level 2 as on a GPU (rlcore/rollout/cpu_sleep.py)
 

@@ -44,7 +44,7 @@ NAMES = [
 ]
 
 # Every keyword ColocateRollout may pass to LLM(...): rlcore/colocate_rollout.py _build_engine,
-# _memory_kwargs, rollout.settings.speed_kwargs, disable_npu_nz, cpu_prefill_kwargs, multimodal_kwargs.
+# _memory_kwargs, rollout.settings.speed_kwargs, disable_npu_nz, engine_keys.chunked_prefill_kwargs, multimodal_kwargs.
 LLM_KWARGS = [
     "model", "tensor_parallel_size", "distributed_executor_backend", "seed", "dtype", "max_model_len",
     "enforce_eager", "logprobs_mode", "use_tqdm_on_load", "kv_cache_memory_bytes", "gpu_memory_utilization",

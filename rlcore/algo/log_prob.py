@@ -39,12 +39,6 @@ def describe_log_prob_micro(cfg: AlgorithmConfig) -> str:
     return f", old/ref log-prob micro-batches {what}"
 
 
-def longest_sequence(prompt_len: int, response_len: int) -> int:
-    """The most tokens one sample packs: its prompt and its response (a multi-turn rollout's whole
-    conversation after the prompt: rollout.multi_turn.max_total_tokens)."""
-    return prompt_len + response_len
-
-
 def check_log_prob_tokens(cfg: AlgorithmConfig, longest: int) -> None:
     """A no-gradient token budget below one sample would be exceeded by every micro-batch that
     holds that sample (the split never cuts a sequence): refuse it, as verl's dynamic batch size

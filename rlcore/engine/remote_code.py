@@ -17,7 +17,8 @@ folder's code runs in each engine:
   vLLM's attention and its own LM head (vllm 0.32.0 model_executor/models/registry.py:1222-1295,
   models/transformers/base.py:179, causal.py:45-66): code after the decoder (in the causal-LM head)
   runs in neither engine.
-* the tokenizer and image processor: ``trust_remote_code`` to transformers' Auto classes.
+* the tokenizer: ``trust_remote_code`` to transformers' AutoTokenizer (not yet the image processor of a
+  vision-language model: untested).
 
 vLLM's Transformers backend edits the decoder class in place (vllm/compilation/decorators.py:353-378,
 756: new base, ``__init__`` needing a vLLM config, ``__call__``), so the trainer imports its own copy

@@ -106,8 +106,10 @@ def chunked_prefill_kwargs(device_type: str, enable: bool | None) -> dict:
     on x86 (platforms/cpu.py:516-530 turns it off only for MLA models; engine/arg_utils.py:3041-3049
     for RISC-V), but a prompt scheduled in part has its sampled token discarded and, for a seeded
     request (every request here is), the runner rewinds its generator with ``gen.set_offset(...)``
-    (v1/worker/gpu_model_runner.py:3499-3502), which a CPU ``torch.Generator`` does not have: the step
-    dies once a step's prompts exceed max_num_batched_tokens (rollout.settings.cpu_prefill_kwargs)."""
+    (v1/worker/gpu_model_runner.py:3495-3502, the mask set at :2056-2060), which a CPU
+    ``torch.Generator`` does not have: the step dies once a step's prompts exceed
+    max_num_batched_tokens. Without chunking the scheduler waits for room instead of splitting a
+    prompt (v1/core/sched/scheduler.py:1158-1167). Accelerators' generators have offsets."""
     if device_type == "cpu":
         if enable:
             raise ValueError("vLLM's CPU runner cannot chunk a seeded prompt: it rewinds the request's generator "

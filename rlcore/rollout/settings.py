@@ -163,20 +163,6 @@ def multimodal_kwargs(multimodal: bool, *, limit_mm_per_prompt: dict[str, int] |
     return kwargs
 
 
-def cpu_prefill_kwargs(device_type: str) -> dict:
-    """On CPU, prefills are never chunked: ``{"enable_chunked_prefill": False}``.
-
-    A prompt scheduled in part has its sampled token discarded, and for a seeded request vLLM then
-    rewinds the request's generator: ``gen.set_offset(gen.get_offset() - 4)`` (vllm 0.32.0
-    v1/worker/gpu_model_runner.py:3495-3502, the mask set at :2056-2060). A CPU
-    ``torch.Generator`` has no offset ("CPU Generator does not use offset"), so the step dies as
-    soon as a step's prompts exceed ``max_num_batched_tokens`` (every request here is seeded). Without
-    chunking the scheduler waits for room instead of splitting a prompt (v1/core/sched/
-    scheduler.py:1158-1167). Accelerators keep vLLM's default (their generators have offsets);
-    rollout.enable_chunked_prefill sets it there (engine_keys.chunked_prefill_kwargs)."""
-    return engine_keys.chunked_prefill_kwargs(device_type, None)
-
-
 def disable_npu_nz(device_type: str, environ: MutableMapping[str, str] | None = None) -> dict:
     """On NPU turn vllm-ascend's FRACTAL_NZ weight format off before the engine builds; returns
     the extra ``LLM(...)`` kwargs that say the same. Other devices: nothing is touched.
