@@ -145,6 +145,18 @@ def _adv_reinforce_pp(rewards, mask, group_size, *, gamma: float = 1.0, sum_fn=N
     return masked_whiten(returns, mask, sum_fn=sum_fn) * mask
 
 
+@_register(_ADV_REGISTRY, "gpg")
+def _adv_gpg(rewards, mask, group_size, *, sum_fn=None, **_):
+    """GPG (Chu et al. 2025; verl's compute_gpg_outcome_advantage): r - group mean, scaled by
+    alpha = N / (number of non-zero rewards), counted over the whole batch (all ranks)."""
+    sum_fn = sum_fn or (lambda values: values)
+    groups = _grouped(rewards, group_size)  # (G, n)
+    count, nonzero = sum_fn([float(groups.numel()), float(torch.count_nonzero(groups))])
+    alpha = count / max(nonzero, 1.0)
+    centered = (groups - _group_mean(groups)) * alpha
+    return centered.reshape(-1, 1) * mask.to(centered.dtype)  # (N, T)
+
+
 @torch.no_grad()
 def compute_advantages(
     name: str, rewards: torch.Tensor, mask: torch.Tensor, group_size: int, **options
@@ -183,8 +195,24 @@ def _kl_k3(logp, ref_logp):
     return (d.exp() - d - 1).clamp(-10, 10)
 
 
+def _straight_through(base: Callable) -> Callable:
+    """``kind+``: the value of ``kind`` with the gradient of k2 (verl's kl_penalty, core_algos.py
+    2187-2212): k1 and k3 estimate the KL's value without bias but not its gradient; k2's gradient
+    is the KL's expected gradient."""
+    def fn(logp, ref_logp):
+        k2 = _kl_k2(logp, ref_logp)
+        return k2 - k2.detach() + base(logp, ref_logp).detach()
+    return fn
+
+
+for _name in ("k1", "abs", "k3", "low_var_kl"):
+    _KL_REGISTRY[_name + "+"] = _straight_through(_KL_REGISTRY[_name])
+_KL_REGISTRY["k2+"] = _kl_k2  # k2's own gradient already
+
+
 def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str) -> torch.Tensor:
-    """Per-token KL estimate (N, T) between the policy and the reference."""
+    """Per-token KL estimate (N, T) between the policy and the reference; ``kind+`` takes its
+    gradient from k2 (straight-through)."""
     return _lookup(_KL_REGISTRY, "kl kind", kind)(logp, ref_logp)
 
 
@@ -206,6 +234,13 @@ def _seq_mean(seq_values: torch.Tensor, mask: torch.Tensor, global_seqs, dp_size
 def _agg_token_mean(loss_mat, mask, global_tokens, global_seqs, dp_size, norm_len):
     total = (loss_mat * mask).sum()
     return total / _denominator(global_tokens, mask.sum(), total) * dp_size
+
+
+@_register(_AGG_REGISTRY, "token-sum")
+def _agg_token_sum(loss_mat, mask, global_tokens, global_seqs, dp_size, norm_len):
+    # verl's agg_loss token-sum (core_algos.py:1176-1180): the sum over every valid token of the
+    # mini-batch; x dp_size because FSDP averages the ranks' gradients.
+    return (loss_mat * mask).sum() * dp_size
 
 
 @_register(_AGG_REGISTRY, "seq-mean-token-sum")
@@ -254,7 +289,7 @@ def aggregate_loss(
 
 
 @_register(_LOSS_REGISTRY, "vanilla")
-def _loss_vanilla(logp, old_logp, adv, mask, clip_low, clip_high, dual_clip_c):
+def _loss_vanilla(logp, old_logp, adv, mask, clip_low, clip_high, dual_clip_c, **_):
     """PPO clip (DAPO clip-higher when clip_high > clip_low) with dual clip for A < 0."""
     if dual_clip_c <= 1.0:
         raise ValueError(f"dual_clip_c must be > 1, got {dual_clip_c}")
@@ -276,7 +311,7 @@ def _loss_vanilla(logp, old_logp, adv, mask, clip_low, clip_high, dual_clip_c):
 
 
 @_register(_LOSS_REGISTRY, "gspo")
-def _loss_gspo(logp, old_logp, adv, mask, clip_low, clip_high, dual_clip_c):
+def _loss_gspo(logp, old_logp, adv, mask, clip_low, clip_high, dual_clip_c, **_):
     """GSPO: one importance ratio per sequence (geometric mean of token ratios), clipped as a
     whole, so a few outlier tokens cannot dominate a long sequence's update."""
     log_ratio = logp - old_logp  # (N, T)
@@ -295,6 +330,93 @@ def _loss_gspo(logp, old_logp, adv, mask, clip_low, clip_high, dual_clip_c):
         "actor/clip_frac_lower": 0.0,
     }
     return loss, metrics
+
+
+# verl's other policy losses (verl/trainer/ppo/core_algos.py at 1dda039; tests/test_loss_modes.py
+# checks each against verl's own function). Each returns the (N, T) loss before aggregation.
+
+
+def _ratio(logp, old_logp):
+    log_ratio = (logp - old_logp).clamp(-20, 20)  # (N, T)
+    return log_ratio, torch.exp(log_ratio)
+
+
+@_register(_LOSS_REGISTRY, "gpg")
+def _loss_gpg(logp, old_logp, adv, mask, clip_low, clip_high, dual_clip_c, **_):
+    """GPG (compute_policy_loss_gpg): plain policy gradient -A log p, no ratio, no clip."""
+    return -logp * adv, {"actor/ppo_kl": masked_mean(old_logp - logp, mask).item(), "actor/clip_frac": 0.0,
+                         "actor/clip_frac_lower": 0.0}
+
+
+@_register(_LOSS_REGISTRY, "cispo")
+def _loss_cispo(logp, old_logp, adv, mask, clip_low, clip_high, dual_clip_c, **_):
+    """CISPO (MiniMax-M1; compute_policy_loss_cispo): -sg(clip(ratio)) A log p, so every token
+    keeps a gradient; the clip bounds its weight only."""
+    log_ratio, ratio = _ratio(logp, old_logp)
+    clipped = ratio.clamp(1 - clip_low, 1 + clip_high)
+    metrics = {"actor/clip_frac": masked_mean((ratio != clipped).float(), mask).item(),
+               "actor/ppo_kl": masked_mean(-log_ratio, mask).item(), "actor/clip_frac_lower": 0.0}
+    return -clipped.detach() * adv * logp, metrics
+
+
+@_register(_LOSS_REGISTRY, "sapo")
+def _loss_sapo(logp, old_logp, adv, mask, clip_low, clip_high, dual_clip_c, *, tau_pos=1.0, tau_neg=1.05, **_):
+    """SAPO (compute_policy_loss_sapo): a smooth gate sigmoid(tau (r - 1)) 4 / tau instead of the
+    clip, tau_pos for A > 0 and tau_neg otherwise."""
+    log_ratio, ratio = _ratio(logp, old_logp)
+    tau = torch.where(adv > 0, torch.as_tensor(tau_pos, dtype=adv.dtype), torch.as_tensor(tau_neg, dtype=adv.dtype))
+    gates = torch.sigmoid(tau * (ratio - 1.0)) * (4.0 / tau)
+    return -gates * adv, {"actor/ppo_kl": masked_mean(-log_ratio, mask).item(), "actor/clip_frac": 0.0,
+                          "actor/clip_frac_lower": 0.0}
+
+
+@_register(_LOSS_REGISTRY, "geo_mean")
+def _loss_geo_mean(logp, old_logp, adv, mask, clip_low, clip_high, dual_clip_c, **_):
+    """GMPO (compute_policy_loss_geo_mean): the geometric mean of the token ratios, each clipped
+    in log space by the advantage's sign, times the sequence's mean advantage; one loss per
+    sequence, set on each of its tokens (aggregate with seq-mean-token-mean for verl's mean over
+    sequences)."""
+    m = mask.to(logp.dtype)
+    log_ratio = logp - old_logp  # (N, T), unclamped as in verl
+    sign = torch.sign(adv)
+    clamped = log_ratio.clamp(-clip_low, clip_high)
+    kept = sign * torch.minimum(sign * log_ratio, sign * clamped)  # (N, T)
+    length = m.sum(-1)  # (N,)
+    ratio = torch.exp((kept * m).sum(-1) / (length + 1e-8))  # (N,)
+    seq_adv = (adv * m).sum(-1) / (length + 1e-8)  # (N,)
+    clipped = log_ratio != clamped
+    metrics = {"actor/clip_frac": masked_mean((clipped & (adv > 0)).float(), mask).item(),
+               "actor/clip_frac_lower": masked_mean((clipped & (adv < 0)).float(), mask).item(),
+               "actor/ppo_kl": masked_mean(-log_ratio, mask).item()}
+    return (-seq_adv * ratio).unsqueeze(-1).expand_as(logp), metrics
+
+
+def _dppo(logp, old_logp, adv, mask, dual_clip_c, valid):
+    log_ratio, ratio = _ratio(logp, old_logp)
+    valid = valid.detach().to(logp.dtype)
+    truncated = ratio.clamp(max=dual_clip_c).detach()  # truncated IS instead of the dual clip
+    metrics = {"actor/clip_frac": masked_mean(1.0 - valid, mask).item(),
+               "actor/clip_frac_lower": masked_mean((ratio > dual_clip_c).to(logp.dtype) * valid, mask).item(),
+               "actor/ppo_kl": masked_mean(-log_ratio, mask).item()}
+    return -adv * truncated * logp * valid, metrics
+
+
+@_register(_LOSS_REGISTRY, "dppo_tv")
+def _loss_dppo_tv(logp, old_logp, adv, mask, clip_low, clip_high, dual_clip_c, **_):
+    """DPPO-Binary-TV (compute_policy_loss_dppo_tv): tokens whose probability moved by more than
+    clip_high up (A > 0) or clip_low down (A <= 0) get no gradient; dual_clip_c caps the ratio."""
+    moved = torch.exp(logp) - torch.exp(old_logp)
+    return _dppo(logp, old_logp, adv, mask, dual_clip_c, torch.where(adv > 0, moved <= clip_high, moved >= -clip_low))
+
+
+@_register(_LOSS_REGISTRY, "dppo_kl")
+def _loss_dppo_kl(logp, old_logp, adv, mask, clip_low, clip_high, dual_clip_c, **_):
+    """DPPO-Binary-KL (compute_policy_loss_dppo_kl): as dppo_tv with the binary KL of the token's
+    probability as the divergence."""
+    p, q = torch.exp(logp), torch.exp(old_logp)
+    kl = q * (old_logp - logp) + (1 - q) * torch.log((1.0 - q + 1e-8) / (1.0 - p + 1e-8))
+    valid = torch.where(adv > 0, (kl <= clip_high) | (p <= q), (kl <= clip_low) | (p >= q))
+    return _dppo(logp, old_logp, adv, mask, dual_clip_c, valid)
 
 
 def clip_cov_weights(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor, *,
@@ -332,18 +454,26 @@ def policy_loss(
     dual_clip_c: float = 3.0,
     agg_mode: str = "token-mean",
     is_weights: torch.Tensor | None = None,
+    tau_pos: float = 1.0,
+    tau_neg: float = 1.05,
     **agg_kwargs,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Clipped policy-gradient loss, aggregated by ``agg_mode``; returns (loss, metrics).
 
     ``is_weights`` (N, T), e.g. truncated importance weights correcting rollout/trainer mismatch,
-    multiply the per-token loss. ``agg_kwargs`` go to :func:`aggregate_loss`. Metrics are local
-    masked means (python floats).
+    multiply the per-token loss (geo_mean, a loss per sequence: their geometric mean over the
+    sequence, as verl). ``tau_pos``/``tau_neg``: sapo's gate temperatures. ``agg_kwargs`` go to
+    :func:`aggregate_loss`. Metrics are local masked means (python floats).
     """
     fn = _lookup(_LOSS_REGISTRY, "policy_loss", name)
     _lookup(_AGG_REGISTRY, "loss_agg_mode", agg_mode)  # fail before doing any work
-    loss_mat, metrics = fn(logp, old_logp, advantages, mask, clip_low, clip_high, dual_clip_c)
-    if is_weights is not None:
+    loss_mat, metrics = fn(logp, old_logp, advantages, mask, clip_low, clip_high, dual_clip_c,
+                           tau_pos=tau_pos, tau_neg=tau_neg)
+    if is_weights is not None and name == "geo_mean":
+        m = mask.to(loss_mat.dtype)
+        seq = torch.exp((torch.log(is_weights + 1e-10) * m).sum(-1) / (m.sum(-1) + 1e-8))  # (N,)
+        loss_mat = loss_mat * seq.unsqueeze(-1)
+    elif is_weights is not None:
         loss_mat = loss_mat * is_weights
     loss = aggregate_loss(loss_mat, mask, agg_mode, **agg_kwargs)
     return loss, metrics

@@ -20,11 +20,15 @@ class AlgorithmConfig:
     """Advantages and the policy loss (rlcore/advantage.py)."""
 
     adv_estimator: str = "grpo"
-    """grpo, rloo, reinforce_pp or reinforce_pp_baseline."""
+    """grpo, rloo, reinforce_pp, reinforce_pp_baseline or gpg (GPG: r - group mean, times the
+    batch's count over its non-zero rewards, as verl's)."""
     norm_by_std: bool = True
     """Divide GRPO advantages by the group's std; false = Dr.GRPO."""
     policy_loss: str = "vanilla"
-    """vanilla (PPO clip with dual clip) or gspo."""
+    """vanilla (PPO clip with dual clip), gspo, or verl's gpg (-A log p), cispo (clipped ratio as a
+    detached weight), sapo (a smooth gate: sapo_tau_pos/neg), geo_mean (GMPO, one loss per
+    sequence), dppo_tv / dppo_kl (tokens past a divergence bound get no gradient; dual_clip_c
+    truncates the ratio): docs/algorithms.md."""
     clip_low: float = 0.2
     """PPO ratio clip below 1."""
     clip_high: float = 0.2
@@ -32,13 +36,18 @@ class AlgorithmConfig:
     dual_clip_c: float = 3.0
     """Dual-clip bound for negative advantages."""
     loss_agg_mode: str = "token-mean"
-    """token-mean, seq-mean-token-sum, seq-mean-token-mean or seq-mean-token-sum-norm."""
+    """token-mean, token-sum, seq-mean-token-sum, seq-mean-token-mean or seq-mean-token-sum-norm."""
     kl_loss_coef: float = 0.0
     """Weight of the KL loss to a frozen reference policy; > 0 builds the reference."""
     kl_loss_type: str = "low_var_kl"
-    """k1, abs, k2, k3 or low_var_kl."""
+    """k1, abs, k2, k3 or low_var_kl; with a + (k3+, low_var_kl+, k1+, abs+) its value with k2's
+    gradient (straight-through, as verl's)."""
     entropy_coef: float = 0.0
     """Entropy bonus weight."""
+    sapo_tau_pos: float = 1.0
+    """policy_loss sapo: the gate's temperature for tokens with A > 0."""
+    sapo_tau_neg: float = 1.05
+    """policy_loss sapo: the gate's temperature for tokens with A <= 0."""
     ppo_epochs: int = 1
     """Passes over each step's samples."""
     mini_batches: int = 1
@@ -112,6 +121,8 @@ class AlgorithmConfig:
         check(0 <= self.clip_low < 1, "algorithm.clip_low", self.clip_low, "it must be in [0, 1)")
         check(self.clip_high >= 0, "algorithm.clip_high", self.clip_high, "it must be >= 0")
         check(self.dual_clip_c > 1, "algorithm.dual_clip_c", self.dual_clip_c, "it must be > 1 (3.0 is usual)")
+        check(self.sapo_tau_pos > 0 and self.sapo_tau_neg > 0, "algorithm.sapo_tau_pos/neg",
+              (self.sapo_tau_pos, self.sapo_tau_neg), "both must be > 0 (verl's defaults: 1.0 and 1.05)")
         check(self.kl_loss_coef >= 0, "algorithm.kl_loss_coef", self.kl_loss_coef, "it must be >= 0")
         check(self.overlong_buffer_len >= 0, "algorithm.overlong_buffer_len", self.overlong_buffer_len,
               "it must be >= 0 (0 disables overlong shaping)")

@@ -246,7 +246,8 @@ def _micro_step(policy, batch: RolloutBatch, idx: list[int], inp: UpdateInputs, 
     is_weights = _token_weights(logp, old, idx, a, mask, inp, cfg, sums)
     pg_loss, pg_metrics = advantage.policy_loss(
         cfg.policy_loss, logp, old, a, mask, clip_low=cfg.clip_low, clip_high=cfg.clip_high,
-        dual_clip_c=cfg.dual_clip_c, agg_mode=cfg.loss_agg_mode, is_weights=is_weights, **agg)
+        dual_clip_c=cfg.dual_clip_c, agg_mode=cfg.loss_agg_mode, is_weights=is_weights,
+        tau_pos=cfg.sapo_tau_pos, tau_neg=cfg.sapo_tau_neg, **agg)
     loss = pg_loss
     ntok = mask.sum().item()
     if cfg.entropy_coef != 0:
