@@ -419,6 +419,11 @@ def _loss_dppo_kl(logp, old_logp, adv, mask, clip_low, clip_high, dual_clip_c, *
     return _dppo(logp, old_logp, adv, mask, dual_clip_c, valid)
 
 
+# Losses whose aggregation is part of their definition (verl: core_algos.py:1687-1689 sapo, :1991
+# geo_mean's mean over sequences).
+_OWN_AGGREGATION = {"sapo": "seq-mean-token-mean", "geo_mean": "seq-mean-token-mean"}
+
+
 def clip_cov_weights(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor, *,
                      ratio: float, low: float, high: float, clip_low: float, clip_high: float,
                      generator: torch.Generator | None = None) -> tuple[torch.Tensor, int]:
@@ -462,11 +467,13 @@ def policy_loss(
 
     ``is_weights`` (N, T), e.g. truncated importance weights correcting rollout/trainer mismatch,
     multiply the per-token loss (geo_mean, a loss per sequence: their geometric mean over the
-    sequence, as verl). ``tau_pos``/``tau_neg``: sapo's gate temperatures. ``agg_kwargs`` go to
-    :func:`aggregate_loss`. Metrics are local masked means (python floats).
+    sequence, as verl). sapo and geo_mean aggregate as verl's do, by seq-mean-token-mean whatever
+    ``agg_mode`` says (the entropy and KL terms still follow it). ``tau_pos``/``tau_neg``: sapo's
+    gate temperatures. ``agg_kwargs`` go to :func:`aggregate_loss`. Metrics are local masked means.
     """
     fn = _lookup(_LOSS_REGISTRY, "policy_loss", name)
     _lookup(_AGG_REGISTRY, "loss_agg_mode", agg_mode)  # fail before doing any work
+    agg_mode = _OWN_AGGREGATION.get(name, agg_mode)
     loss_mat, metrics = fn(logp, old_logp, advantages, mask, clip_low, clip_high, dual_clip_c,
                            tau_pos=tau_pos, tau_neg=tau_neg)
     if is_weights is not None and name == "geo_mean":

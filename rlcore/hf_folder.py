@@ -107,6 +107,20 @@ def config_or_empty(path: str) -> dict:
     return config if isinstance(config, dict) else {}
 
 
+def folder_problem(path: str) -> str | None:
+    """Why ``path`` is not a local HF model folder (no config.json there), with how to get one; None
+    when it is. Models are read from a local folder here: nothing is downloaded at run time."""
+    if os.path.isfile(os.path.join(path, "config.json")):
+        return None
+    if not os.path.exists(path) and path.count("/") == 1 and not path.startswith((".", "~")):
+        local = f"/models/{path.split('/')[1]}"
+        return (f"no config.json there: {path!r} looks like a Hugging Face hub name, and models are read from a local "
+                f"folder here (nothing is downloaded at run time). Download it first, e.g. `hf download {path} "
+                f"--local-dir {local}` (huggingface_hub's CLI; `huggingface-cli download` in older versions), and "
+                f"point the key at {local}")
+    return "no config.json there; point it to a local HF model folder (scripts/ can make one)"
+
+
 def num_experts(model_config: dict) -> int:
     """Routed experts of an HF config (0 for a dense model)."""
     cfg = model_config.get("text_config", model_config)

@@ -326,3 +326,36 @@ def test_the_seed_recipe_holds_the_seed_runs_settings(recipe):
     assert t["val_before_train"] and c["parallel"]["ep_size"] == (16 if recipe.endswith("npu") else 8)
     if recipe.endswith("npu"):  # the seed run's "chunked prefill off" (the CUDA twin keeps vLLM's default)
         assert r["enable_chunked_prefill"] is False
+
+
+def test_a_hub_name_as_model_path_exits_2_with_how_to_download_it(tmp_path):
+    """A converted verl script keeps verl's hub name in model.path: the dry run stops at the
+    trainer's own check (exit 2, how to download the model), never reaching huggingface_hub through
+    vLLM's EngineArgs (a traceback before). With rollout expert parallelism the resolve says the
+    same instead of calling the model dense."""
+    data = tmp_path / "d.jsonl"
+    data.write_text("")
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(f"model: {{path: Qwen/Qwen3-30B-A3B}}\ndata: {{train_files: [{data}]}}\n"
+                   "rollout: {tensor_parallel_size: 2, enable_expert_parallel: true}\n")
+    proc = subprocess.run([sys.executable, os.path.join(REPO, "scripts", "check_config.py"), "--config", str(cfg),
+                           "--device", "cuda", "--nproc", "2"], cwd=tmp_path, env={**os.environ, **QUIET_ENV},
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and "Traceback" not in proc.stdout + proc.stderr, proc.stdout + proc.stderr[-2000:]
+    first = proc.stdout.splitlines()[0]
+    assert first.startswith("FAIL  config: model.path='Qwen/Qwen3-30B-A3B' is invalid: no config.json there"), first
+    assert "hf download Qwen/Qwen3-30B-A3B --local-dir /models/Qwen3-30B-A3B" in first
+    assert "dense" not in proc.stdout
+
+
+@pytest.mark.unit
+def test_expert_parallel_on_an_unreadable_model_is_not_called_dense(tmp_path):
+    from rlcore.config import ConfigError
+    from rlcore.config.cli import _parse
+    from rlcore.rollout.engine_keys import check_config
+
+    cfg = _parse(["--model.path", "Qwen/Qwen3-30B-A3B", "--rollout.tensor_parallel_size", "2",
+                  "--rollout.enable_expert_parallel", "true"])
+    with pytest.raises(ConfigError) as e:
+        check_config(cfg, "cuda")
+    assert "dense" not in str(e.value) and "hf download Qwen/Qwen3-30B-A3B" in str(e.value)

@@ -1,9 +1,11 @@
-"""scripts/from_verl.py's conversions of verl's own scripts (tests/fixtures/verl/) through the device dry
-run (scripts/check_config.py: VeOmni's validation, vLLM's create_engine_config, the memory plan), in
-one interpreter as tests/test_check_config.py runs its configs. Not a unit test: it imports vLLM."""
+"""scripts/from_verl.py's conversions of verl's own scripts (the 16 of tests/fixtures/verl/*.sh; every
+example's parse and resolve is tests/test_verl_examples.py's) through the device dry run
+(scripts/check_config.py: VeOmni's validation, vLLM's create_engine_config, the memory plan), in one
+interpreter as tests/test_check_config.py runs its configs. Not a unit test: it imports vLLM."""
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import re
@@ -11,7 +13,9 @@ import subprocess
 import sys
 
 from conftest import REPO
-from test_from_verl import FIXTURES, convert
+from test_from_verl import convert
+
+FIXTURES = sorted(glob.glob(os.path.join(REPO, "tests", "fixtures", "verl", "*.sh")))
 
 
 STAND_INS = {"vl": "qwen3_vl_8b", "vl_30b": "qwen3_vl_30b_a3b", "moe": "qwen3_30b_a3b", "dense": "qwen3_8b"}
@@ -35,7 +39,7 @@ def test_every_fixture_passes_the_dry_run_for_its_device(tmp_path, capsys, monke
     monkeypatch.setenv("HOME", "/home/user")
     cases, names = [], []
     for path in FIXTURES:
-        name = os.path.basename(path)  # every one: KNOWN_REFUSALS are the tiny dense model's, not the stand-ins'
+        name = os.path.basename(path)
         out = str(tmp_path / f"{name}.yaml")
         device = "npu" if "npu" in name else "cuda"
         rc, _, err = convert([path, "--allow-unmapped", "--device", device, "-o", out], capsys)

@@ -218,3 +218,28 @@ def test_token_budget_micro_batches_balance_tokens_and_keep_the_gradient():
     for budget in (9, 20, 1000):  # one long sequence per micro-batch .. all in one
         grads = run(dataclasses.replace(BASE, micro_batch_tokens=budget))
         assert (grads - base).norm() / base.norm() <= 1e-5
+
+
+def test_sapo_gate_temperatures_reach_the_loss():
+    cfg = dataclasses.replace(BASE, policy_loss="sapo")
+    assert (run(cfg) - run(dataclasses.replace(cfg, sapo_tau_neg=3.0))).norm() > 1e-4
+    assert (run(cfg) - run(dataclasses.replace(cfg, sapo_tau_pos=3.0))).norm() > 1e-4
+
+
+@pytest.mark.parametrize("metric, kept", [("reward", [0, 1]), ("score", [1])])
+def test_dynamic_sampling_metric_score_compares_before_the_overlong_penalty(metric, kept):
+    """Group 0 scores 1 everywhere but its responses run past the overlong buffer by different
+    amounts: its shaped rewards differ (kept with metric reward, verl's seq_reward), its scores do
+    not (dropped with metric score, verl's score / acc filter). Group 1 differs either way."""
+    import types
+
+    from rlcore.algo.batch import informative_groups
+    from rlcore.step.sampling import StepSampler
+
+    batch = make_batch()  # lengths 5 2 6 3 | 4 6 1 5
+    cfg = dataclasses.replace(BASE, overlong_buffer_len=3, dynamic_sampling=True, dynamic_sampling_metric=metric)
+    scores = torch.tensor([1.0, 1.0, 1.0, 1.0, 1.0, 0.0, 1.0, 0.0])
+    shaped, _ = shape_rewards(scores.clone(), batch, cfg, max_response_length=6)
+    sampler = StepSampler(None, None, None, None, types.SimpleNamespace(max_response_length=6, multi_turn=types.SimpleNamespace(enable=False)), cfg,
+                          1, 0, None)
+    assert informative_groups(sampler.filter_values(batch, shaped), 4) == kept

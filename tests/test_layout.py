@@ -27,7 +27,8 @@ ROOT = os.path.join(REPO, "rlcore")
 # rlcore/ itself: only the ground floor, which every wing may use and which imports no wing.
 GROUND = {"rlcore", "rlcore.dist", "rlcore.errors", "rlcore.heap", "rlcore.hf_folder", "rlcore.metrics",
           "rlcore.protocols", "rlcore.quiet", "rlcore.torchvision_shim", "rlcore.trackers"}
-WINGS = ("agent", "algo", "config", "demo", "distill", "engine", "judge", "plan", "rollout", "run", "step", "task")
+WINGS = ("agent", "algo", "config", "demo", "distill", "engine", "judge", "plan", "rollout", "run", "step", "task",
+         "verl")
 # The design card's modules -> the wing of their parts, and what each must define itself.
 CARD = {"rlcore.engine_veomni": ("engine", {"VeOmniPolicy", "LoraPolicy"}),
         "rlcore.colocate_rollout": ("rollout", {"ColocateRollout", "Sample"}),
@@ -178,6 +179,18 @@ def test_nothing_imports_the_run_wing():
     """run/ is the top floor: only the entry points (train_grpo.py, scripts/) import it."""
     bad = _offenders(lambda m, imps: {i for i in imps if _wing(i) == "run"} if _wing(m) != "run" else ())
     assert not bad, bad
+
+
+@pytest.mark.unit
+def test_the_verl_wing_is_the_converters_alone():
+    """rlcore/verl/ (scripts/from_verl.py) reads this project's keys, defaults and checks (rlcore.config
+    and the two registries it names) and nothing else of rlcore; nothing in the trainer imports it."""
+    allowed = {"rlcore.rollout.engine_keys", "rlcore.algo.rollout_correction"}
+    bad = _offenders(lambda m, imps: {i for i in imps if i.startswith("rlcore.") and _wing(i) not in (None, "config",
+                                      "verl") and i not in allowed and i not in GROUND} if _wing(m) == "verl" else ())
+    assert not bad, bad
+    bad = _offenders(lambda m, imps: {i for i in imps if _wing(i) == "verl"} if _wing(m) != "verl" else ())
+    assert not bad, f"the converter is scripts/from_verl.py's: {bad}"
 
 
 def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:

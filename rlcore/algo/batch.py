@@ -106,15 +106,21 @@ class RolloutBatch:
         return out
 
 
+def overlong_penalties(batch: RolloutBatch, cfg: AlgorithmConfig, max_response_length: int) -> torch.Tensor | None:
+    """(N,) DAPO's overlong penalty of each response, or None when shaping is off."""
+    if cfg.overlong_buffer_len <= 0:
+        return None
+    lengths = torch.tensor([len(r) for r in batch.response_ids], dtype=torch.float32)
+    return advantage.overlong_penalty(lengths, max_response_length, cfg.overlong_buffer_len, cfg.overlong_penalty_factor)
+
+
 def shape_rewards(scores: torch.Tensor, batch: RolloutBatch, cfg: AlgorithmConfig,
                   max_response_length: int) -> tuple[torch.Tensor, dict[str, float]]:
     """DAPO overlong shaping and truncation masking; returns the shaped scores (N,)."""
     metrics = {}
-    if cfg.overlong_buffer_len > 0:
-        lengths = torch.tensor([len(r) for r in batch.response_ids], dtype=scores.dtype)
-        penalty = advantage.overlong_penalty(lengths, max_response_length, cfg.overlong_buffer_len,
-                                             cfg.overlong_penalty_factor)
-        scores = scores + penalty
+    penalty = overlong_penalties(batch, cfg, max_response_length)
+    if penalty is not None:
+        scores = scores + penalty.to(scores.dtype)
         metrics["reward/overlong_penalty_mean"] = penalty.mean().item()
     if cfg.mask_truncated:
         batch.keep = [0.0 if f == "length" else k for f, k in zip(batch.finish_reasons, batch.keep)]

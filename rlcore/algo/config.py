@@ -30,7 +30,7 @@ class AlgorithmConfig:
     sequence), dppo_tv / dppo_kl (tokens past a divergence bound get no gradient; dual_clip_c
     truncates the ratio): docs/algorithms.md."""
     clip_low: float = 0.2
-    """PPO ratio clip below 1."""
+    """PPO ratio clip below 1 (>= 1: no lower bound, as verl's cispo example uses 10)."""
     clip_high: float = 0.2
     """PPO ratio clip above 1; > clip_low is DAPO's clip-higher."""
     dual_clip_c: float = 3.0
@@ -81,6 +81,9 @@ class AlgorithmConfig:
     """DAPO dynamic sampling: drop groups whose rewards are all equal and sample more prompts."""
     max_sampling_rounds: int = 3
     """Generation rounds per step at most with dynamic_sampling."""
+    dynamic_sampling_metric: Literal["reward", "score"] = "reward"
+    """What dynamic sampling compares within a group: reward (after DAPO's overlong shaping: verl's
+    seq_reward / seq_final_reward) or score (before it: verl's score / acc filter)."""
     oversample: Optional[bool] = None
     """With dynamic_sampling: size the step's first round from a running estimate of the kept
     fraction, so one generate call usually yields enough groups; extra rounds only as fallback.
@@ -118,7 +121,7 @@ class AlgorithmConfig:
             check(value in valid, f"algorithm.{key}", value, f"choose one of {', '.join(valid)}")
         check_positive("algorithm", self, "ppo_epochs", "mini_batches", "micro_batch_size", "micro_batch_tokens",
                        "log_prob_micro_batch_size", "log_prob_micro_batch_tokens")
-        check(0 <= self.clip_low < 1, "algorithm.clip_low", self.clip_low, "it must be in [0, 1)")
+        check(self.clip_low >= 0, "algorithm.clip_low", self.clip_low, "it must be >= 0 (>= 1: no lower bound)")
         check(self.clip_high >= 0, "algorithm.clip_high", self.clip_high, "it must be >= 0")
         check(self.dual_clip_c > 1, "algorithm.dual_clip_c", self.dual_clip_c, "it must be > 1 (3.0 is usual)")
         check(self.sapo_tau_pos > 0 and self.sapo_tau_neg > 0, "algorithm.sapo_tau_pos/neg",

@@ -42,23 +42,28 @@ def _mode(name: str):
 
 
 @_mode("reverse_kl")
-def reverse_kl_advantage(student_logp: torch.Tensor, teacher_logp: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+def reverse_kl_advantage(student_logp: torch.Tensor, teacher_logp: torch.Tensor, mask: torch.Tensor,
+                         clamp: float | None = None) -> torch.Tensor:
     """(N, T) ``-(student - teacher)`` on the mask, 0 elsewhere (positive where the teacher likes the
-    token more than the student does)."""
-    return -(student_logp - teacher_logp) * mask
+    token more than the student does); ``clamp`` bounds the log-ratio first, as verl's
+    distillation_loss.loss_max_clamp (verl/trainer/distillation/losses.py:258-260)."""
+    k1 = student_logp - teacher_logp  # (N, T)
+    if clamp is not None:
+        k1 = k1.clamp(-clamp, clamp)
+    return -k1 * mask
 
 
 MODES = tuple(sorted([*_MODES, "topk"]))  # topk: a loss term (topk_divergence), not an advantage
 
 
 def distill_advantage(mode: str, student_logp: torch.Tensor, teacher_logp: torch.Tensor,
-                      mask: torch.Tensor) -> torch.Tensor:
+                      mask: torch.Tensor, clamp: float | None = None) -> torch.Tensor:
     """(N, T) the distillation advantage; 0 in topk mode (its signal is the loss term)."""
     if mode == "topk":
         return torch.zeros_like(mask)
     if mode not in _MODES:
         raise ValueError(f"unknown distillation mode {mode!r}; valid: {', '.join(MODES)}")
-    return _MODES[mode](student_logp, teacher_logp, mask)
+    return _MODES[mode](student_logp, teacher_logp, mask, clamp)
 
 
 # ----------------------------------------------------------------------------- top-k divergences

@@ -32,6 +32,9 @@ class DistillConfig:
     """topk mode, jsd: the mixture weight of the teacher (GKD's beta; 0.5 = the symmetric JSD)."""
     coef: float = 1.0
     """Weight of the distillation advantage."""
+    advantage_clamp: Optional[float] = None
+    """reverse_kl: the per-token log-ratio is clamped to [-advantage_clamp, advantage_clamp] before it
+    becomes the advantage (verl's distillation_loss.loss_max_clamp); null = not clamped."""
     reward_weight: float = 0.0
     """Weight of the reward's group advantage (reward.components) beside it; 0 = distillation alone
     (rewards are still scored and logged: reward/mean shows the task's progress)."""
@@ -57,6 +60,8 @@ class DistillConfig:
         check(self.divergence in DIVERGENCES, "distill.divergence", self.divergence,
               f"choose one of {', '.join(sorted(DIVERGENCES))}")
         check(0 < self.beta < 1, "distill.beta", self.beta, "it must be in (0, 1), e.g. 0.5")
+        check(self.advantage_clamp is None or self.advantage_clamp > 0, "distill.advantage_clamp",
+              self.advantage_clamp, "it must be > 0, or null for no clamp")
         check(self.coef > 0, "distill.coef", self.coef, "it must be > 0 (to turn distillation off, unset distill.teacher)")
         check(self.reward_weight >= 0, "distill.reward_weight", self.reward_weight,
               "it must be >= 0 (0 = distillation alone)")

@@ -73,8 +73,8 @@ class Teacher:
         """Collective (the metrics' sums): every rank calls it with its own samples."""
         teacher_logp, counts = self.logprobs(batch)
         mask, student_logp = batch.response_mask(), batch.rollout_logp_matrix()  # (N, T) each
-        adv = combine(reward_adv, distill_advantage(self.cfg.mode, student_logp, teacher_logp, mask),
-                      self.cfg.coef, self.cfg.reward_weight)
+        distill_adv = distill_advantage(self.cfg.mode, student_logp, teacher_logp, mask, self.cfg.advantage_clamp)
+        adv = combine(reward_adv, distill_adv, self.cfg.coef, self.cfg.reward_weight)
         sums = distill_sums(student_logp, teacher_logp, mask)
         if batch.teacher_topk is not None:  # the teacher's probability mass inside its top k
             sums["topk_mass"] = sum(float((lp.exp().sum(-1) * mask[i, : lp.shape[0]]).sum())

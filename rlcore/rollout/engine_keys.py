@@ -142,7 +142,7 @@ def expert_parallel_kwargs(enable: bool, device_type: str = "cuda") -> dict:
 
 def check_config(cfg, device_type: str) -> None:
     """The three keys against the model and the device, before anything loads (rlcore.config.resolve)."""
-    from rlcore.hf_folder import model_num_experts
+    from rlcore.hf_folder import folder_problem, model_num_experts
 
     r = cfg.rollout
     try:
@@ -158,6 +158,10 @@ def check_config(cfg, device_type: str) -> None:
     if r.enable_expert_parallel:
         if device_type == "cpu":
             raise ConfigError(f"rollout.enable_expert_parallel=true is invalid on cpu: {CPU_EP_REFUSAL}")
+        problem = folder_problem(cfg.model.path)
+        if problem:  # unreadable is not dense: say what is missing
+            raise ConfigError(f"rollout.enable_expert_parallel=true needs the model's experts from model.path="
+                              f"{cfg.model.path!r}: {problem}")
         experts = model_num_experts(cfg.model.path)
         if experts == 0:
             raise ConfigError("rollout.enable_expert_parallel=true is invalid: the model at model.path has no experts "

@@ -65,7 +65,13 @@ def check_config(argv: list[str], device: str) -> tuple[Config | None, list[Chec
     raw, problem = _quiet(_parse, argv)
     if problem:
         return None, [Check("config", FAIL, problem)]
-    from rlcore.hf_folder import model_num_experts
+    from rlcore.hf_folder import folder_problem, model_num_experts
+
+    # the trainer's own check (rlcore.run.preflight) before anything reads the folder: a hub name
+    # would otherwise reach vLLM's EngineArgs, which asks huggingface_hub and raises its own error
+    problem = folder_problem(raw.model.path)
+    if problem:
+        return None, [Check("config", FAIL, f"model.path={raw.model.path!r} is invalid: {problem}")]
 
     with warnings.catch_warnings():  # the attention check reports its fallback warning itself
         warnings.simplefilter("ignore")

@@ -9,7 +9,7 @@ import os
 from rlcore import agent
 from rlcore.config import Config, ConfigError, check, fail
 from rlcore.dist import detect_device, node_of_each_rank
-from rlcore.hf_folder import read_config
+from rlcore.hf_folder import folder_problem, read_config
 from rlcore.judge.config import check_judge_data
 from rlcore.rollout import routing as rollout_routing
 from rlcore.run import checkpoint
@@ -216,8 +216,7 @@ def validate_against_world(cfg: Config, world_size: int, nodes: list[int] | None
           f"it must divide the {per_rank} sequences each rank trains on per step")
     check(len(cfg.data.train_files) > 0, "data.train_files", cfg.data.train_files,
           "list at least one JSONL or Parquet file")
-    check(os.path.isfile(os.path.join(cfg.model.path, "config.json")), "model.path", cfg.model.path,
-          "no config.json there; point it to a local HF model folder (scripts/ can make one)")
+    check(folder_problem(cfg.model.path) is None, "model.path", cfg.model.path, folder_problem(cfg.model.path) or "")
     check(any(f.endswith(".safetensors") for f in os.listdir(cfg.model.path)), "model.path", cfg.model.path,
           "it holds no *.safetensors weights; weights are read only from safetensors (re-save the model with "
           "save_pretrained(..., safe_serialization=True))")

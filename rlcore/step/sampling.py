@@ -143,7 +143,7 @@ class StepSampler:
             batch = self.generate(self.next_prompts(size), step, round_)
             scores, round_metrics = self.score(batch)
             metrics = metrics or round_metrics  # reward metrics: those of the first round
-            good = set(rollout_batch.informative_groups(scores, n))
+            good = set(rollout_batch.informative_groups(self.filter_values(batch, scores), n))
             for g in range(len(scores) // n):
                 group = (batch.select(list(range(g * n, (g + 1) * n))), scores[g * n: (g + 1) * n])
                 (kept if g in good else dropped).append(group)
@@ -167,6 +167,14 @@ class StepSampler:
             "rollout/generated_per_trained": total_seen / (target * ranks),
             "rollout/keep_rate_est": self.keep_rate})
         return rollout_batch.concat([b for b, _ in chosen]), torch.cat([s for _, s in chosen]), metrics
+
+    def filter_values(self, batch: rollout_batch.RolloutBatch, scores: torch.Tensor) -> torch.Tensor:
+        """What dynamic sampling compares within a group: the shaped rewards, or with
+        algorithm.dynamic_sampling_metric=score the scores before DAPO's overlong penalty."""
+        penalty = rollout_batch.overlong_penalties(batch, self.algo, response_budget(self.cfg))
+        if getattr(self.algo, "dynamic_sampling_metric", "reward") == "reward" or penalty is None:
+            return scores
+        return scores - penalty.to(scores.dtype)
 
     def per_replica(self) -> int:
         return self.prompts_per_step // self.rollout.dp_size
