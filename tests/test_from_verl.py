@@ -396,8 +396,9 @@ def test_the_launch_line_has_absolute_paths_wherever_the_converter_ran(tmp_path,
     rc, _, err = convert(["-o", "cfg.yaml", "--", *BASE, "trainer.n_gpus_per_node=4"], capsys)
     assert rc == 0
     line = next(x for x in err.splitlines() if "torchrun" in x).removeprefix("from_verl.py: ")
-    torchrun, nproc, train, flag, config = line.split()
+    torchrun, standalone, nproc, train, flag, config = line.split()
     assert torchrun == os.path.join(REPO, ".venv", "bin", "torchrun") and nproc == "--nproc_per_node=4"
+    assert standalone == "--standalone"  # a free rendezvous port on one node
     assert train == os.path.join(REPO, "train_grpo.py") and config == str(tmp_path / "cfg.yaml")
     dry = next(x for x in err.splitlines() if "dry run first" in x)
     assert os.path.join(REPO, ".venv", "bin", "python") in dry and os.path.join(REPO, "scripts", "check_config.py") in dry

@@ -84,7 +84,7 @@ def launch_lines(out: str, device: str, gpus: int, nodes: int, env: list[tuple[s
     binary = venv_bin()
     lines = []
     if nodes == 1:
-        lines.append(f"{prefix}{q(os.path.join(binary, 'torchrun'))} --nproc_per_node={gpus} "
+        lines.append(f"{prefix}{q(os.path.join(binary, 'torchrun'))} --standalone --nproc_per_node={gpus} "
                      f"{q(os.path.join(REPO, 'train_grpo.py'))} --config {q(config)}")
     if nodes > 1 or device == "npu":
         gpu_flag = "" if device == "npu" else f" --gpus-per-node={gpus}"
