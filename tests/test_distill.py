@@ -493,3 +493,17 @@ def test_the_topk_term_composes_with_rollout_correction_and_token_budgets():
     assert div["token_budget"] == pytest.approx(div["plain"], rel=1e-6)
     assert "rollout_corr/is_weight_mean" in out["corrected"] and out["corrected"]["actor/pg_loss"] != \
         pytest.approx(out["plain"]["actor/pg_loss"], rel=1e-3)
+
+
+@pytest.mark.unit
+def test_the_advantage_clamp_bounds_the_log_ratio_as_verls_loss_max_clamp():
+    """distill.advantage_clamp: the per-token log-ratio is clamped to [-c, c] before it becomes the
+    advantage, as verl's distillation_loss.loss_max_clamp (verl/trainer/distillation/losses.py:258-260)."""
+    import torch
+
+    from rlcore.algo.distill import distill_advantage
+
+    student, teacher = torch.tensor([[-0.5, -30.0, -1.0]]), torch.tensor([[-20.0, -1.0, -1.5]])
+    mask = torch.tensor([[1.0, 1.0, 0.0]])
+    assert torch.equal(distill_advantage("reverse_kl", student, teacher, mask, 10.0), torch.tensor([[-10.0, 10.0, 0.0]]))
+    assert torch.equal(distill_advantage("reverse_kl", student, teacher, mask), torch.tensor([[-19.5, 29.0, 0.0]]))

@@ -169,13 +169,12 @@ def main(argv: list[str] | None = None) -> int:
     except BadInput as e:
         print(f"from_verl.py: error: {e}", file=sys.stderr)
         return 2
-    for note in (shell.notes if shell else []) + conv.notes:
-        print(f"from_verl.py: note: {note}", file=sys.stderr)
+    notes = [f"from_verl.py: note: {n}" for n in (shell.notes if shell else []) + conv.notes]
     if conv.unmapped and not args.allow_unmapped:
-        print("from_verl.py: error: these verl keys change training and have no equivalent here (--allow-unmapped "
-              "writes the run without them and lists them in the YAML's header):", file=sys.stderr)
-        for key, value, why in conv.unmapped:
-            print(f"  {key}{'=' + value if value else ''}: {why}", file=sys.stderr)
+        print("\n".join(notes + ["from_verl.py: error: these verl keys change training and have no equivalent here "
+                                 "(--allow-unmapped writes the run without them and lists them in the YAML's header):"]
+                        + [f"  {key}{'=' + value if value else ''}: {why}" for key, value, why in conv.unmapped]),
+              file=sys.stderr)
         return 2
     if args.output:
         try:
@@ -186,6 +185,8 @@ def main(argv: list[str] | None = None) -> int:
             return 2
     else:
         sys.stdout.write(text)
+    if notes:
+        print("\n".join(notes), file=sys.stderr)
     trackers = conv.out.get("logging.trackers", ([],))[0]
     out = args.output or "OUT.yaml"
     for line in launch_lines(out, device, conv.gpus, conv.nodes, classify_env(exports), trackers):

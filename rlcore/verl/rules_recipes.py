@@ -58,6 +58,16 @@ def overlong(c):
             c.ignore(key, f"verl reads the overlong settings at {prefix}* here")
 
 
+@rule({})
+def default_reward(c):
+    """verl scores a row by its data_source (verl/utils/reward_score/__init__.py default_compute_score);
+    the reward component that does the same here is issue 65's: until it lands, said on every conversion."""
+    if not any(k.startswith(("custom_reward_function.", "reward.custom_reward_function.")) for k in c.v):
+        c.note("reward: verl scores each row by its data_source (default_compute_score: gsm8k's strict '#### N', "
+               "math_dapo's +-1, geo3k's format term, ...); this project's reward.components default (math) applies "
+               "until its verl component lands (issue 65): check reward.components before training")
+
+
 @rule({"custom_reward_function.*": ("reward.fn", "verl's compute_score(data_source, solution_str, ground_truth, "
                                     "extra_info): pending verl's signature in reward.fn (issue 65)"),
        "reward.custom_reward_function.*": ("reward.fn", "as custom_reward_function.*")})
