@@ -17,6 +17,7 @@ from rlcore.errors import ConfigError
 from rlcore.hf_folder import model_num_experts
 from rlcore.judge.config import check_judges
 from rlcore.rollout.engine_keys import check_config as check_engine_keys
+from rlcore.task import verl_rows
 
 
 def _share_prompt(cfg: Config, attn: str) -> bool:
@@ -139,6 +140,8 @@ def resolve(cfg: Config, device_type: str) -> Config:
     from rlcore.rollout.settings import pick_block_size, pick_enforce_eager, pick_sleep_level, pick_weight_load
 
     accel = device_type != "cpu"
+    found = verl_rows.detect(cfg.data.train_files, cfg.data.prompt_key)  # verl's rows: their keys and reward
+    cfg = dataclasses.replace(cfg, data=verl_rows.resolve_data(cfg.data, found))
     m, r, o = cfg.model, cfg.rollout, cfg.offload
     if r.emulate_sleep and accel:
         raise ConfigError(f"rollout.emulate_sleep=true is for CPU runs (tests, debugging); on {device_type} vLLM's "
@@ -200,7 +203,7 @@ def resolve(cfg: Config, device_type: str) -> Config:
             enforce_eager=pick_enforce_eager(device_type, r.enforce_eager)),
         offload=dataclasses.replace(o, params=params, optimizer=accel if o.optimizer is None else o.optimizer,
                                     ref=params if o.ref is None else o.ref),
-        reward=dataclasses.replace(cfg.reward, components=cfg.reward.effective_components()),
+        reward=dataclasses.replace(cfg.reward, components=cfg.reward.effective_components(verl_rows=found is not None)),
         rollout_correction=_correction(cfg),
         val=dataclasses.replace(cfg.val, max_response_length=cfg.val.max_response_length or r.max_response_length),
         distill=dataclasses.replace(cfg.distill, temperature=cfg.distill.temperature or r.temperature,
