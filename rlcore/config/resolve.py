@@ -7,6 +7,7 @@ choices themselves (``pick_*``) belong to the engines that make them; this modul
 from __future__ import annotations
 
 import dataclasses
+import os
 
 from rlcore.agent.config import check_agent
 from rlcore.algo.log_prob import check_log_prob_tokens
@@ -208,5 +209,6 @@ def resolve(cfg: Config, device_type: str) -> Config:
         val=dataclasses.replace(cfg.val, max_response_length=cfg.val.max_response_length or r.max_response_length),
         distill=dataclasses.replace(cfg.distill, temperature=cfg.distill.temperature or r.temperature,
                                     max_model_len=cfg.distill.max_model_len or r.max_model_len + 1),
-        trainer=dataclasses.replace(cfg.trainer, total_steps=_total_steps(cfg.trainer)),
+        trainer=dataclasses.replace(cfg.trainer, total_steps=_total_steps(cfg.trainer),
+                                    output_dir=cfg.trainer.output_dir or os.path.join("outputs", "run")),
     )

@@ -226,6 +226,12 @@ class CheckpointConfig:
     HF exports are not checkpoints and keep their own keys: save_hf_final and hf_every still export."""
     resume: str = "auto"
     """auto (newest complete checkpoint in trainer.output_dir, else fresh), never, or a path."""
+    resume_config_mismatch: Literal["refuse", "accept"] = "refuse"
+    """A checkpoint that resume=auto finds whose run was configured differently in a key that changes
+    what is trained (model, data, rollout sampling, algorithm, optimizer, reward, seed, ...; not
+    total_steps, logging, paths, validation, engine sizes): refuse (exit 2, naming each key and both
+    values) or accept (resume it, saying the differences). A checkpoint named by path is resumed as
+    named (the differences said). docs/checkpoints.md."""
     keep_last: int = 2
     """Complete checkpoints kept."""
     save_hf_final: bool = True
@@ -337,8 +343,12 @@ class TrainerConfig:
     null = use total_steps."""
     prompts_per_step: int = 8
     """Prompts per step, global over all data-parallel rollout replicas."""
-    output_dir: str = "outputs/run"
-    """Checkpoints, metrics.jsonl, TensorBoard events, HF exports, validation samples."""
+    output_dir: Optional[str] = None
+    """Checkpoints, metrics.jsonl, TensorBoard events, HF exports, validation samples. null =
+    outputs/<the --config file's name without .yaml> (outputs/run without a --config file), so two
+    config files never share a run directory (verl's converted scripts name theirs
+    checkpoints/{project_name}/{experiment_name}). checkpoint.resume=auto refuses a checkpoint there
+    of a run configured differently (docs/checkpoints.md)."""
     seed: int = 0
     """Seed of the model's randomness and of vLLM's sampling."""
     val_every: int = 0

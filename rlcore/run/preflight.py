@@ -12,7 +12,7 @@ from rlcore.dist import detect_device, node_of_each_rank
 from rlcore.hf_folder import read_config
 from rlcore.judge.config import check_judge_data
 from rlcore.rollout import routing as rollout_routing
-from rlcore.run import checkpoint
+from rlcore.run import checkpoint, run_config
 from rlcore.run.ownership import claim_output_dir
 from rlcore.task import rewards, verl_rows
 from rlcore.task.prompts import load_prompts
@@ -33,8 +33,10 @@ def preflight(cfg: Config, rank: int, world_size: int):
         claim_output_dir(cfg.trainer.output_dir, rank)  # before anything in it is read or written
         resume_from = checkpoint.find_resume(cfg.trainer.output_dir, cfg.checkpoint.resume,
                                              report=_print_main if rank == 0 else None)
+        resume_note = None
         if resume_from is not None:
             checkpoint.validate_resume(resume_from, rank, world_size)
+            resume_note = run_config.check_resume(resume_from, cfg)  # a checkpoint of another run: exit 2
         tokenizer = load_tokenizer(cfg.model.path, cfg.model.trust_remote_code)
         processor = load_vision(cfg) if cfg.data.image_key else None
         prompts, stats = load_prompts(cfg.data.train_files, cfg.data, tokenizer, processor,
@@ -56,7 +58,7 @@ def preflight(cfg: Config, rank: int, world_size: int):
                     f"{cut} over data.max_prompt_length truncated, data.truncation={cfg.data.truncation}")
         print(f"train data: {stats['data/prompts']} prompts{f' with {images} images' if images else ''} "
               f"({stats['data/bad_rows']} bad rows skipped, {too_long})", flush=True)
-        for note in (verl_note, epochs_note, checkpoint_note(cfg)):
+        for note in (resume_note, verl_note, epochs_note, checkpoint_note(cfg)):
             if note:
                 print(note, flush=True)
     return tokenizer, processor, prompts, resume_from
