@@ -247,3 +247,31 @@ def test_the_verl_reward_times_out_as_reward_fn_does(tmp_path):
     assert totals == [0.0, 1.0] and m["reward/errors"] == 1
     with pytest.raises(RewardTimeout):
         call_with_timeout(lambda: call_with_timeout(lambda: __import__("time").sleep(2), (), 5), (), 0.3)
+
+
+def test_convert_data_reads_and_writes_verl_rows(tmp_path):
+    """The issue's point 5: convert_data.py gsm8k on verl's Parquet reads it (it said "no gsm8k rows
+    with an extractable answer"); --to verl writes rows the trainer recognises as verl's, with verl's
+    data_source and instruction, and converting them back gives the plain rows again."""
+    import pyarrow.parquet as pq
+
+    from rlcore.task import verl_rows
+    from test_data_rewards import _script, write_jsonl
+
+    verl = write_parquet(tmp_path / "verl.parquet", gsm8k_rows(3))
+    proc = _script("scripts/convert_data.py", "gsm8k", verl, "--out", str(tmp_path / "plain.jsonl"))
+    assert "wrote 3 rows" in proc.stdout
+    plain = [json.loads(x) for x in open(tmp_path / "plain.jsonl")]
+    assert plain[1] == {"prompt": f"d 1 2 pick 1st = {GSM8K_INSTRUCTION}", "answer": "1", "data_source": "openai/gsm8k",
+                        "extra_info": gsm8k_rows(3)[1]["extra_info"]}  # no second instruction appended
+    raw = write_jsonl(tmp_path / "gsm.jsonl", [{"question": "Q1?", "answer": "3 + 4 = 7\n#### 1,007"}])
+    _script("scripts/convert_data.py", "gsm8k", raw, "--out", str(tmp_path / "for_verl.parquet"), "--to", "verl",
+            "--split", "test")
+    rows = pq.read_table(str(tmp_path / "for_verl.parquet")).to_pylist()
+    assert rows == [{"data_source": "openai/gsm8k", "prompt": [{"role": "user", "content": f"Q1? {GSM8K_INSTRUCTION}"}],
+                     "ability": "math", "reward_model": {"style": "rule", "ground_truth": "1007"},
+                     "extra_info": {"split": "test", "index": 0}}]
+    assert verl_rows.detect([str(tmp_path / "for_verl.parquet")]) is not None
+    _script("scripts/convert_data.py", "verl", str(tmp_path / "for_verl.parquet"), "--out", str(tmp_path / "again.parquet"),
+            "--to", "verl")
+    assert pq.read_table(str(tmp_path / "again.parquet")).to_pylist() == rows  # verl -> verl: unchanged
