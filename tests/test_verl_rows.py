@@ -13,7 +13,7 @@ import textwrap
 
 import pytest
 
-from test_data_rewards import CHATML, write_parquet
+from test_data_rewards import tok, write_parquet  # noqa: F401 (tok: the tiny model's tokenizer with a chat template)
 
 pytestmark = pytest.mark.unit
 
@@ -26,15 +26,6 @@ def gsm8k_rows(n: int = 4) -> list[dict]:
     return [to_verl_row(f"d {i} {i + 1} pick 1st = {GSM8K_INSTRUCTION}", str(i), "openai/gsm8k",
                         extra_info={"split": "train", "index": i, "answer": f"... #### {i}", "question": f"d {i}"})
             for i in range(n)]
-
-
-@pytest.fixture(scope="module")
-def tok(tiny_model):
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
-    tokenizer.chat_template = CHATML
-    return tokenizer
 
 
 def test_verl_rows_are_read_with_no_data_key_set(tok, tmp_path):

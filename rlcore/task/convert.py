@@ -1,19 +1,10 @@
-"""Converting prompt data between layouts (scripts/convert_data.py is the command): public math sets
-(GSM8K, MATH, Geometry3K) the user has on disk -> this trainer's rows ``{"prompt", "answer"}`` or
-verl's rows (rlcore.task.verl_rows), and verl's rows -> this trainer's.
-
-    gsm8k  rows {"question", "answer"}; the gold answer follows "#### " at the end of "answer"
-           (thousands separators removed).
-    math   MATH-style rows {"problem", "solution"}; the gold answer is the content of the last
-           \\boxed{...} (or \\fbox{...}) in "solution", nested braces included.
-    geo3k  the public Geometry3K Parquet files (hiyouga/geometry3k): rows {"images": [{"bytes",
-           "path"}], "problem", "answer"}; the problem holds one "<image>" placeholder per image
-           (prepended when missing).
-    verl   verl's rows of any data_source (data_source, prompt messages, reward_model.ground_truth).
-
-Rows already in verl's layout are read as such whatever the format named (their instruction is in
-their prompt already: none is appended unless asked). Written as verl's rows, a format's rows get
-verl's data_source and instruction (examples/data_preprocess/gsm8k.py, math_dataset.py, geo3k.py).
+"""Converting prompt data between layouts (scripts/convert_data.py is the command; its --help lists
+the formats): public math sets the user has on disk (GSM8K, MATH, Geometry3K) -> this trainer's
+rows ``{"prompt", "answer"}`` or verl's rows (rlcore.task.verl_rows), and verl's rows -> this
+trainer's. Rows already in verl's layout are read as such whatever the format named (their
+instruction is in their prompt already: none is appended unless asked). Written as verl's rows, a
+format's rows get verl's data_source and instruction (examples/data_preprocess/gsm8k.py,
+math_dataset.py, geo3k.py).
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ from __future__ import annotations
 import re
 from typing import Optional
 
-from rlcore.task.verl_scores.math_reward import require
+from rlcore.task.verl_scores.math_reward import closing_brace, require
 
 
 def last_boxed_only_string(string: str) -> Optional[str]:
@@ -32,20 +32,7 @@ def last_boxed_only_string(string: str) -> Optional[str]:
     if idx < 0:
         return None
 
-    i = idx
-    right_brace_idx = None
-    num_left_braces_open = 0
-
-    while i < len(string):
-        if string[i] == "{":
-            num_left_braces_open += 1
-        if string[i] == "}":
-            num_left_braces_open -= 1
-            if num_left_braces_open == 0:
-                right_brace_idx = i
-                break
-        i += 1
-
+    right_brace_idx = closing_brace(string, idx)
     return string[idx : right_brace_idx + 1] if right_brace_idx is not None else None
 
 

@@ -61,22 +61,23 @@ def last_boxed_only_string(string):
         if idx < 0:
             return None
 
-    i = idx
-    right_brace_idx = None
-    num_left_braces_open = 0
-    while i < len(string):
+    right_brace_idx = closing_brace(string, idx)
+    return None if right_brace_idx is None else string[idx : right_brace_idx + 1]
+
+
+def closing_brace(string: str, start: int) -> int | None:
+    """The index of the ``}`` that brings the brace depth counted from ``start`` back to 0 (None:
+    never): the loop of verl's three last_boxed_only_string variants (math_reward.py:71-85,
+    math_dapo.py:33-47, prime_math/__init__.py:325-340), which differ only around it."""
+    depth = 0
+    for i in range(start, len(string)):
         if string[i] == "{":
-            num_left_braces_open += 1
-        if string[i] == "}":
-            num_left_braces_open -= 1
-            if num_left_braces_open == 0:
-                right_brace_idx = i
-                break
-        i += 1
-
-    retval = None if right_brace_idx is None else string[idx : right_brace_idx + 1]
-
-    return retval
+            depth += 1
+        elif string[i] == "}":
+            depth -= 1
+            if depth == 0:
+                return i
+    return None
 
 
 def fix_fracs(string):

@@ -168,12 +168,7 @@ def math_equal(
     ):
         pred_parts = prediction[1:-1].split(",")
         ref_parts = reference[1:-1].split(",")
-        if len(pred_parts) == len(ref_parts) and all(
-            [
-                math_equal(pred_pt, ref_pt, include_percentage, tolerance)
-                for pred_pt, ref_pt in zip(pred_parts, ref_parts, strict=True)
-            ]
-        ):
+        if len(pred_parts) == len(ref_parts) and _all_equal(pred_parts, ref_parts, include_percentage, tolerance):
             return True
 
     if "," in prediction and "," in reference:
@@ -194,12 +189,7 @@ def math_equal(
     if prediction.startswith("Point") and reference[0] == "(" and reference[-1] == ")":
         pred_parts = prediction[prediction.find("(") + 1 : -1].split(",")
         ref_parts = reference[1:-1].split(",")
-        if len(pred_parts) == len(ref_parts) and all(
-            [
-                math_equal(pred_pt, ref_pt, include_percentage, tolerance)
-                for pred_pt, ref_pt in zip(pred_parts, ref_parts, strict=False)
-            ]
-        ):
+        if len(pred_parts) == len(ref_parts) and _all_equal(pred_parts, ref_parts, include_percentage, tolerance):
             return True
 
     # if reference is a matrix
@@ -207,12 +197,8 @@ def math_equal(
         try:
             pred_matrix = _parse_matrix(prediction)
             ref_matrix_items = reference.split()[1:-1:2]
-            if len(pred_matrix) == len(ref_matrix_items) and all(
-                [
-                    math_equal(pred, ref, include_percentage, tolerance)
-                    for ref, pred in zip(ref_matrix_items, pred_matrix, strict=False)
-                ]
-            ):
+            if len(pred_matrix) == len(ref_matrix_items) and _all_equal(pred_matrix, ref_matrix_items,
+                                                                          include_percentage, tolerance):
                 return True
         except Exception:
             pass
@@ -229,17 +215,18 @@ def math_equal(
                 )
                 ref_matrix_items = ref_matrix_items.split("\\")
                 ref_matrix_items = [row.split("&") if "&" in row else row for row in ref_matrix_items]
-                if len(pred_matrix) == len(ref_matrix_items) and all(
-                    [
-                        math_equal(pred, ref, include_percentage, tolerance)
-                        for ref, pred in zip(ref_matrix_items, pred_matrix, strict=False)
-                    ]
-                ):
+                if len(pred_matrix) == len(ref_matrix_items) and _all_equal(pred_matrix, ref_matrix_items,
+                                                                              include_percentage, tolerance):
                     return True
             except Exception:
                 pass
 
     return symbolic_equal(prediction, reference, tolerance, timeout)
+
+def _all_equal(preds, refs, include_percentage, tolerance) -> bool:
+    """verl's ``all([math_equal(p, r, ...) for ...])``: every pair compared (no short cut), as there."""
+    return all([math_equal(p, r, include_percentage, tolerance) for p, r in zip(preds, refs)])
+
 
 def symbolic_equal(a, b, tolerance, timeout=10.0) -> bool:
     """Always False, as verl's at 1dda039 (see the module docstring)."""

@@ -21,8 +21,12 @@ import contextlib
 import math
 import re
 
+import sympy  # at import, as verl does: the first graded answer must not pay for it inside its 10 s
+from pylatexenc import latex2text
+from sympy.parsing import sympy_parser
+
 from rlcore.task.timeouts import call_with_timeout
-from rlcore.task.verl_scores.math_reward import strip_string
+from rlcore.task.verl_scores.math_reward import closing_brace, strip_string
 from rlcore.task.verl_scores.prime_grader import math_equal
 
 SYMPY_TIMEOUT_S = 10.0  # prime_math/__init__.py:212, @timeout_limit(seconds=10)
@@ -45,8 +49,6 @@ def normalize_answer(answer: str | None) -> str | None:
 
 def _sympy_parse(expr: str):
     """Parses an expression with sympy."""
-    from sympy.parsing import sympy_parser
-
     py_expr = expr.replace("^", "**")
     return sympy_parser.parse_expr(
         py_expr,
@@ -56,8 +58,6 @@ def _sympy_parse(expr: str):
 
 def _parse_latex(expr: str) -> str:
     """Attempts to parse latex to an expression sympy can read."""
-    from pylatexenc import latex2text
-
     expr = expr.replace("\\tfrac", "\\frac")
     expr = expr.replace("\\dfrac", "\\frac")
     expr = expr.replace("\\frac", " \\frac")  # Play nice with mixed numbers.
@@ -232,8 +232,6 @@ def _are_equal_under_sympy(ground_truth_normalized: str, given_normalized: str):
         expr = f"({ground_truth_normalized})-({given_normalized})"
         if should_allow_eval(expr):
             sympy_diff = _sympy_parse(expr)
-            import sympy
-
             simplified = sympy.simplify(sympy_diff)
             if simplified == 0:
                 are_equal = True
@@ -321,44 +319,32 @@ def grade_answer(given_answer: str, ground_truth: str) -> bool:
 
 
 def _last_boxed_only_string(string):
+    """The stripped content of the last \\boxed{}/\\fbox{} (prime_math/__init__.py:317-344)."""
     idx = string.rfind("\\boxed")
     if idx < 0:
         idx = string.rfind("\\fbox")
         if idx < 0:
             return None
-
-    i = idx
-    left_brace_idx = None
-    right_brace_idx = None
-    num_left_braces_open = 0
-    while i < len(string):
-        if string[i] == "{":
-            num_left_braces_open += 1
-            if left_brace_idx is None:
-                left_brace_idx = i
-        elif string[i] == "}":
-            num_left_braces_open -= 1
-            if num_left_braces_open == 0:
-                right_brace_idx = i
-                break
-
-        i += 1
-
-    if left_brace_idx is None or right_brace_idx is None:
+    right_brace_idx = closing_brace(string, idx)
+    if right_brace_idx is None:  # no "{" at all, or never closed
         return None
+    return string[string.index("{", idx) + 1 : right_brace_idx].strip()
 
-    return string[left_brace_idx + 1 : right_brace_idx].strip()
+
+def _after_last(response: str, markers: list[str]) -> tuple[bool, str]:
+    """For each marker in turn, the text after its last occurrence (stripped), and whether any was
+    found: verl's marker loops in match_answer (prime_math/__init__.py:348-355, 375-381; their
+    ``endswith("\\n")`` after ``strip()`` never holds)."""
+    found = False
+    for marker in markers:
+        idx = response.lower().rfind(marker)
+        if idx != -1:
+            found, response = True, response[idx + len(marker) :].strip()
+    return found, response
 
 
 def match_answer(response):
-    is_matched = False
-    for ans_marker in ["answer:", "answer is", "answers are"]:
-        ans_idx = response.lower().rfind(ans_marker)
-        if ans_idx != -1:
-            is_matched = True
-            response = response[ans_idx + len(ans_marker) :].strip()
-            if response.endswith("\n"):
-                response = response[:-2]
+    is_matched, response = _after_last(response, ["answer:", "answer is", "answers are"])
 
     for ans_marker in ["is answer", "is the answer", "are answers", "are the answers"]:
         ans_idx = response.lower().rfind(ans_marker)
@@ -379,13 +365,9 @@ def match_answer(response):
         if dot_idx != -1:
             response = response[:dot_idx].strip()
 
-    for ans_marker in ["be ", "is ", "are ", "=", ": ", "get ", "be\n", "is\n", "are\n", ":\n", "get\n"]:
-        ans_idx = response.lower().rfind(ans_marker)
-        if ans_idx != -1:
-            is_matched = True
-            response = response[ans_idx + len(ans_marker) :].strip()
-            if response.endswith("\n"):
-                response = response[:-2]
+    found, response = _after_last(response, ["be ", "is ", "are ", "=", ": ", "get ", "be\n", "is\n", "are\n", ":\n",
+                                              "get\n"])
+    is_matched = is_matched or found
 
     is_matched = is_matched if any([c.isdigit() for c in response]) else False  # answer must have a digit
     # Grade
