@@ -266,3 +266,18 @@ def test_convert_data_reads_and_writes_verl_rows(tmp_path):
     _script("scripts/convert_data.py", "verl", str(tmp_path / "for_verl.parquet"), "--out", str(tmp_path / "again.parquet"),
             "--to", "verl")
     assert pq.read_table(str(tmp_path / "again.parquet")).to_pylist() == rows  # verl -> verl: unchanged
+
+
+def test_the_issues_first_error_now_says_the_key(tok, tmp_path):
+    """The issue's point 1: data.answer_key set to "answer" by hand on verl's rows said only "lacks
+    key(s) ['answer']"; now it names verl's key."""
+    from rlcore.config import ConfigError, DataConfig
+    from rlcore.task.prompts import load_prompts
+
+    path = write_parquet(tmp_path / "train.parquet", gsm8k_rows())
+    with pytest.raises(ConfigError) as err:
+        load_prompts([path], DataConfig(answer_key="answer", apply_chat_template=True), tok)
+    assert str(err.value) == (f"{path}: row 1 lacks key(s) ['answer']; it is a verl row, whose reference answer is "
+                              "reward_model.ground_truth: set data.answer_key: reward_model.ground_truth (or leave "
+                              "data.answer_key unset: verl's rows are recognised), or set data.skip_bad_rows=true to "
+                              "skip such rows")

@@ -66,14 +66,19 @@ def preflight(cfg: Config, rank: int, world_size: int):
 
 def check_verl_rows(cfg: Config) -> str | None:
     """The verl component (reward.components, val.reward_components) has a scorer for every row's
-    data_source (ConfigError naming the first row without one); returns the "verl rows: ..." line."""
-    counts = verl_rows.sources(cfg.data.train_files)
-    if "verl" in cfg.reward.components:
-        verl_rows.check_sources(counts, "reward.components")
-    val_key = "val.reward_components" if cfg.val.reward_components else "reward.components"
-    if cfg.data.val_files and "verl" in (cfg.val.reward_components or cfg.reward.components):
-        verl_rows.check_sources(verl_rows.sources(cfg.data.val_files), val_key)
+    data_source (ConfigError naming the first row without one); returns the "verl rows: ..." line
+    (None when neither the rows nor the reward are verl's: nothing is read again)."""
     found = verl_rows.detect(cfg.data.train_files, cfg.data.prompt_key)
+    val_components = cfg.val.reward_components or cfg.reward.components
+    scored = "verl" in cfg.reward.components
+    if not (found or scored or "verl" in val_components):
+        return None
+    counts = verl_rows.sources(cfg.data.train_files)
+    if scored:
+        verl_rows.check_sources(counts, "reward.components")
+    if cfg.data.val_files and "verl" in val_components:
+        verl_rows.check_sources(verl_rows.sources(cfg.data.val_files),
+                                "val.reward_components" if cfg.val.reward_components else "reward.components")
     return verl_rows.startup_line(found, cfg.data, cfg.reward.components, counts)
 
 

@@ -210,15 +210,16 @@ def _component_values(name: str, fn: Callable, samples: list[tuple], timeout_s: 
         except Exception as e:
             _ErrorLog.report(_label(name, fn), e)
             return [error_value] * len(samples), [True] * len(samples), [None] * len(samples)
-    values, failed, verdicts = [], [], []
+    out = []  # (value, failed, verdict) per sample
     for response, truth, row in samples:
         try:
             args = (response, truth, row) if rows else (response, truth)
             value, acc = _as_value(call_with_timeout(lambda: fn(*args, **extra), (), timeout_s))
-            values.append(value), failed.append(False), verdicts.append(acc)
+            out.append((value, False, acc))
         except Exception as e:
             _ErrorLog.report(_label(name, fn), e, row)
-            values.append(error_value), failed.append(True), verdicts.append(None)
+            out.append((error_value, True, None))
+    values, failed, verdicts = (list(x) for x in zip(*out)) if out else ([], [], [])
     return values, failed, verdicts
 
 

@@ -39,13 +39,16 @@ def is_verl_row(row, prompt_key: str = "prompt") -> bool:
     return isinstance(reward, dict) and "ground_truth" in reward and isinstance(row.get(prompt_key), list)
 
 
-def head_rows(path: str, n: int = PEEK_ROWS) -> list[dict]:
-    """The first ``n`` rows of a Parquet or JSONL file (unreadable rows skipped; [] when none)."""
+def head_rows(path: str, n: int = PEEK_ROWS, columns: list[str] | None = None) -> list[dict]:
+    """The first ``n`` rows of a Parquet or JSONL file (unreadable rows skipped; [] when none);
+    ``columns``: of a Parquet file, only those that exist (a geo3k file's images stay unread)."""
     if path.lower().endswith(PARQUET_EXTS):
         import pyarrow.parquet as pq
 
         try:
-            batch = next(pq.ParquetFile(path).iter_batches(batch_size=n), None)
+            pf = pq.ParquetFile(path)
+            keep = [c for c in columns if c in pf.schema_arrow.names] if columns else None
+            batch = next(pf.iter_batches(batch_size=n, columns=keep), None)
         except Exception:  # not Parquet: the reader names the file later
             return []
         return batch.to_pylist() if batch is not None else []
@@ -73,21 +76,22 @@ class VerlFiles:
 
     files: list[str]
     images: bool  # a row of the head of a file lists images
-    columns: list[str]  # the first row's keys
+    columns: list[str]  # the first file's columns
 
 
 def detect(files: list[str], prompt_key: str = "prompt") -> VerlFiles | None:
     """The training files in verl's layout (judged by their first rows), None when none is; a mix
     of verl's and other rows is a ConfigError (one set of data keys reads every file)."""
     verl, other, images, columns = [], [], False, []
+    wanted = [SOURCE_KEY, "reward_model", prompt_key, IMAGE_KEY]
     for path in files:
-        rows = head_rows(path) if os.path.isfile(path) else []
+        rows = head_rows(path, columns=wanted) if os.path.isfile(path) else []
         if not rows:
             continue
         if is_verl_row(rows[0], prompt_key):
             verl.append(path)
             images = images or any(r.get(IMAGE_KEY) for r in rows if isinstance(r, dict))
-            columns = columns or sorted(rows[0])
+            columns = columns or column_names(path)
         else:
             other.append(path)
     if verl and other:
@@ -96,6 +100,16 @@ def detect(files: list[str], prompt_key: str = "prompt") -> VerlFiles | None:
                           f"file: convert one kind (scripts/convert_data.py reads and writes both), or set "
                           f"data.answer_key and data.apply_chat_template for the files yourself")
     return VerlFiles(verl, images, columns) if verl else None
+
+
+def column_names(path: str) -> list[str]:
+    """A Parquet file's columns, or the keys of a JSONL file's first row, sorted."""
+    if path.lower().endswith(PARQUET_EXTS):
+        import pyarrow.parquet as pq
+
+        return sorted(pq.read_schema(path).names)
+    rows = head_rows(path, n=1)
+    return sorted(rows[0]) if rows and isinstance(rows[0], dict) else []
 
 
 def resolve_data(data, found: VerlFiles | None):
@@ -147,8 +161,11 @@ def _source_column(path: str) -> list[tuple[str, object]]:
 
 def row_fix(row, problem: str) -> str | None:
     """The fix for a bad verl row (None for other rows: the generic one applies)."""
-    if not (isinstance(row, dict) and SOURCE_KEY in row and "reward_model" in row):
+    if not is_verl_row(row) and not (isinstance(row, dict) and SOURCE_KEY in row and "reward_model" in row):
         return None
+    if "lacks key" in problem and ANSWER_KEY not in problem and is_verl_row(row):
+        return (f"it is a verl row, whose reference answer is {ANSWER_KEY}: set data.answer_key: {ANSWER_KEY} (or "
+                f"leave data.answer_key unset: verl's rows are recognised)")
     if "reward_model" in problem or "ground_truth" in problem:
         return ("a verl row holds its reference answer as reward_model: {style: rule, ground_truth: ...}, as verl's "
                 "examples/data_preprocess scripts write it; fix the row")
