@@ -36,7 +36,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--model", required=True, help="local HF model folder")
     ap.add_argument("--data", required=True, nargs="+", help="JSONL or Parquet file(s)")
     ap.add_argument("--prompt-key", default="prompt")
-    ap.add_argument("--answer-key", default="answer")
+    ap.add_argument("--answer-key", default=None,
+                    help="row key of the reference answer (default: answer, or reward_model.ground_truth for verl's rows)")
     ap.add_argument("--image-key", default=None,
                     help="row key of the prompt's images (vision-language model), as data.image_key in training")
     ap.add_argument("--chat-template", choices=["auto", "on", "off"], default="auto",
@@ -47,7 +48,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--max-samples", type=int, default=0, help="first N prompts only; 0 = all")
     ap.add_argument("--n", type=int, default=1, help="> 1 adds mean@n / pass@n of sampled answers")
     ap.add_argument("--temperature", type=float, default=1.0, help="of the --n > 1 samples")
-    ap.add_argument("--reward", default="math", help="components, e.g. math or math=1,format_boxed=0.2")
+    ap.add_argument("--reward", default=None, help="components, e.g. math or math=1,format_boxed=0.2 (default: verl, "
+                                                   "verl's scorer by data_source, for verl's rows; else math)")
     ap.add_argument("--reward-fn", default=None, help="custom reward package.module:function")
     ap.add_argument("--judge", default=None,
                     help="YAML with reward.models (a training config) or a list of judge entries (rlcore/judge)")
@@ -66,8 +68,14 @@ def build_configs(args):
 
     if not os.path.isfile(os.path.join(args.model, "config.json")):
         fail(f"--model={args.model!r} is invalid: no config.json there; point it to a local HF model folder")
+    from rlcore.task import verl_rows
+
+    try:
+        found = verl_rows.detect(args.data, args.prompt_key)
+    except ConfigError as e:
+        fail(str(e))
     components = {}
-    for part in filter(None, (p.strip() for p in args.reward.split(","))):
+    for part in filter(None, (p.strip() for p in (args.reward or ("verl" if found else "math")).split(","))):
         name, _, weight = part.partition("=")
         components[name] = float(weight or 1.0)
     models = judge_entries(args.judge, fail) if args.judge else []
@@ -102,13 +110,17 @@ def main(argv=None) -> None:
     data_cfg, reward_cfg = build_configs(args)
     from rlcore.config import Config, ConfigError, ModelConfig
     from rlcore.run.preflight import load_tokenizer, load_vision
+    from rlcore.task import verl_rows
     from rlcore.task.prompts import load_prompts
     from rlcore.task.rewards import Scorer
 
     try:
         tokenizer = load_tokenizer(args.model)
+        found = verl_rows.detect(args.data, args.prompt_key)  # verl's rows: their answer key and images
+        data_cfg = verl_rows.resolve_data(data_cfg, found)
+        args.image_key = data_cfg.image_key  # verl's rows with images: run_eval sizes the engine for them
         # The trainer's checks: a vision-language model with its image processor, or an error here.
-        processor = load_vision(Config(model=ModelConfig(path=args.model), data=data_cfg)) if args.image_key else None
+        processor = load_vision(Config(model=ModelConfig(path=args.model), data=data_cfg)) if data_cfg.image_key else None
         owners = [tokenizer] + ([processor.processor] if processor else [])  # VL: the template may be the processor's
         has_template = any(getattr(o, "chat_template", None) is not None for o in owners)
         data_cfg.apply_chat_template = args.chat_template == "on" or (args.chat_template == "auto" and has_template)
@@ -116,7 +128,7 @@ def main(argv=None) -> None:
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         raise SystemExit(2)
-    metrics, examples = run_eval(args, prompts, tokenizer, Scorer(reward_cfg))
+    metrics, examples = run_eval(args, prompts, tokenizer, Scorer(reward_cfg, answer_key=data_cfg.answer_key))
     if int(os.environ.get("RANK", "0")) == 0:
         report(args, metrics, examples, stats)
 

@@ -9,6 +9,7 @@ and ``auto`` kept, so the file works on any device) as a commented YAML to save 
 from __future__ import annotations
 
 import dataclasses
+import os
 import sys
 import textwrap
 
@@ -45,6 +46,7 @@ def parse_config(argv: list[str] | None = None, device_type: str | None = None) 
     if show == "--print_config":
         print(to_yaml(cfg), end="")
         raise SystemExit(0)
+    cfg = default_output_dir(cfg, argv)
     if device_type is None:
         from rlcore.dist import detect_device
 
@@ -60,6 +62,20 @@ def parse_config(argv: list[str] | None = None, device_type: str | None = None) 
         print(f"# resolved for device {device_type}\n" + to_yaml(cfg), end="")
         raise SystemExit(0)
     return cfg
+
+
+DEFAULT_RUN = "run"  # trainer.output_dir null without a --config file: outputs/run
+
+
+def default_output_dir(cfg: Config, argv: list[str]) -> Config:
+    """trainer.output_dir null -> outputs/<stem of the last --config file> (outputs/run without one):
+    a run directory per config file, the same on every rank (it depends on the command line only)."""
+    if cfg.trainer.output_dir is not None:
+        return cfg
+    files = [argv[i + 1] if a == "--config" else a.split("=", 1)[1] for i, a in enumerate(argv)
+             if (a == "--config" and i + 1 < len(argv)) or a.startswith("--config=")]
+    stem = os.path.splitext(os.path.basename(files[-1]))[0] if files else DEFAULT_RUN
+    return dataclasses.replace(cfg, trainer=dataclasses.replace(cfg.trainer, output_dir=os.path.join("outputs", stem)))
 
 
 def _parse(argv: list[str]) -> Config:

@@ -7,6 +7,7 @@ choices themselves (``pick_*``) belong to the engines that make them; this modul
 from __future__ import annotations
 
 import dataclasses
+import os
 
 from rlcore.agent.config import check_agent
 from rlcore.algo.log_prob import check_log_prob_tokens
@@ -17,6 +18,7 @@ from rlcore.errors import ConfigError
 from rlcore.hf_folder import model_num_experts
 from rlcore.judge.config import check_judges
 from rlcore.rollout.engine_keys import check_config as check_engine_keys
+from rlcore.task import verl_rows
 
 
 def _share_prompt(cfg: Config, attn: str) -> bool:
@@ -139,6 +141,8 @@ def resolve(cfg: Config, device_type: str) -> Config:
     from rlcore.rollout.settings import pick_block_size, pick_enforce_eager, pick_sleep_level, pick_weight_load
 
     accel = device_type != "cpu"
+    found = verl_rows.detect(cfg.data.train_files, cfg.data.prompt_key)  # verl's rows: their keys and reward
+    cfg = dataclasses.replace(cfg, data=verl_rows.resolve_data(cfg.data, found))
     m, r, o = cfg.model, cfg.rollout, cfg.offload
     if r.emulate_sleep and accel:
         raise ConfigError(f"rollout.emulate_sleep=true is for CPU runs (tests, debugging); on {device_type} vLLM's "
@@ -200,10 +204,11 @@ def resolve(cfg: Config, device_type: str) -> Config:
             enforce_eager=pick_enforce_eager(device_type, r.enforce_eager)),
         offload=dataclasses.replace(o, params=params, optimizer=accel if o.optimizer is None else o.optimizer,
                                     ref=params if o.ref is None else o.ref),
-        reward=dataclasses.replace(cfg.reward, components=cfg.reward.effective_components()),
+        reward=dataclasses.replace(cfg.reward, components=cfg.reward.effective_components(verl_rows=found is not None)),
         rollout_correction=_correction(cfg),
         val=dataclasses.replace(cfg.val, max_response_length=cfg.val.max_response_length or r.max_response_length),
         distill=dataclasses.replace(cfg.distill, temperature=cfg.distill.temperature or r.temperature,
                                     max_model_len=cfg.distill.max_model_len or r.max_model_len + 1),
-        trainer=dataclasses.replace(cfg.trainer, total_steps=_total_steps(cfg.trainer)),
+        trainer=dataclasses.replace(cfg.trainer, total_steps=_total_steps(cfg.trainer),
+                                    output_dir=cfg.trainer.output_dir or os.path.join("outputs", "run")),
     )

@@ -118,10 +118,17 @@ class RewardConfig:
     """Rule-based and custom rewards (rlcore/task/rewards.py)."""
 
     components: Optional[dict[str, float]] = None
-    """name -> weight of the built-in rewards and "custom" (= reward.fn), summed.
-    null = {custom: 1.0} when reward.fn is set, else {math: 1.0}."""
+    """name -> weight of the built-in rewards and "custom" (= reward.fn), summed. verl = verl's scorer
+    picked by each row's data_source (gsm8k, MATH, math_dapo/aime, PRIME/numina, geo3k, Search-R1).
+    null = {custom: 1.0} when reward.fn is set, else {verl: 1.0} when the training files hold verl's
+    rows (data_source, reward_model.ground_truth), else {math: 1.0}."""
     fn: Optional[str] = None
-    """Your reward: "package.module:function" or "path/file.py:function" (signature in rlcore/task/rewards.py)."""
+    """Your reward: "package.module:function" or "path/file.py:function". Signatures (read from its
+    parameters): fn(response, answer), a batched fn(responses, answers), or verl's
+    compute_score(data_source, solution_str, ground_truth, extra_info=None, **kwargs) and its batched
+    form (data_sources, solution_strs, ...); returns a number or a dict with score (rlcore/task/reward_fn.py)."""
+    fn_kwargs: dict[str, Any] = field(default_factory=dict)
+    """Keyword arguments of every reward.fn call (verl's custom_reward_function.reward_kwargs)."""
     timeout_s: Optional[float] = None
     """Per call of reward.fn; null = no limit."""
     error_value: float = 0.0
@@ -133,7 +140,8 @@ class RewardConfig:
 
     def __post_init__(self):
         from rlcore.judge.config import parse_judges
-        from rlcore.task.rewards import CUSTOM, REWARDS, load_custom_fn
+        from rlcore.task.reward_fn import CustomReward
+        from rlcore.task.rewards import CUSTOM, REWARDS
 
         judges = [j.name for j in parse_judges(self.models)]
         for name in judges:
@@ -151,9 +159,11 @@ class RewardConfig:
             check(CUSTOM in components, "reward.fn", self.fn,
                   f"reward.components lists no {CUSTOM!r} entry; add {CUSTOM}: 1.0 (or leave components unset)")
             try:
-                load_custom_fn(self.fn)
+                CustomReward(self.fn, self.fn_kwargs)  # loads it and binds the call it will get
             except ValueError as e:
                 check(False, "reward.fn", self.fn, str(e))
+        check(not self.fn_kwargs or self.fn, "reward.fn_kwargs", self.fn_kwargs,
+              "they are keyword arguments of reward.fn, which is not set; set reward.fn or drop them")
         check(self.timeout_s is None or self.timeout_s > 0, "reward.timeout_s", self.timeout_s,
               "it must be > 0 seconds (or unset for no limit)")
 
@@ -163,12 +173,13 @@ class RewardConfig:
 
         return parse_judges(self.models)
 
-    def effective_components(self) -> dict[str, float]:
+    def effective_components(self, verl_rows: bool = False) -> dict[str, float]:
+        """components, or their default (``verl_rows``: the training files hold verl's rows)."""
         from rlcore.task.rewards import CUSTOM
 
         if self.components is not None:
             return dict(self.components)
-        return {CUSTOM: 1.0} if self.fn else {"math": 1.0}
+        return {CUSTOM: 1.0} if self.fn else {"verl": 1.0} if verl_rows else {"math": 1.0}
 
 
 @dataclass
@@ -215,6 +226,12 @@ class CheckpointConfig:
     HF exports are not checkpoints and keep their own keys: save_hf_final and hf_every still export."""
     resume: str = "auto"
     """auto (newest complete checkpoint in trainer.output_dir, else fresh), never, or a path."""
+    resume_config_mismatch: Literal["refuse", "accept"] = "refuse"
+    """A checkpoint that resume=auto finds whose run was configured differently in a key that changes
+    what is trained (model, data, rollout sampling, algorithm, optimizer, reward, seed, ...; not
+    total_steps, logging, paths, validation, engine sizes): refuse (exit 2, naming each key and both
+    values) or accept (resume it, saying the differences). A checkpoint named by path is resumed as
+    named (the differences said). docs/checkpoints.md."""
     keep_last: int = 2
     """Complete checkpoints kept."""
     save_hf_final: bool = True
@@ -326,8 +343,12 @@ class TrainerConfig:
     null = use total_steps."""
     prompts_per_step: int = 8
     """Prompts per step, global over all data-parallel rollout replicas."""
-    output_dir: str = "outputs/run"
-    """Checkpoints, metrics.jsonl, TensorBoard events, HF exports, validation samples."""
+    output_dir: Optional[str] = None
+    """Checkpoints, metrics.jsonl, TensorBoard events, HF exports, validation samples. null =
+    outputs/<the --config file's name without .yaml> (outputs/run without a --config file), so two
+    config files never share a run directory (verl's converted scripts name theirs
+    checkpoints/{project_name}/{experiment_name}). checkpoint.resume=auto refuses a checkpoint there
+    of a run configured differently (docs/checkpoints.md)."""
     seed: int = 0
     """Seed of the model's randomness and of vLLM's sampling."""
     val_every: int = 0

@@ -3,6 +3,7 @@
     toy.py   tiny Qwen3 / Qwen3-MoE models, their tokenizer, the toy arithmetic task
     vl.py    a tiny random Qwen3-VL with its processor, the shapes task
     tool.py  the tool demo's task (``configs/demo_tool_cpu.yaml``: ``rlcore.demo.tool:SecretEnv``)
+    verl_tasks.py  data in verl's layout and tiny models that write verl's answer formats (the verl tests)
 
 May import: torch, transformers, rlcore.task. Nothing imports it at run time except through a
 config's dotted path.

@@ -35,12 +35,13 @@ CHAT_TEMPLATE = (
 )
 
 
-def make_vl_tokenizer(out_dir: str):
-    """A word-level fast tokenizer whose special tokens are Qwen-VL's, with the chat template."""
+def make_vl_tokenizer(out_dir: str, extra_words: tuple[str, ...] = ()):
+    """A word-level fast tokenizer whose special tokens are Qwen-VL's, with the chat template;
+    ``extra_words`` follow the vocabulary (e.g. answer formats a reward reads)."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    tok = Tokenizer(models.WordLevel(vocab={t: i for i, t in enumerate(VOCAB)}, unk_token="<unk>"))
+    tok = Tokenizer(models.WordLevel(vocab={t: i for i, t in enumerate(VOCAB + list(extra_words))}, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tok.decoder = decoders.WordPiece(prefix="##", cleanup=False)
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL[3:]])
@@ -62,7 +63,8 @@ DEFAULT_IMAGE_PIXELS = {"qwen3_vl": (32 * 32, 128 * 128), "qwen2_5_vl": (56 * 56
 def make_tiny_vl_model(out_dir: str, *, family: str = "qwen3_vl", hidden_size: int = 64, num_layers: int = 2,
                        head_dim: int = 32, vision_depth: int = 2, vision_hidden: int = 64,
                        image_pixels: tuple[int, int] | None = None, seed: int = 0,
-                       original_layout: bool = False) -> str:
+                       original_layout: bool = False, extra_words: tuple[str, ...] = (),
+                       max_position_embeddings: int = 1024) -> str:
     """A randomly initialised Qwen-VL with its processor as an HF folder (fp32 safetensors).
 
     ``family``: "qwen3_vl" (Qwen3-VL: patch 16, interleaved M-RoPE [6, 5, 5], deepstack merger on
@@ -76,7 +78,8 @@ def make_tiny_vl_model(out_dir: str, *, family: str = "qwen3_vl", hidden_size: i
     (``visual.*``, ``model.layers.*``, ``lm_head.*``: transformers/conversion_mapping.py:826-831,
     reversed on save) unless told otherwise; VeOmni 0.1.12 does not rename those on load (see
     ``rlcore.engine.vl.checkpoint_key_mapping``). ``original_layout=False`` (the default) saves the
-    module names for both families; True gives the released Qwen2.5-VL layout."""
+    module names for both families; True gives the released Qwen2.5-VL layout. ``extra_words``:
+    words added after the vocabulary (rlcore.demo.verl_tasks: the answer formats of verl's geo3k)."""
     if family not in VL_FAMILIES:
         raise ValueError(f"family must be one of {VL_FAMILIES}, got {family!r}")
     if family == "qwen2_5_vl" and hidden_size // 2 != head_dim:
@@ -85,11 +88,11 @@ def make_tiny_vl_model(out_dir: str, *, family: str = "qwen3_vl", hidden_size: i
     from transformers import Qwen2VLImageProcessor
 
     os.makedirs(out_dir, exist_ok=True)
-    tokenizer = make_vl_tokenizer(out_dir)
+    tokenizer = make_vl_tokenizer(out_dir, extra_words)
     ids = {t: VOCAB.index(t) for t in SPECIAL}
-    text = dict(vocab_size=len(VOCAB), hidden_size=hidden_size, intermediate_size=2 * hidden_size,
+    text = dict(vocab_size=len(VOCAB) + len(extra_words), hidden_size=hidden_size, intermediate_size=2 * hidden_size,
                 num_hidden_layers=num_layers, num_attention_heads=2, num_key_value_heads=1,
-                max_position_embeddings=1024, tie_word_embeddings=False,
+                max_position_embeddings=max_position_embeddings, tie_word_embeddings=False,
                 pad_token_id=ids["<pad>"], eos_token_id=ids["<|im_end|>"], bos_token_id=None, dtype="float32")
     tokens = dict(image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
                   vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],

@@ -84,17 +84,19 @@ def set_rng_state(state: dict) -> None:
 
 
 def save(policy, output_dir: str, step: int, trainer_state: dict, rank: int, keep_last: int,
-         rng: dict | None = None) -> str:
+         rng: dict | None = None, files: dict[str, dict] | None = None) -> str:
     """Collective: every rank calls it. ``rng`` overrides this rank's current RNG state (a snapshot
     taken earlier, e.g. at the start of an abandoned step). Returns the final checkpoint folder."""
-    write(policy, output_dir, step, trainer_state, rank, rng)
+    write(policy, output_dir, step, trainer_state, rank, rng, files)
     return commit(output_dir, step, rank, keep_last)
 
 
-def write(policy, output_dir: str, step: int, trainer_state: dict, rank: int, rng: dict | None = None) -> str:
+def write(policy, output_dir: str, step: int, trainer_state: dict, rank: int, rng: dict | None = None,
+          files: dict[str, dict] | None = None) -> str:
     """Collective: the heavy part of ``save``, into ``.tmp-step_N``, which nothing resumes from
     until ``commit`` renames it (the loop writes in the train phase, while vLLM sleeps, and
-    commits once the step's metrics row is written). Returns the temporary folder."""
+    commits once the step's metrics row is written). ``files``: JSON files rank 0 writes beside
+    meta.json (the run's config, rlcore.run.run_config). Returns the temporary folder."""
     import torch.distributed as dist
 
     root = checkpoint_root(output_dir)
@@ -110,6 +112,7 @@ def write(policy, output_dir: str, step: int, trainer_state: dict, rank: int, rn
         world = dist.get_world_size() if dist.is_initialized() else 1
         with open(os.path.join(tmp, "meta.json"), "w") as f:
             json.dump({"step": step, "world_size": world}, f)
+        _write_json_files(tmp, files or {})
         _write_manifest(tmp)
     barrier()
     return tmp
@@ -129,6 +132,12 @@ def commit(output_dir: str, step: int, rank: int, keep_last: int) -> str:
 
 
 MANIFEST = "manifest.json"
+
+
+def _write_json_files(folder: str, files: dict[str, dict]) -> None:
+    for name, content in files.items():
+        with open(os.path.join(folder, name), "w") as f:
+            json.dump(content, f, indent=1)
 
 
 def _write_manifest(folder: str) -> None:

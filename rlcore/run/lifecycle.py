@@ -14,7 +14,7 @@ from rlcore.config import Config
 from rlcore.dist import DistInfo, exit_process
 from rlcore.errors import Exit
 from rlcore.metrics import MetricsLogger, Timer, format_duration
-from rlcore.run import checkpoint, preempt
+from rlcore.run import checkpoint, preempt, run_config
 from rlcore.run.build import Engines
 from rlcore.step.sampling import StepSampler
 
@@ -109,7 +109,7 @@ def stop_preempted(run: Run, at_start: dict | None) -> None:
         with run.watchdog.phase("checkpoint"):
             asleep_for_checkpoint(run, f"save step_{step}")
             checkpoint.save(run.engines.policy, run.cfg.trainer.output_dir, step, state, run.info.rank,
-                            run.cfg.checkpoint.keep_last, rng=rng)
+                            run.cfg.checkpoint.keep_last, rng=rng, files=run_config.files(run.cfg))
         run.state.saved_step = step
     run.stop.cancel_deadline()
     since = run.stop.seconds_since_signal()
@@ -153,7 +153,7 @@ def stop_if_diverged(run: Run) -> None:
     if run.state.saved_step != run.state.step and not never:
         asleep_for_checkpoint(run, f"save step_{run.state.step}")
         checkpoint.save(run.engines.policy, run.cfg.trainer.output_dir, run.state.step, trainer_state(run), run.info.rank,
-                        run.cfg.checkpoint.keep_last)
+                        run.cfg.checkpoint.keep_last, files=run_config.files(run.cfg))
         run.state.saved_step = run.state.step
     if run.info.is_main:
         saved = (f"Checkpoint step_{run.state.step} holds the model and optimizer of the last good update. "
@@ -196,7 +196,7 @@ def write_due_checkpoint(run: Run) -> int | None:
     pending = None
     if checkpoint_due(step, run.cfg.trainer.total_steps, c.save_every):
         run.engines.switch.record_checkpoint(f"save step_{step}")
-        checkpoint.write(run.engines.policy, out, step, trainer_state(run), run.info.rank)
+        checkpoint.write(run.engines.policy, out, step, trainer_state(run), run.info.rank, files=run_config.files(run.cfg))
         pending = step
     if c.hf_every and step % c.hf_every == 0:
         checkpoint.export_hf(run.engines.policy, os.path.join(out, "hf", f"step_{step}"), c.hf_dtype, run.info.is_main)

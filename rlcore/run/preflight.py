@@ -12,9 +12,9 @@ from rlcore.dist import detect_device, node_of_each_rank
 from rlcore.hf_folder import folder_problem, read_config
 from rlcore.judge.config import check_judge_data
 from rlcore.rollout import routing as rollout_routing
-from rlcore.run import checkpoint
+from rlcore.run import checkpoint, run_config
 from rlcore.run.ownership import claim_output_dir
-from rlcore.task import rewards
+from rlcore.task import rewards, verl_rows
 from rlcore.task.prompts import load_prompts
 
 
@@ -33,14 +33,17 @@ def preflight(cfg: Config, rank: int, world_size: int):
         claim_output_dir(cfg.trainer.output_dir, rank)  # before anything in it is read or written
         resume_from = checkpoint.find_resume(cfg.trainer.output_dir, cfg.checkpoint.resume,
                                              report=_print_main if rank == 0 else None)
+        resume_note = None
         if resume_from is not None:
             checkpoint.validate_resume(resume_from, rank, world_size)
+            resume_note = run_config.check_resume(resume_from, cfg)  # a checkpoint of another run: exit 2
         tokenizer = load_tokenizer(cfg.model.path, cfg.model.trust_remote_code)
         processor = load_vision(cfg) if cfg.data.image_key else None
         prompts, stats = load_prompts(cfg.data.train_files, cfg.data, tokenizer, processor,
                                       agent.renderer_for(cfg, tokenizer))
         check_image_limit(cfg, prompts)
         check_judge_data(cfg.reward.judges(), [p.row for p in prompts])  # the templates' fields
+        verl_note = check_verl_rows(cfg)
         epochs_note = resolve_total_steps(cfg, len(prompts))  # before the engines: the LR schedule follows it
     except ConfigError as e:
         fail(str(e))
@@ -55,10 +58,28 @@ def preflight(cfg: Config, rank: int, world_size: int):
                     f"{cut} over data.max_prompt_length truncated, data.truncation={cfg.data.truncation}")
         print(f"train data: {stats['data/prompts']} prompts{f' with {images} images' if images else ''} "
               f"({stats['data/bad_rows']} bad rows skipped, {too_long})", flush=True)
-        for note in (epochs_note, checkpoint_note(cfg)):
+        for note in (resume_note, verl_note, epochs_note, checkpoint_note(cfg)):
             if note:
                 print(note, flush=True)
     return tokenizer, processor, prompts, resume_from
+
+
+def check_verl_rows(cfg: Config) -> str | None:
+    """The verl component (reward.components, val.reward_components) has a scorer for every row's
+    data_source (ConfigError naming the first row without one); returns the "verl rows: ..." line
+    (None when neither the rows nor the reward are verl's: nothing is read again)."""
+    found = verl_rows.detect(cfg.data.train_files, cfg.data.prompt_key)
+    val_components = cfg.val.reward_components or cfg.reward.components
+    scored = "verl" in cfg.reward.components
+    if not (found or scored or "verl" in val_components):
+        return None
+    counts = verl_rows.sources(cfg.data.train_files)
+    if scored:
+        verl_rows.check_sources(counts, "reward.components")
+    if cfg.data.val_files and "verl" in val_components:
+        verl_rows.check_sources(verl_rows.sources(cfg.data.val_files),
+                                "val.reward_components" if cfg.val.reward_components else "reward.components")
+    return verl_rows.startup_line(found, cfg.data, cfg.reward.components, counts)
 
 
 def epochs_to_steps(epochs: int, prompts: int, per_step: int) -> int:
@@ -129,8 +150,9 @@ def prepare_scoring(cfg: Config, tokenizer, rank: int, processor=None):
     """The reward scorer (``scorer.for_validation``: val.reward_components' one) and the tokenized
     validation prompts (None without data.val_files)."""
     try:
-        scorer = rewards.Scorer(cfg.reward)
-        scorer.for_validation = rewards.Scorer(cfg.reward, cfg.val.reward_components) \
+        key = cfg.data.answer_key
+        scorer = rewards.Scorer(cfg.reward, answer_key=key)
+        scorer.for_validation = rewards.Scorer(cfg.reward, cfg.val.reward_components, answer_key=key) \
             if cfg.val.reward_components else scorer
         val_prompts = None
         if cfg.data.val_files:

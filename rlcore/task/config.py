@@ -24,14 +24,18 @@ class DataConfig:
     """Validation files (needed when trainer.val_every or trainer.val_before_train is on)."""
     prompt_key: str = "prompt"
     """Row key of the prompt (dotted for nested keys, e.g. extra.question)."""
-    answer_key: str = "answer"
-    """Row key of the reference answer the reward compares with."""
+    answer_key: Optional[str] = None
+    """Row key of the reference answer the reward compares with (dotted for nested keys). null =
+    answer, or reward_model.ground_truth when the training files hold verl's rows (data_source,
+    prompt as chat messages, reward_model.ground_truth: docs/real_data.md)."""
     image_key: Optional[str] = None
     """Row key of the prompt's images, for a vision-language model: a list of paths (relative to the
     data file), bytes, or {bytes, path} dicts (the Parquet layout of public image sets); each
-    goes where an <image> placeholder is in the prompt text. null = text-only prompts."""
-    apply_chat_template: bool = False
-    """Render each prompt with the tokenizer's chat template (as one user turn)."""
+    goes where an <image> placeholder is in the prompt text. null = text-only prompts, or images
+    when the training files hold verl's rows with images."""
+    apply_chat_template: Optional[bool] = None
+    """Render each prompt with the tokenizer's chat template (text as one user turn). null = false,
+    or true when the training files hold verl's rows (verl always applies it)."""
     system_prompt: Optional[str] = None
     """System turn placed before each prompt (with apply_chat_template)."""
     max_prompt_length: int = 256

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 
 from rlcore.errors import ConfigError
 from rlcore.task import images as vision
+from rlcore.task import verl_rows
 from rlcore.task.config import CUTTING_MODES
 
 if TYPE_CHECKING:  # annotations only
@@ -55,7 +56,7 @@ def row_problem(row, cfg: DataConfig) -> str | None:
     if not isinstance(row, dict):
         return "is not an object"
     missing = []
-    for key in (cfg.prompt_key, cfg.answer_key):
+    for key in (cfg.prompt_key, cfg.answer_key or verl_rows.PLAIN_ANSWER_KEY):
         try:
             if get_key(row, key) is None:
                 missing.append(key)
@@ -148,15 +149,14 @@ def read_rows(path: str, cfg: DataConfig) -> tuple[list[dict], int]:
     rows, bad = [], 0
     base_dir = os.path.dirname(os.path.abspath(path))
     for where, row, problem in iter_raw_rows(path):
-        problem = problem or row_problem(row, cfg) or image_problem(row, cfg, base_dir)
+        problem = problem or row_problem(row, cfg) or image_problem(row, cfg, base_dir) or verl_rows.video_problem(row)
         if problem is None:
             rows.append(row)
         elif cfg.skip_bad_rows:
             bad += 1
         else:
-            raise ConfigError(
-                f"{where} {problem}; fix the row, or set data.skip_bad_rows=true to skip such rows"
-            )
+            fix = verl_rows.row_fix(row, problem) or "fix the row"
+            raise ConfigError(f"{where} {problem}; {fix}, or set data.skip_bad_rows=true to skip such rows")
     return rows, bad
 
 
@@ -193,7 +193,10 @@ def load_prompts(files: list[str], cfg: DataConfig, tokenizer, processor=None, c
     """Tokenize every row; filter, reject or cut (data.truncation) over-long prompts. Returns (prompts,
     data/* stats: bad rows, filtered over-long prompts, prompts, and with a cutting mode the number cut).
     ``processor`` (a ``rlcore.task.images.VisionProcessor``) is needed for rows with images; ``chat``
-    renders multi-turn prompts with the tools."""
+    renders multi-turn prompts with the tools. Data keys left null are filled from the files first
+    (verl's rows: rlcore.task.verl_rows; rlcore.config.resolve does it for a run)."""
+    if cfg.answer_key is None or cfg.apply_chat_template is None:
+        cfg = verl_rows.resolve_data(cfg, verl_rows.detect(files, cfg.prompt_key))
     prompts, bad, too_long, truncated = [], 0, 0, 0
     for path in files:
         rows, nbad = read_rows(path, cfg)

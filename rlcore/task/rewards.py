@@ -1,37 +1,46 @@
 """Rule-based rewards and user reward functions.
 
 Built-ins are ``fn(response: str, answer: str) -> float`` in a registry (``REWARDS``); a run's
-reward is a weighted sum of named components (``reward.components``).
+reward is a weighted sum of named components (``reward.components``). A component registered with
+``rows=True`` (``verl``: verl's scorer by the row's ``data_source``, rlcore.task.verl_scores) is
+called ``fn(response, ground_truth, row)``: the row's value at data.answer_key as stored (not its
+text) and the data row.
 
 Custom reward (``reward.fn``): ``"package.module:function"`` (importable) or
-``"path/to/file.py:function"`` (loaded from that file). It enters the sum as the component
-``custom``. Two signatures are accepted:
+``"path/to/file.py:function"`` (loaded from that file), with ``reward.fn_kwargs``. It enters the sum
+as the component ``custom``. Its signature is read from its parameters (rlcore.task.reward_fn):
 
     def my_reward(response: str, answer: str) -> float               # one sample per call
     @rlcore.task.rewards.batched                                          # or set my_reward.batched = True
     def my_reward(responses: list[str], answers: list[str]) -> list[float]   # one call per batch
+    def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kwargs)  # verl's
+    def compute_score(data_sources, solution_strs, ground_truths, extra_infos, **kwargs)   # verl's, batched
 
-Convention: a component scores in [0, 1], 1 meaning fully correct; ``reward/accuracy`` is the
-fraction of samples whose every component scored >= 1.
+A component's value is a number, or a dict with ``score`` (verl's scorers and functions return
+them): the value is its score, and its ``acc``, when present, says whether the sample is correct.
+Convention: a component scores in [0, 1], 1 meaning fully correct (verl's math_dapo scores -1 or
++1); ``reward/accuracy`` is the fraction of samples that every component passed: ``acc`` when the
+component gave one, else a value >= 1 (full marks: verl's geo3k gives 0.9 to a right answer
+outside the <think> format, which does not pass).
 
 A call that raises, returns a non-number, or runs past ``reward.timeout_s`` (custom functions
 only) gives ``reward.error_value`` to its sample(s), counts in ``reward/errors``, prints the first
-traceback of the process once, and the run goes on.
+traceback of the process once (naming the function and the row), and the run goes on.
 """
 
 from __future__ import annotations
 
 import contextlib
-import importlib
-import importlib.util
 import math
-import os
 import re
-import signal
 import sys
-import threading
 import traceback
 from typing import Callable
+
+from rlcore.task import verl_scores
+from rlcore.task.prompts import get_key
+from rlcore.task.reward_fn import SINGLE_TURN, CustomReward, load_custom_fn  # noqa: F401 (load_custom_fn: re-exported)
+from rlcore.task.timeouts import RewardTimeout, call_with_timeout  # noqa: F401 (the judge's parser uses them)
 
 RewardFn = Callable[[str, str], float]
 REWARDS: dict[str, RewardFn] = {}
@@ -39,8 +48,10 @@ ENV = "env"  # the component that is a multi-turn environment's own reward (rlco
 CUSTOM = "custom"  # component name of reward.fn
 
 
-def register(name: str):
+def register(name: str, rows: bool = False):
+    """``rows``: the function is called ``fn(response, ground_truth, row)`` (see the module docstring)."""
     def wrap(fn: RewardFn) -> RewardFn:
+        fn.takes_rows = rows
         REWARDS[name] = fn
         return fn
 
@@ -121,82 +132,13 @@ def format_answer_tag(response: str, answer: str) -> float:
     return float(re.search(r"<answer>.*?</answer>", response, re.DOTALL) is not None)
 
 
-# ----------------------------------------------------------------------------- custom functions
-
-
-def load_custom_fn(spec: str) -> Callable:
-    """Import ``module:function`` or ``file.py:function``; ValueError with the reason otherwise."""
-    module_part, sep, func_name = spec.rpartition(":")
-    if not sep or not module_part or not func_name:
-        raise ValueError("write it as package.module:function or path/to/file.py:function")
-    try:
-        if module_part.endswith(".py") or os.sep in module_part:
-            if not os.path.isfile(module_part):
-                raise ValueError(f"file {module_part} does not exist")
-            mod_spec = importlib.util.spec_from_file_location(f"_reward_{abs(hash(module_part))}", module_part)
-            module = importlib.util.module_from_spec(mod_spec)
-            mod_spec.loader.exec_module(module)
-        else:
-            module = importlib.import_module(module_part)
-    except ValueError:
-        raise
-    except Exception as e:  # ImportError, SyntaxError, anything the module raises at import
-        raise ValueError(f"importing {module_part} failed: {type(e).__name__}: {e}") from e
-    fn = getattr(module, func_name, None)
-    if not callable(fn):
-        raise ValueError(f"{module_part} has no callable named {func_name!r}")
-    return fn
-
-
-class RewardTimeout(Exception):
-    pass
-
-
-def call_with_timeout(fn: Callable, args: tuple, timeout_s: float | None):
-    """``fn(*args)``, raising RewardTimeout past ``timeout_s`` (None or <= 0: no limit).
-
-    Main thread: SIGALRM via setitimer, which interrupts pure-Python code (a C call that never
-    returns to the interpreter is interrupted when it does). Caveat: a function that sets its own
-    alarm (math-verify does) cancels this one. Other threads: a daemon worker thread; a timed-out
-    call keeps running there in the background but its result is discarded.
-    """
-    if not timeout_s or timeout_s <= 0:
-        return fn(*args)
-    if threading.current_thread() is threading.main_thread() and hasattr(signal, "setitimer"):
-        return _call_with_alarm(fn, args, timeout_s)
-    return _call_in_thread(fn, args, timeout_s)
-
-
-def _call_with_alarm(fn, args, timeout_s):
-    def on_alarm(signum, frame):
-        raise RewardTimeout(f"exceeded reward.timeout_s={timeout_s}")
-
-    previous = signal.signal(signal.SIGALRM, on_alarm)
-    signal.setitimer(signal.ITIMER_REAL, timeout_s)
-    try:
-        return fn(*args)
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
-
-
-def _call_in_thread(fn, args, timeout_s):
-    box: dict = {}
-
-    def target():
-        try:
-            box["value"] = fn(*args)
-        except BaseException as e:  # handed to the caller
-            box["error"] = e
-
-    worker = threading.Thread(target=target, daemon=True)
-    worker.start()
-    worker.join(timeout_s)
-    if worker.is_alive():
-        raise RewardTimeout(f"exceeded reward.timeout_s={timeout_s}")
-    if "error" in box:
-        raise box["error"]
-    return box["value"]
+@register("verl", rows=True)
+def verl(response: str, ground_truth, row) -> float | dict:
+    """verl's rule-based scorer for the row's ``data_source``, with verl's value: 1/0 (gsm8k, MATH,
+    PRIME), {"score": +-1, "acc", "pred"} (math_dapo, aime*), 0.9 x accuracy + 0.1 x format (geo3k);
+    rlcore.task.verl_scores. A source verl has no scorer for is refused at start-up."""
+    row = row if isinstance(row, dict) else {}
+    return verl_scores.default_compute_score(row.get("data_source"), response, ground_truth, row.get("extra_info"))
 
 
 # ----------------------------------------------------------------------------- scoring
@@ -208,62 +150,115 @@ class _ErrorLog:
     printed = False
 
     @classmethod
-    def report(cls, name: str, exc: BaseException) -> None:
+    def report(cls, name: str, exc: BaseException, row=None) -> None:
         if cls.printed:
             return
         cls.printed = True
         tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
-        print(f"warning: reward {name!r} failed; the sample gets reward.error_value and the run goes on "
+        on = f" on the row {row_label(row)}" if row is not None else ""
+        print(f"warning: reward {name} failed{on}; the sample gets reward.error_value and the run goes on "
               f"(further failures are only counted in reward/errors):\n{tb}", file=sys.stderr, flush=True)
 
 
-def _as_score(value) -> float:
+def row_label(row) -> str:
+    """How an error names a data row: verl's data_source and extra_info.index, else its prompt."""
+    if not isinstance(row, dict):
+        return repr(row)[:80]
+    extra = row.get("extra_info") if isinstance(row.get("extra_info"), dict) else {}
+    named = [f"{k}={v!r}" for k, v in (("data_source", row.get("data_source")), ("extra_info.index", extra.get("index")))
+             if v is not None]
+    if named:
+        return "(" + ", ".join(named) + ")"
+    prompt = str(row.get("prompt", row))
+    return f"with prompt {prompt[:60]!r}{'...' if len(prompt) > 60 else ''}"
+
+
+def _as_value(value) -> tuple[float, bool | None]:
+    """A component's value and its verdict: a number (verdict None: decided by the value), or a dict
+    with ``score`` and optionally ``acc`` (verl's). Non-numbers and non-finite scores raise."""
+    acc = None
+    if isinstance(value, dict):
+        if "score" not in value:
+            raise ValueError(f"the reward returned a dict without 'score': {sorted(value)}")
+        acc = bool(value["acc"]) if "acc" in value else None
+        value = value["score"]
     value = float(value)  # TypeError/ValueError for non-numbers: counted as an error
     if not math.isfinite(value):
         raise ValueError(f"reward is not finite: {value}")
-    return value
+    return value, acc
 
 
-def _component_values(name: str, fn: Callable, responses: list[str], answers: list[str],
-                      timeout_s: float | None, error_value: float) -> tuple[list[float], list[bool]]:
-    """One component's score per sample, and which samples failed."""
+def _label(name: str, fn) -> str:
+    spec = getattr(fn, "spec", None)
+    return f"{name!r} ({spec})" if spec else repr(name)
+
+
+def _component_values(name: str, fn: Callable, samples: list[tuple], timeout_s: float | None, error_value: float,
+                      num_turns) -> tuple[list[float], list[bool], list]:
+    """One component's value per sample (response, ground truth, row), which samples failed, and
+    each sample's verdict (None: decided by the value)."""
+    rows = getattr(fn, "takes_rows", False)
+    extra = {"num_turns": num_turns} if isinstance(fn, CustomReward) else {}
     if getattr(fn, "batched", False):
+        responses, truths, data = (list(x) for x in zip(*samples)) if samples else ([], [], [])
         try:
-            values = call_with_timeout(fn, (list(responses), list(answers)), timeout_s)
-            values = [_as_score(v) for v in values]
-            if len(values) != len(responses):
-                raise ValueError(f"batched reward returned {len(values)} values for {len(responses)} samples")
-            return values, [False] * len(values)
+            got = call_with_timeout(lambda: fn(responses, truths, *([data] if rows else [])), (), timeout_s)
+            got = [_as_value(v) for v in got]
+            if len(got) != len(samples):
+                raise ValueError(f"batched reward returned {len(got)} values for {len(samples)} samples")
+            return [v for v, _ in got], [False] * len(got), [a for _, a in got]
         except Exception as e:
-            _ErrorLog.report(name, e)
-            return [error_value] * len(responses), [True] * len(responses)
-    values, failed = [], []
-    for response, answer in zip(responses, answers):
+            _ErrorLog.report(_label(name, fn), e)
+            return [error_value] * len(samples), [True] * len(samples), [None] * len(samples)
+    out = []  # (value, failed, verdict) per sample
+    for response, truth, row in samples:
         try:
-            values.append(_as_score(call_with_timeout(fn, (response, answer), timeout_s)))
-            failed.append(False)
+            args = (response, truth, row) if rows else (response, truth)
+            value, acc = _as_value(call_with_timeout(lambda: fn(*args, **extra), (), timeout_s))
+            out.append((value, False, acc))
         except Exception as e:
-            _ErrorLog.report(name, e)
-            values.append(error_value)
-            failed.append(True)
-    return values, failed
+            _ErrorLog.report(_label(name, fn), e, row)
+            out.append((error_value, True, None))
+    values, failed, verdicts = (list(x) for x in zip(*out)) if out else ([], [], [])
+    return values, failed, verdicts
+
+
+def _samples(fn, responses: list[str], answers: list[str], rows: list | None, answer_key: str | None) -> list[tuple]:
+    """(response, what the function compares with, row) per sample: a row-aware function gets the
+    row's stored value at ``answer_key`` (verl's ground truth as it is), the others the answer text."""
+    rows = rows if rows is not None else [None] * len(responses)
+    if not getattr(fn, "takes_rows", False):
+        return list(zip(responses, answers, rows))
+    return [(r, _truth(row, answer, answer_key), row) for r, answer, row in zip(responses, answers, rows)]
+
+
+def _truth(row, answer: str, answer_key: str | None):
+    if answer_key and isinstance(row, dict):
+        try:
+            return get_key(row, answer_key)
+        except KeyError:
+            pass
+    return answer
 
 
 def score_samples(responses: list[str], answers: list[str], components: dict[str, float], *,
                   custom_fn: Callable | None = None, timeout_s: float | None = None,
                   error_value: float = 0.0, env_rewards: list | None = None,
-                  judged: dict[str, tuple[list[float], list[bool], float]] | None = None) -> tuple[list[float], list[bool], dict]:
+                  judged: dict[str, tuple[list[float], list[bool], float]] | None = None,
+                  rows: list | None = None, answer_key: str | None = None) -> tuple[list[float], list[bool], dict]:
     """Weighted sum of the components for each response, the per-sample "fully correct" flag
-    (every component >= 1), and metrics of these samples: ``reward/{name}`` component means,
-    ``reward/accuracy`` and ``reward/errors`` (failed sample-component calls). The timeout
-    applies to ``custom_fn``. The ``env`` component is each sample's environment reward (a
-    multi-turn env.cls; None, when it gave none, counts 0). ``judged``: the values, parse
-    failures and pass thresholds of model-based components (rlcore.judge), scored already."""
+    (every component passed: its ``acc`` if it gave one, else a value >= 1), and metrics of these
+    samples: ``reward/{name}`` component means, ``reward/accuracy`` and ``reward/errors`` (failed
+    sample-component calls). The timeout applies to ``custom_fn``. The ``env`` component is each
+    sample's environment reward (a multi-turn env.cls; None, when it gave none, counts 0). ``judged``:
+    the values, parse failures and pass thresholds of model-based components (rlcore.judge), scored
+    already. ``rows`` (the data rows) and ``answer_key`` feed row-aware components (``verl``, a
+    verl-signature reward.fn)."""
     n = len(responses)
     totals, correct = [0.0] * n, [True] * n
     metrics, errors = {}, 0
     for name, weight in components.items():
-        failed, pass_at = [False] * n, 1.0 - 1e-6
+        failed, pass_at, verdicts = [False] * n, 1.0 - 1e-6, [None] * n
         if name == ENV:
             values = [0.0 if r is None else float(r) for r in (env_rewards or [None] * n)]
         elif judged is not None and name in judged:
@@ -275,11 +270,14 @@ def score_samples(responses: list[str], answers: list[str], components: dict[str
                 fn, limit = custom_fn, timeout_s
             else:
                 fn, limit = get_reward(name), None
-            values, failed = _component_values(name, fn, responses, answers, limit, error_value)
+            values, failed, verdicts = _component_values(
+                name, fn, _samples(fn, responses, answers, rows, answer_key), limit, error_value,
+                SINGLE_TURN if env_rewards is None else None)
             errors += sum(failed)
         totals = [t + weight * v for t, v in zip(totals, values)]
         # A failed call is never "correct", whatever reward.error_value is.
-        correct = [c and v >= pass_at and not f for c, v, f in zip(correct, values, failed)]
+        correct = [c and (v >= pass_at if a is None else a) and not f
+                   for c, v, f, a in zip(correct, values, failed, verdicts)]
         metrics[f"reward/{name}"] = sum(values) / max(n, 1)
     metrics["reward/accuracy"] = sum(correct) / max(n, 1)
     metrics["reward/errors"] = float(errors)
@@ -290,12 +288,13 @@ class Scorer:
     """A RewardConfig made callable: ``Scorer(cfg).score(responses, answers)``. Model-based
     components (``reward.models``) score through ``judges`` (name -> rlcore.judge.scorer.Judge),
     attached once their engines are built, inside ``judging``: the phase switch's context that
-    puts the policy's engine to sleep and wakes the judges (rlcore.step.switch)."""
+    puts the policy's engine to sleep and wakes the judges (rlcore.step.switch). ``answer_key``
+    (data.answer_key): where row-aware components read a row's ground truth as stored."""
 
-    def __init__(self, cfg, components: dict[str, float] | None = None):
-        self.cfg = cfg
+    def __init__(self, cfg, components: dict[str, float] | None = None, answer_key: str | None = None):
+        self.cfg, self.answer_key = cfg, answer_key
         self.components = dict(components) if components else cfg.effective_components()
-        self.custom_fn = load_custom_fn(cfg.fn) if cfg.fn else None
+        self.custom_fn = CustomReward(cfg.fn, getattr(cfg, "fn_kwargs", None)) if cfg.fn else None
         self.timeout_s, self.error_value = cfg.timeout_s, cfg.error_value
         self.judges: dict = {}
         self.judging = None  # (judges) -> context manager
@@ -327,7 +326,7 @@ class Scorer:
         judged, judge_metrics = self._judge(responses, answers, rows)
         totals, correct, metrics = score_samples(
             responses, answers, self.components, custom_fn=self.custom_fn, timeout_s=self.timeout_s,
-            error_value=self.error_value, env_rewards=env_rewards, judged=judged)
+            error_value=self.error_value, env_rewards=env_rewards, judged=judged, rows=rows, answer_key=self.answer_key)
         return totals, correct, {**metrics, **judge_metrics}
 
     def score(self, responses: list[str], answers: list[str], env_rewards: list | None = None,
