@@ -153,6 +153,25 @@ def pending() -> list[StorageError]:
     return _pending
 
 
+def as_storage_error(exc: BaseException, what: str, path: str | None) -> StorageError | None:
+    """``exc`` as the failed write ``what`` to ``path``, or None when the storage is not why:
+    the errno found behind it (``storage_oserror``), else a filesystem found read-only or full."""
+    found = storage_oserror(exc)
+    if found is not None:
+        cause, rank = found
+        name = os.fsdecode(cause.filename) if cause.filename is not None else path
+        return StorageError(what, name, cause.errno, cause.strerror, rank)
+    if isinstance(exc, (KeyboardInterrupt, SystemExit)) or (inferred := full_or_read_only(path, exc)) is None:
+        return None
+    failures = getattr(exc, "failures", None)  # DCP's: the ranks whose writes failed
+    return StorageError(what, path, *inferred, min(failures) if isinstance(failures, dict) else None)
+
+
+def record(err: StorageError) -> None:
+    """A failed write this rank's ranks must agree on (``deferred``), from wherever it was seen."""
+    _pending.append(err)
+
+
 @contextmanager
 def writing(what: str, path: str | None = None):
     """A write of the run: a storage failure inside becomes ``StorageError(what, path, ...)``,
@@ -162,18 +181,12 @@ def writing(what: str, path: str | None = None):
     except StorageError as e:
         if not _deferring[0]:
             raise
-        _pending.append(e)
+        record(e)
     except BaseException as e:  # DCP's CheckpointException is a BaseException
-        found = storage_oserror(e)
-        if found is not None:
-            cause, rank = found
-            err = StorageError(what, cause.filename or path, cause.errno, cause.strerror, rank)
-        elif isinstance(e, (KeyboardInterrupt, SystemExit)) or (inferred := full_or_read_only(path, e)) is None:
+        err = as_storage_error(e, what, path)
+        if err is None:
             raise
-        else:
-            failures = getattr(e, "failures", None)  # DCP's: the ranks whose writes failed
-            err = StorageError(what, path, *inferred, min(failures) if isinstance(failures, dict) else None)
         err.__cause__ = e
         if not _deferring[0]:
             raise err from e
-        _pending.append(err)
+        record(err)

@@ -117,7 +117,8 @@ def write(policy, output_dir: str, step: int, trainer_state: dict, rank: int, rn
         with writing(f"{what} (rank {rank}'s RNG state)", os.path.join(tmp, f"rng_rank{rank}.pt")):
             torch.save(rng if rng is not None else rng_state(), os.path.join(tmp, f"rng_rank{rank}.pt"))
         storage.agree()
-        with writing(f"{what} (model and optimizer shards, extra state)", tmp):
+        shards = f"{what} (model and optimizer shards, extra state)"
+        with writing(shards, tmp), storage.thread_failures(shards, tmp):
             policy.save_checkpoint(tmp, extra_state={"trainer": trainer_state})
         storage.agree()
         if rank == 0:

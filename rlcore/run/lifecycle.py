@@ -262,15 +262,23 @@ def room(run: Run, step: int, save: bool, export: bool, on_low_space: str | None
     if run.info.is_main:
         print(f"warning: skipping {what}: it needs about {storage.mb(short['need'])}, {storage.mb(short['free'])} is "
               f"free on {short['mount']} (checkpoint.on_low_space=skip); newest complete checkpoint: "
-              f"{checkpoint.find_resume(out, 'auto') or 'none'}", file=sys.stderr, flush=True)
+              f"{newest(run)}", file=sys.stderr, flush=True)
     return False
+
+
+def newest(run: Run) -> str:
+    """The checkpoint a restart resumes from, for the log."""
+    found = checkpoint.find_resume(run.cfg.trainer.output_dir, "auto")
+    if found is None and run.resume_from:
+        return f"none in trainer.output_dir; this run resumed from {run.resume_from}"
+    return found or "none"
 
 
 def last_sizes(run: Run, save: bool, export: bool) -> int:
     """Rank 0: bytes of the newest complete checkpoint (this run's, or the one it resumed from;
     the estimate before there is one) and of an HF export (estimated: it has no manifest)."""
     try:
-        ckpt, hf, _ = storage.estimate_bytes(run.cfg)
+        ckpt, hf, _ = storage.estimate_bytes(run.cfg, run.info.world_size)
     except (OSError, ValueError, KeyError):  # no readable model folder: the start-up check said so already
         ckpt = hf = 0
     try:
@@ -289,8 +297,8 @@ def commit_checkpoint(run: Run, step: int | None) -> None:
     """Make the checkpoint written for ``step`` the one a resume takes (a checkpoint always has its
     metrics row: a run killed in between resumes from the previous one). Every step, also where
     none was written: the agreement point after the step's metrics row (rank 0's write)."""
+    storage.agree()  # the row first: a checkpoint never becomes current without it
     if step is None:
-        storage.agree()
         return
     path = checkpoint.commit(run.cfg.trainer.output_dir, step, run.info.rank, run.cfg.checkpoint.keep_last)
     run.state.saved_step = step
@@ -326,7 +334,7 @@ def end_summary(run: Run) -> str:
     parts.append(f"metrics {os.path.join(out, 'metrics.jsonl')}")
     if run.state.skipped_saves:
         parts.append(f"checkpoints skipped for lack of space at steps {run.state.skipped_saves} (newest: "
-                     f"{checkpoint.find_resume(out, 'auto') or 'none'})")
+                     f"{newest(run)})")
     curves = f"curves: python scripts/plot_metrics.py {out}"
     if run.logger.writer is not None or "tensorboard" in run.cfg.logging.enabled_trackers:
         curves += f" or tensorboard --logdir {os.path.join(out, 'tensorboard')}"
@@ -342,7 +350,8 @@ def ends_on_storage_failure(cfg: Config, info: DistInfo, stop: preempt.StopReque
     together) ends the run here. Yields a holder whose ``run`` the caller sets once it is built."""
     holder = SimpleNamespace(run=None)
     try:
-        yield holder
+        with storage.thread_failures("the run's files", cfg.trainer.output_dir):
+            yield holder
     except storage.StorageFailed as failed:
         end_on_storage_failure(failed, cfg, info, holder.run, stop, watchdog)
 

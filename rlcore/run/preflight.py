@@ -32,7 +32,7 @@ def preflight(cfg: Config, rank: int, world_size: int):
         validate_against_world(cfg, world_size, nodes)
         rollout_routing.check_config(cfg, detect_device(cfg.parallel.device)[0])  # r3: vLLM's own verdict
         claim_output_dir(cfg.trainer.output_dir, rank)  # before anything in it is read or written
-        storage.check_output_dir(cfg, rank)  # room for a checkpoint (and the HF export when one is due)
+        storage.check_output_dir(cfg, rank, world_size)  # room for a checkpoint (and the HF export when one is due)
         resume_from = checkpoint.find_resume(cfg.trainer.output_dir, cfg.checkpoint.resume,
                                              report=_print_main if rank == 0 else None)
         if resume_from is not None:

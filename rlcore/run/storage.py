@@ -22,6 +22,7 @@ import os
 import shlex
 import socket
 import sys
+import threading
 from contextlib import contextmanager
 
 from rlcore import errors
@@ -101,9 +102,52 @@ def agree(note: dict | None = None) -> dict | None:
     return note
 
 
+@contextmanager
+def thread_failures(what: str, path: str):
+    """Writes on threads a library starts, which die on a failed write with a traceback that
+    ``threading.excepthook`` prints: TensorBoard's event writer (it raises the error again on the
+    next write), and DCP's writer threads (VeOmni asks for 16), whose save then goes on without
+    that file's items (torch 2.13 distributed/checkpoint/filesystem.py:708-756 joins the threads
+    and reads only the results they queued), so a checkpoint could look whole and lack them. Here
+    such a failure is recorded like this thread's own (the next agreement stops every rank),
+    without the traceback unless RLCORE_DEBUG=1."""
+    previous = threading.excepthook
+
+    def hook(args) -> None:
+        exc = args.exc_value
+        err = errors.as_storage_error(exc, _on_thread(what, exc), path) if exc is not None else None
+        if err is None or debug():
+            previous(args)
+        if err is not None:
+            errors.record(err)
+
+    threading.excepthook = hook
+    try:
+        yield
+    finally:
+        threading.excepthook = previous
+
+
+_WRITERS = (("tensorboard", "TensorBoard's event writer"), ("distributed/checkpoint", "DCP's shard writer"),
+            ("wandb", "wandb's writer"), ("mlflow", "MLflow's writer"))
+
+
+def _on_thread(what: str, exc: BaseException) -> str:
+    """``what``, naming whose thread raised ``exc`` (from the files of its traceback)."""
+    import traceback
+
+    files = " ".join(frame.filename for frame in traceback.extract_tb(exc.__traceback__))
+    writer = next((name for key, name in _WRITERS if key in files), "a library's writer") + " thread"
+    return f"{what[:-1]}; {writer})" if what.endswith(")") else f"{what} ({writer})"
+
+
+def debug() -> bool:
+    return os.environ.get(DEBUG_ENV, "") not in ("", "0")
+
+
 def print_tracebacks() -> None:
     """With RLCORE_DEBUG=1: the traceback of each failed write on this rank."""
-    if os.environ.get(DEBUG_ENV, "") not in ("", "0"):
+    if debug():
         import traceback
 
         for err in errors.pending():
@@ -123,7 +167,17 @@ def free_bytes(path: str) -> tuple[int, str]:
 
 
 def _mount_point(path: str) -> str:
+    """The mount ``path`` is on: the longest mount point above it (/proc/self/mounts, which also
+    knows bind mounts), else the nearest folder ``os.path.ismount`` accepts."""
     path = os.path.realpath(path)
+    try:
+        with open("/proc/self/mounts") as f:
+            points = [line.split()[1].replace("\\040", " ") for line in f if len(line.split()) > 1]
+        above = [p for p in points if path == p or path.startswith(p.rstrip("/") + "/")]
+        if above:
+            return max(above, key=len)
+    except OSError:
+        pass
     while not os.path.ismount(path):
         path = os.path.dirname(path)
     return path
@@ -141,13 +195,21 @@ def folder_bytes(path: str) -> int:
     return total
 
 
-def estimate_bytes(cfg) -> tuple[int, int, str]:
+# Beside the tensors, a rank's share of a checkpoint: VeOmni's writer makes 16 DCP files a rank (a
+# torch.save zip each, ~8 KiB of headers and records), its RNG file (17 KiB) and extra state, its
+# part of .metadata. Measured on the tiny Qwen3 (2 ranks, 25 tensors, AdamW): 384,431 bytes beyond
+# the tensors' 3,628,032 (tests/test_storage.py prints both); on a real model it is noise.
+RANK_FILES_BYTES = 256 * 1024
+
+
+def estimate_bytes(cfg, world: int) -> tuple[int, int, str]:
     """(one checkpoint, one HF export, how) in bytes, from the model's shape as the memory plan
     counts it (rlcore.plan): the trainer state on disk is the plan's checkpoint phase summed over
     the shard group, fp32 weights (4 bytes per parameter; LoRA: the adapters only, DCP saves
-    trainable_only) and the optimizer's bytes per trainable parameter (OPTIMIZER_BYTES); the HF
-    export is checkpoint.hf_dtype's bytes per parameter (LoRA: the adapter, plus the merged model
-    with checkpoint.merge_lora), plus the model folder's other files (tokenizer, config)."""
+    trainable_only) and the optimizer's bytes per trainable parameter (OPTIMIZER_BYTES), plus
+    RANK_FILES_BYTES a rank (its DCP files' headers, its RNG and extra-state files); the HF export
+    is checkpoint.hf_dtype's bytes per parameter (LoRA: the adapter, plus the merged model with
+    checkpoint.merge_lora), plus the model folder's other files (tokenizer, config)."""
     from rlcore.plan.inputs import DTYPE_BYTES, PlanInputs
     from rlcore.plan.memory import optimizer_bytes
     from rlcore.plan.model_shape import ModelShape
@@ -161,13 +223,13 @@ def estimate_bytes(cfg) -> tuple[int, int, str]:
     except (KeyError, TypeError, ValueError, ZeroDivisionError):  # a config.json the plan cannot read
         params = trainable = safetensors_params(cfg.model.path)  # full fine-tuning's count: an upper bound
     saved = trainable if lora else params
-    ckpt = 4 * saved + per_param * trainable
+    ckpt = 4 * saved + per_param * trainable + RANK_FILES_BYTES * world
     export_params = trainable + (params if cfg.checkpoint.merge_lora else 0) if lora else params
     aux = sum(os.path.getsize(os.path.join(cfg.model.path, f)) for f in os.listdir(cfg.model.path)
               if os.path.isfile(os.path.join(cfg.model.path, f)) and not f.endswith((".safetensors", ".bin", ".pt")))
     hf = DTYPE_BYTES[cfg.checkpoint.hf_dtype] * export_params + aux
     how = (f"{saved:,} parameters x 4 bytes (fp32) + {trainable:,} trainable x {per_param} bytes of "
-           f"{o.optimizer} state")
+           f"{o.optimizer} state + {world} ranks' file headers")
     return ckpt, hf, how
 
 
@@ -189,14 +251,14 @@ def mb(nbytes: float) -> str:
     return f"{nbytes / 2**20:.1f} MiB" if nbytes < 2**30 else f"{nbytes / 2**30:.2f} GiB"
 
 
-def check_output_dir(cfg, rank: int) -> None:
+def check_output_dir(cfg, rank: int, world: int) -> None:
     """Start-up, every rank, collective, before any model loads: ``trainer.output_dir`` (already
     claimed, so writable) has room for one checkpoint and the HF export when one is due; else
     ConfigError naming the space needed and found. A warning when it cannot hold checkpoint.keep_last
     of them at once plus the one being written."""
     problem = warning = None
     if rank == 0:
-        problem, warning = _space_problem(cfg)
+        problem, warning = _space_problem(cfg, world)
     problem, warning = all_gather_objects((problem, warning))[0]
     if warning and rank == 0:
         print(f"warning: {warning}", flush=True)
@@ -204,9 +266,9 @@ def check_output_dir(cfg, rank: int) -> None:
         raise ConfigError(problem)
 
 
-def _space_problem(cfg) -> tuple[str | None, str | None]:
+def _space_problem(cfg, world: int) -> tuple[str | None, str | None]:
     c, out = cfg.checkpoint, cfg.trainer.output_dir
-    ckpt, hf, how = estimate_bytes(cfg)
+    ckpt, hf, how = estimate_bytes(cfg, world)
     ckpt = 0 if c.save_every == -1 else ckpt
     hf = hf if (c.hf_every or c.save_hf_final) else 0
     free, mount = free_bytes(out)
@@ -303,12 +365,16 @@ def message(failed: StorageFailed, step: int, output_dir: str, intact: str | Non
                 f"checkpoint's size), {mb(n['free'])} is free on {n['mount']}; nothing of it was written")
     else:
         head = f"error: the run's storage failed at step {step}:"
-        seen = {}
-        for f in failed.failures:  # one line per distinct failure, with the ranks that met it
-            seen.setdefault((f["what"], f["path"], f["errno"], f["host"] or "another host"), []).append(f["rank"])
-        for (what, path, code, host), ranks in seen.items():
+        seen, what_of = {}, {}
+        for f in failed.failures:  # one line per file and error (the first writer that met it), with the ranks
+            key = (f["path"], f["errno"], f["host"] or "another host")
+            what_of.setdefault(key, f["what"])
+            seen.setdefault(key, []).append(f["rank"])
+        for (path, code, host), ranks in seen.items():
+            what = what_of[(path, code, host)]
+            ranks = sorted(set(ranks))
             head += (f"\n  writing {what} failed: {path}: {describe_errno(code)}; rank{'s' * (len(ranks) > 1)} "
-                     f"{', '.join(map(str, sorted(set(ranks))))} on {host}")
+                     f"{', '.join(map(str, ranks))} on {host}")
     free = ""
     try:
         avail, mount = free_bytes(output_dir)

@@ -98,7 +98,7 @@ _log = metrics.MetricsLogger.log
 
 
 def log(self, step: int, row: dict):
-    if step == READONLY_AT_STEP and "timing/step_s" in row:  # the training row (rank 0 alone logs)
+    if step == READONLY_AT_STEP and self.is_main and "timing/step_s" in row:  # the training row
         import subprocess
 
         out = os.path.dirname(self.path)

@@ -4,7 +4,9 @@ on storage the test made fail for real (tests/test_storage.py mounts it):
   rank0_only  rank 0 writes a file into READONLY (a read-only bind mount) while rank 1 goes straight
               to the agreement (where a barrier was): both raise StorageFailed, naming rank 0
   dcp         torch.distributed.checkpoint.save into SMALL_DCP (a tmpfs too small for rank 1's
-              tensor, not for rank 0's): DCP's own protocol tells every rank; both stop together
+              tensors, not for rank 0's), four writer threads a rank: DCP's own protocol tells every
+              rank of the main thread's failure, rlcore.run.storage.thread_failures of a writer
+              thread's (which DCP drops); both stop together
   stream      rank 0 streams an HF export into SMALL_HF (a tmpfs too small for it) while every
               rank all-reduces each tensor first, as save_hf's gathers do: rank 0 goes on through
               every collective after its write failed; both stop together
@@ -42,12 +44,15 @@ def rank0_only(rank: int, readonly: str) -> None:
 
 def dcp(rank: int, folder: str) -> None:
     import torch.distributed.checkpoint as dcp_api
+    from torch.distributed.checkpoint import FileSystemWriter
 
-    # rank 0's tensor is 4 KiB, rank 1's 4 MiB: only rank 1's file meets the full disk
-    state = {f"rank{rank}": torch.ones(1024 if rank == 0 else 1024 * 1024)}
+    # rank 0's tensors are 4 KiB each, rank 1's 1 MiB: only rank 1's files meet the full disk. Four
+    # writer threads per rank, as VeOmni's writer has 16: a thread's failure is DCP's blind spot.
+    state = {f"rank{rank}_{i}": torch.ones(1024 if rank == 0 else 256 * 1024) for i in range(4)}
+    writer = FileSystemWriter(folder, thread_count=4, single_file_per_rank=True, sync_files=False)
     with storage.section():
-        with errors.writing("DCP shards", folder):
-            dcp_api.save(state, checkpoint_id=folder)
+        with errors.writing("DCP shards", folder), storage.thread_failures("DCP shards", folder):
+            dcp_api.save(state, storage_writer=writer)
 
 
 GATHERED: list[int] = []  # the stream case's collectives this rank took part in
