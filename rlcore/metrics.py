@@ -116,7 +116,7 @@ def append_line(path: str, text: str) -> None:
     """Append ``text`` (one row and its newline) whole or not at all: one ``write`` on an
     O_APPEND descriptor, and on a failure (a full disk cuts a write short) the file cut back to
     its size before, which frees space and so works on a full disk. A partial row survives only
-    where even that fails; a resumed run removes it (rlcore.run.lifecycle)."""
+    where even that fails; the next run's logger removes it (``cut_partial_row``)."""
     data = memoryview(text.encode())
     fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     try:

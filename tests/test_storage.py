@@ -185,6 +185,28 @@ def test_latest_is_replaced_atomically_or_not_at_all(mounts):
     assert open(os.path.join(root, "latest")).read() == "step_1\n" and ".latest.tmp" not in os.listdir(root)
 
 
+@pytest.mark.unit
+def test_the_lora_adapter_folder_takes_its_tensors_before_it_fails(mounts):
+    """hf_folder.write_adapter: the tensors (collective gathers in a run) are all taken before the
+    first write, and a failed write is a StorageError naming the folder (the rollout's, per rank)."""
+    import torch
+
+    from rlcore import hf_folder
+    from rlcore.errors import StorageError
+
+    taken = []
+
+    def tensors():
+        for i in range(3):
+            taken.append(i)
+            yield f"w{i}", torch.zeros(4)
+
+    readonly = mounts.readonly(mounts.tmpfs("adapter", "1m"))
+    with pytest.raises(StorageError, match=r"writing a LoRA adapter folder failed: .*adapter/a.*EROFS"):
+        hf_folder.write_adapter(tensors(), {"r": 1}, os.path.join(readonly, "a"))
+    assert taken == [0, 1, 2]
+
+
 def fill(folder: str, left: int) -> None:
     """Take all but ``left`` bytes of ``folder``'s filesystem (another job's file)."""
     st = os.statvfs(folder)

@@ -16,7 +16,7 @@ from rlcore import distill, judge
 from rlcore.algo.exploration import EntropyControl
 from rlcore.config import Config
 from rlcore.dist import DistInfo, exit_process
-from rlcore.errors import ConfigError, Exit, describe_errno, writing
+from rlcore.errors import ConfigError, Exit, StorageError, describe_errno, writing
 from rlcore.metrics import MetricsLogger, Timer, format_duration
 from rlcore.run import checkpoint, preempt, storage
 from rlcore.run.build import Engines
@@ -354,16 +354,21 @@ def ends_on_storage_failure(cfg: Config, info: DistInfo, stop: preempt.StopReque
             yield holder
     except storage.StorageFailed as failed:
         end_on_storage_failure(failed, cfg, info, holder.run, stop, watchdog)
+    except StorageError as err:  # a rank's own write outside any agreement (the LoRA rollout's adapter folder)
+        failed = storage.StorageFailed([storage.failure_record(err, info.rank)])
+        end_on_storage_failure(failed, cfg, info, holder.run, stop, watchdog, alone=True)
 
 
 def end_on_storage_failure(failed: storage.StorageFailed, cfg: Config, info: DistInfo, run: Run | None,
-                           stop: preempt.StopRequest, watchdog: preempt.Watchdog) -> None:
+                           stop: preempt.StopRequest, watchdog: preempt.Watchdog, alone: bool = False) -> None:
     """Every rank: the message (rank 0, and the first failing rank of another node), the partial
-    folders removed where there is room (rank 0), nothing more written, exit ``Exit.STORAGE``."""
+    folders removed where there is room (rank 0), nothing more written, exit ``Exit.STORAGE``.
+    ``alone``: only this rank knows (its failure was not agreed on): it says so itself, and the
+    others end when torchrun ends them."""
     storage.mark_failed()  # a stop signal from here on writes nothing
     out = cfg.trainer.output_dir
     cleanup = remove_leftovers(out) if info.is_main else []
-    if storage.prints_message(failed.failures, info.rank):
+    if alone or storage.prints_message(failed.failures, info.rank):
         try:
             intact = checkpoint.find_resume(out, "auto")
         except (ConfigError, OSError):
@@ -373,6 +378,8 @@ def end_on_storage_failure(failed: storage.StorageFailed, cfg: Config, info: Dis
         text = storage.message(failed, run.state.step if run else 0, out, intact, cleanup, commands)
         if stop.requested:
             text += "\n  a stop signal came too: nothing more was written for it"
+        if alone:
+            text += f"\n  only rank {info.rank} met it: the other ranks end when torchrun ends them"
         print(text, file=sys.stderr, flush=True)
     storage.print_tracebacks()
     watchdog.close()

@@ -5,10 +5,11 @@ A write that fails (``rlcore.errors.writing``: disk full, over quota, read-only,
 inside a ``section`` is recorded on the rank that made it, which carries on through the section's
 collectives (rank 0 writing ``latest`` while the others wait, rank 0 streaming an HF export while
 every rank gathers, DCP's save, whose own protocol already reports a rank's failure to all). At the
-next agreement point (``agree``: where a barrier was, after each step's metrics row, at every phase
-boundary with the stop signals, before a checkpoint) every rank learns every rank's failures and
+next agreement point (``agree``: where a save's barriers were, at the end of each section, after
+each step's metrics row, before each checkpoint) every rank learns every rank's failures and
 raises ``StorageFailed``; the run then ends with one message (``message``: what failed, what is
 intact, the command to resume) and ``Exit.STORAGE`` on every rank (``rlcore.run.lifecycle``).
+Library threads that write (DCP's, TensorBoard's) are watched too (``thread_failures``).
 
 Checked before the work (``check_output_dir`` at start-up, before any model loads; ``room_for``
 before each checkpoint): the free space of ``trainer.output_dir`` against one checkpoint (the
@@ -30,7 +31,6 @@ from rlcore.dist import all_gather_objects, all_reduce_sum
 from rlcore.errors import ConfigError, describe_errno
 
 DEBUG_ENV = "RLCORE_DEBUG"  # =1: a storage failure also prints the traceback of each failed write on its rank
-ON_LOW_SPACE = ("stop", "skip")
 
 
 class StorageFailed(Exception):
@@ -258,7 +258,10 @@ def check_output_dir(cfg, rank: int, world: int) -> None:
     of them at once plus the one being written."""
     problem = warning = None
     if rank == 0:
-        problem, warning = _space_problem(cfg, world)
+        try:
+            problem, warning = _space_problem(cfg, world)
+        except (OSError, ValueError, KeyError) as e:  # rank 0 alone must not leave the gather below
+            warning = f"the free space of trainer.output_dir was not checked ({type(e).__name__}: {e})"
     problem, warning = all_gather_objects((problem, warning))[0]
     if warning and rank == 0:
         print(f"warning: {warning}", flush=True)
@@ -299,19 +302,6 @@ def room_for(output_dir: str, need: int, what: str, is_main: bool) -> dict | Non
         if free < need:
             note = {"need": need, "free": free, "mount": mount, "what": what}
     return agree(note)
-
-
-def last_checkpoint_bytes(path: str | None) -> int | None:
-    """The size of the checkpoint at ``path`` (from its manifest, else its files), None without one."""
-    if path is None or not os.path.isdir(path):
-        return None
-    import json
-
-    try:
-        with open(os.path.join(path, "manifest.json")) as f:
-            return sum(json.load(f)["files"].values())
-    except (OSError, ValueError, KeyError):
-        return folder_bytes(path)
 
 
 # ----------------------------------------------------------------------------- the message
