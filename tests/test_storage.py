@@ -11,6 +11,8 @@ The trainer chain (2 CPU ranks, 3 steps, a checkpoint every step; R is the unint
       step 3's metrics row: rank 0's write fails, every rank stops at the next agreement.
   C   resumes B's step_2 on an 8 MiB tmpfs that fills before step 3's space check, with
       checkpoint.on_low_space=skip: the checkpoint is skipped, the run ends 0.
+  D   the issue's case: a 6 MiB tmpfs holds step_1, and the check before step 2's checkpoint stops
+      every rank (checkpoint.on_low_space=stop, the default) before anything of it is written.
 Rows of A (1), B (2) and C (3) equal R's, every value but wall-clock ones.
 """
 
@@ -245,6 +247,19 @@ def test_the_message_says_what_failed_what_is_intact_and_how_to_resume(tmp_path)
     assert "intact: no complete checkpoint; metrics.jsonl whole up to step 2" in low
 
 
+@pytest.mark.unit
+def test_rank_0_prints_the_message_and_so_does_a_failing_rank_of_another_node(monkeypatch):
+    from rlcore.run import storage
+
+    failures = [{"rank": r, "host": "node1", "what": "x", "path": "/local/x", "errno": 28, "strerror": "full"}
+                for r in (9, 10)]
+    monkeypatch.setattr(storage.socket, "gethostname", lambda: "node1")
+    monkeypatch.setenv("GROUP_RANK", "1")  # ranks 8-15 on the second node
+    assert [r for r in range(8, 16) if storage.prints_message(failures, r)] == [9]
+    monkeypatch.setenv("GROUP_RANK", "0")
+    assert storage.prints_message(failures, 0) and not storage.prints_message(failures, 1)
+
+
 def run_of(cfg, out: str) -> SimpleNamespace:
     """What lifecycle.room reads of a Run (rank 0 of a one-process world; no engines)."""
     return SimpleNamespace(cfg=cfg, info=SimpleNamespace(is_main=True, rank=0, world_size=1), resume_from=None,
@@ -411,11 +426,14 @@ def chain(tiny_model, toy_data, tmp_path_factory):
                                                 os.path.join(b, "checkpoints", "step_2"),
                                                 "--checkpoint.on_low_space", "skip"),
                                env={"RLCORE_TEST_FILL": "before_check:3:1048576"})
+        d = m.tmpfs("d", "6m")  # the issue's case: room for the first checkpoint, not for the second
+        small = failing(args(tiny_model, data, d), {})
         for name, text in (("straight", straight.stdout + straight.stderr), ("full", full.output),
-                           ("readonly", readonly.output), ("skipped", skipped.stdout + skipped.stderr)):
+                           ("readonly", readonly.output), ("skipped", skipped.stdout + skipped.stderr),
+                           ("small", small.output)):
             (root / f"{name}.log").write_text(text)  # for a reader of a failure
-        yield SimpleNamespace(r=r, a=a, b=b, c=c, data=data, removed=removed, straight=straight, full=full,
-                              readonly=readonly, skipped=skipped, model=tiny_model)
+        yield SimpleNamespace(r=r, a=a, b=b, c=c, d=d, data=data, removed=removed, straight=straight, full=full,
+                              readonly=readonly, skipped=skipped, small=small, model=tiny_model)
     finally:
         m.close()
 
@@ -457,6 +475,21 @@ def test_resumed_elsewhere_then_read_only_the_rows_are_the_uninterrupted_ones(ch
     assert f"checkpoints skipped for lack of space at steps [3] (newest: none in trainer.output_dir; this run " \
            f"resumed from {b}/checkpoints/step_2)" in c_out, c_out[-5000:]
     assert [comparable(r) for r in read_rows(chain.c)] == reference[2:3]
+
+
+def test_a_disk_too_small_for_the_second_checkpoint_stops_before_writing_it(chain):
+    """The issue's case (a filesystem that fills during the second checkpoint): the check before
+    step 2's checkpoint finds too little room for another of step_1's size and stops every rank."""
+    out, d = chain.small.output, chain.d
+    assert rank_exit_codes(out) == {0: 74, 1: 74}, out[-5000:]
+    assert "warning: trainer.output_dir=" in out and "room for this run's next checkpoint" in out  # at start-up
+    assert out.count("error: not enough space for checkpoint step_2 at step 2: it needs about 3.8 MiB (the last "
+                     "checkpoint's size),") == 1, out[-5000:]
+    assert f"is free on {d}; nothing of it was written" in out
+    assert f"intact: checkpoint {d}/checkpoints/step_1; metrics.jsonl whole up to step 1" in out
+    assert out.count("Traceback (most recent call last)") == 1, out[-5000:]
+    assert latest(d) == "step_1" and sorted(os.listdir(f"{d}/checkpoints")) == ["latest", "step_1"]
+    assert [comparable(r) for r in read_rows(d)] == [comparable(r) for r in read_rows(chain.r)[:1]]
 
 
 def test_the_start_up_estimate_is_the_checkpoint_written(chain):

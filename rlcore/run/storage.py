@@ -376,7 +376,8 @@ def message(failed: StorageFailed, step: int, output_dir: str, intact: str | Non
              f"  intact: {f'checkpoint {intact}' if intact else 'no complete checkpoint'}; metrics.jsonl "
              + (f"whole up to step {row}" if row is not None else "has no whole row"),
              *[f"  {c}" for c in cleanup],
-             f"  to resume, once {output_dir} can be written again{free}, or on another filesystem:",
+             f"  to resume, once {output_dir} {'has room' if failed.low_space else 'can be written'} again{free}, "
+             f"or on another filesystem:",
              *[f"    {c}" for c in commands],
              f"  every rank exits with code {int(errors.Exit.STORAGE)} ({DEBUG_ENV}=1 prints the tracebacks)"]
     return "\n".join(lines)
