@@ -153,6 +153,13 @@ def pending() -> list[StorageError]:
     return _pending
 
 
+def require_folder(path: str) -> None:
+    """The run's output folder must still be there: a write never makes it again (an unmounted
+    filesystem would leave its empty mount point, and the run would fill the disk under it)."""
+    if not os.path.isdir(path):
+        raise FileNotFoundError(errno.ENOENT, "the run's output folder is gone", path)
+
+
 def as_storage_error(exc: BaseException, what: str, path: str | None) -> StorageError | None:
     """``exc`` as the failed write ``what`` to ``path``, or None when the storage is not why:
     the errno found behind it (``storage_oserror``), else a filesystem found read-only or full."""

@@ -56,6 +56,17 @@ def count_skips():
           + (f" ({SKIPPED[0]})" if SKIPPED else ""), file=sys.__stderr__, flush=True)
 
 
+@pytest.fixture(autouse=True)
+def clean_state():
+    """A run ends at its first failure; these tests go on in one process: no failure carries over."""
+    from rlcore import errors
+    from rlcore.run import storage
+
+    yield
+    errors.pending().clear()
+    storage._failed[0] = False
+
+
 class Mounts:
     """tmpfs and read-only bind mounts, every one unmounted by the owning fixture's finalizer."""
 
@@ -138,11 +149,8 @@ def test_a_failed_write_is_found_behind_wrappers_and_recorded_when_deferred():
         with errors.writing("a row", "/out/metrics.jsonl"):
             raise PermissionError(errno.EROFS, "Read-only file system")
         after.append("went on")
-    try:
-        assert after == ["went on"] and [(e.what, e.errno, e.path) for e in errors.pending()] == [
-            ("a row", errno.EROFS, "/out/metrics.jsonl")]
-    finally:
-        errors.pending().clear()
+    assert after == ["went on"] and [(e.what, e.errno, e.path) for e in errors.pending()] == [
+        ("a row", errno.EROFS, "/out/metrics.jsonl")]
 
 
 @pytest.mark.unit
@@ -161,6 +169,29 @@ def test_metrics_rows_are_whole_or_absent_on_a_full_disk(mounts):
     rows = [json.loads(line) for line in text.splitlines()]
     assert text.endswith("\n") and [r["step"] for r in rows] == list(range(1, step)), "a partial row was left"
     print(f"\n64 KiB tmpfs: {step - 1} whole rows, the row of step {step} ({len(json.dumps(big))} bytes) failed whole")
+
+
+@pytest.mark.unit
+def test_an_output_folder_that_vanished_is_not_made_again(tmp_path):
+    """A clean-up job removed the run's folder (or its filesystem was unmounted, leaving the empty
+    mount point): the next row, sample file or checkpoint folder fails with ENOENT, naming it."""
+    from rlcore.errors import StorageError
+    from rlcore.metrics import MetricsLogger
+    from rlcore.run import checkpoint, storage
+    from rlcore.step.validation import write_examples
+
+    out = tmp_path / "run"
+    logger = MetricsLogger(str(out), True, tensorboard=False)
+    shutil.rmtree(out)
+    with pytest.raises(StorageError, match=r"metrics.jsonl \(the row of step 1\) failed: .*ENOENT"):
+        logger.log(1, {"reward/mean": 0.5})
+    with pytest.raises(StorageError, match=r"validation samples of step 1 failed: .*run: \[Errno 2\] the run's "
+                                           r"output folder is gone \(ENOENT\)"):
+        write_examples(str(out), 1, [])
+    with pytest.raises(storage.StorageFailed) as failed:  # a section: every rank (here one) agrees
+        checkpoint.write(None, str(out), 1, {}, rank=0)
+    assert [(f["what"], f["errno"]) for f in failed.value.failures] == [("checkpoint step_1 (its folder)", 2)]
+    assert not out.exists()
 
 
 @pytest.mark.unit
@@ -290,7 +321,6 @@ def test_before_a_checkpoint_the_space_is_checked_against_the_last_ones_size(mou
     cfg.checkpoint.on_low_space = "skip"
     assert not lifecycle.room(run, 2, True, False) and run.state.skipped_saves == [2]
     assert "warning: skipping checkpoint step_2: it needs about 1.0 MiB" in capsys.readouterr().err
-    storage._failed[0] = False
 
 
 @pytest.mark.unit
@@ -333,7 +363,6 @@ def test_a_stop_signal_after_a_storage_failure_writes_nothing(capfd):
         os.kill(os.getpid(), signal.SIGUSR2)
         stop.cancel_deadline()
     finally:
-        storage._failed[0] = False
         signal.signal(signal.SIGUSR2, signal.SIG_DFL)
     err = capfd.readouterr().err
     assert "rank 1: received SIGUSR2 after a failed write of the run: no checkpoint is attempted; exiting with " \

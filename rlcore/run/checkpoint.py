@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from rlcore.config import ConfigError
-from rlcore.errors import writing
+from rlcore.errors import require_folder, writing
 from rlcore.run import storage
 
 STEP_DIR = re.compile(r"^step_(\d+)$")
@@ -107,6 +107,7 @@ def write(policy, output_dir: str, step: int, trainer_state: dict, rank: int, rn
     with storage.section():
         if rank == 0:
             with writing(f"{what} (its folder)", tmp):
+                require_folder(output_dir)
                 shutil.rmtree(tmp, ignore_errors=True)
                 os.makedirs(tmp)
         storage.agree()
@@ -428,15 +429,19 @@ def purge_tensorboard(logger, step: int) -> None:
     writer.flush()
 
 
-def export_hf(policy, path: str, dtype: str, is_main: bool) -> None:
+def export_hf(policy, path: str, dtype: str, is_main: bool, output_dir: str | None = None) -> None:
     """Collective: an HF safetensors folder written into a temp folder, renamed when complete. A
     failed write (rank 0 writes while every rank gathers) is recorded and the gathers go on
-    (rlcore.hf_folder), then every rank stops together; the checkpoints are not touched."""
+    (rlcore.hf_folder), then every rank stops together; the checkpoints are not touched.
+    ``output_dir``: the run's folder, which must still exist (``require_folder``)."""
     tmp = os.path.join(os.path.dirname(os.path.abspath(path)), ".tmp-" + os.path.basename(path))
     what = f"the HF export {path}"
     with storage.section():
         if is_main:
-            shutil.rmtree(tmp, ignore_errors=True)
+            with writing(what, tmp):
+                if output_dir is not None:
+                    require_folder(output_dir)
+                shutil.rmtree(tmp, ignore_errors=True)
         storage.agree()
         with writing(what, tmp):
             policy.save_hf(tmp, dtype=dtype)  # ends with a barrier: rank 0 has written everything

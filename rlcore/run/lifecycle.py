@@ -240,7 +240,7 @@ def write_due_checkpoint(run: Run) -> int | None:
         checkpoint.write(run.engines.policy, out, step, trainer_state(run), run.info.rank)
         pending = step
     for path in exports:
-        checkpoint.export_hf(run.engines.policy, path, c.hf_dtype, run.info.is_main)
+        checkpoint.export_hf(run.engines.policy, path, c.hf_dtype, run.info.is_main, output_dir=out)
     return pending
 
 

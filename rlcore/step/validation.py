@@ -15,7 +15,7 @@ import os
 from dataclasses import dataclass
 
 from rlcore.dist import all_gather_objects, all_reduce_sum
-from rlcore.errors import writing
+from rlcore.errors import require_folder, writing
 from rlcore.task.images import prompt_images
 
 
@@ -144,6 +144,7 @@ def write_examples(output_dir: str, step: int, examples: list[dict]) -> str:
     path = os.path.join(folder, f"step_{step}.jsonl")
     tmp = os.path.join(folder, f".tmp-step_{step}.jsonl")
     with writing(f"the validation samples of step {step}", path):
+        require_folder(output_dir)
         os.makedirs(folder, exist_ok=True)
         try:
             with open(tmp, "w") as f:
