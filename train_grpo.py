@@ -24,14 +24,14 @@ from rlcore.algo.exploration import EntropyControl  # noqa: E402
 from rlcore.config import Config, ConfigError, fail  # noqa: E402
 from rlcore.config.cli import parse_config  # noqa: E402
 from rlcore.dist import DistInfo, init_distributed, run_then_exit, torchrun_env  # noqa: E402
-from rlcore.errors import Exit  # noqa: E402
-from rlcore.run import preempt  # noqa: E402
+from rlcore.errors import Exit, deferred  # noqa: E402
+from rlcore.run import preempt, storage  # noqa: E402
 from rlcore.run.build import build_engines, loss_options  # noqa: E402
 from rlcore.step import balance, validation  # noqa: E402
 from rlcore.task.prompts import PromptSampler  # noqa: E402
 from rlcore.run.lifecycle import (  # noqa: E402
-    Run, commit_checkpoint, count_skips, resume, step_snapshot, stop_if_diverged, stop_preempted, teardown,
-    write_due_checkpoint,
+    Run, commit_checkpoint, count_skips, ends_on_storage_failure, record_validation, resume,
+    step_snapshot, stop_if_diverged, stop_preempted, teardown, write_due_checkpoint,
 )
 from rlcore.metrics import MetricsLogger, Timer  # noqa: E402
 from rlcore.run.ownership import tie_to_launcher  # noqa: E402
@@ -48,18 +48,19 @@ def main(argv: list[str] | None = None) -> None:
     info = init_distributed(cfg.parallel.device, cfg.parallel.timeout_s)
     stop.rank = info.rank
     watchdog = preempt.Watchdog(info.rank, cfg.trainer.watchdog_s, cfg.parallel.timeout_s)
-    with watchdog.phase("build"):
-        run = build(cfg, info, stop, watchdog)
-    heap.settle()  # what the build made lives for the run: out of the collector's walk, collector on
-    run.started_at = started
-    with watchdog.phase("resume"):
-        resume(run)
-    if stop.agreed():
-        stop_preempted(run, None)
-    if cfg.trainer.val_before_train:
-        validate(run)
-    loop(run)
-    teardown(run)
+    with ends_on_storage_failure(cfg, info, stop, watchdog) as ending:  # a failed write: one message, exit 74
+        with watchdog.phase("build"):
+            run = ending.run = build(cfg, info, stop, watchdog)
+        heap.settle()  # what the build made lives for the run: out of the collector's walk, collector on
+        run.started_at = started
+        with watchdog.phase("resume"):
+            resume(run)
+        if stop.agreed():
+            stop_preempted(run, None)
+        if cfg.trainer.val_before_train:
+            validate(run)
+        loop(run)
+        teardown(run)
 
 
 def loop(run: Run) -> None:
@@ -103,6 +104,10 @@ def build(cfg: Config, info: DistInfo, stop, watchdog) -> Run:
     tokenizer, processor, prompts, resume_from = preflight(cfg, info.rank, info.world_size)
     scorer, val_prompts = prepare_scoring(cfg, tokenizer, info.rank, processor)
     cfg = resolve_image_limit(cfg, prompts, val_prompts)
+    with storage.section():  # before the engines: rank 0 opens its files, every rank learns if that failed
+        logger = MetricsLogger(cfg.trainer.output_dir, info.is_main, console_every=cfg.logging.console_every,
+                               run_config=cfg, total_steps=cfg.trainer.total_steps,
+                               trackers=cfg.logging.enabled_trackers, options=cfg.logging)
     timer = Timer()
     engines = build_engines(cfg, info, timer, probe_prompts=[p.ids for p in prompts[:64]])
     scorer.attach_judges(engines.judges, engines.switch.judging, timer)  # reward.models, if any
@@ -117,8 +122,6 @@ def build(cfg: Config, info: DistInfo, stop, watchdog) -> Run:
     sampler = StepSampler(engines.rollout, PromptSampler(prompts, cfg.data.seed, cfg.data.shuffle), tokenizer, scorer,
                           cfg.rollout, cfg.algorithm, t.prompts_per_step, t.seed, timer, processor, tool_agent,
                           switch=engines.switch)
-    logger = MetricsLogger(t.output_dir, info.is_main, console_every=cfg.logging.console_every, run_config=cfg,
-                           total_steps=t.total_steps, trackers=cfg.logging.enabled_trackers, options=cfg.logging)
     return Run(cfg, info, engines, sampler, logger, timer, stop, watchdog, resume_from=resume_from,
                val_prompts=val_prompts, entropy=EntropyControl(cfg.algorithm, cfg.exploration),
                loss_options=loss_options(cfg))
@@ -129,7 +132,8 @@ def log_step(run: Run, metrics: dict, step_start: float) -> None:
     metrics.update(run.engines.switch.pop_metrics())
     metrics["timing/step_s"] = time.perf_counter() - step_start
     metrics["perf/tokens_per_s"] = metrics["rollout/tokens"] / max(metrics.get("timing/generate_s", 0.0), 1e-9)
-    run.logger.log(run.state.step, metrics)
+    with deferred():  # rank 0's row: a failed write is agreed on right after (commit_checkpoint)
+        run.logger.log(run.state.step, metrics)
 
 
 def val_due(t, step: int) -> bool:
@@ -149,12 +153,7 @@ def validate(run: Run) -> None:
                                                 run.sampler.scorer.for_validation, run.val_prompts, settings,
                                                 run.sampler.agent, wake=run.engines.switch.ensure_generation)
     metrics["timing/val_s"] = time.perf_counter() - start
-    if run.info.is_main:
-        path = validation.write_examples(run.cfg.trainer.output_dir, step, examples)
-        print(f"val step {step}: accuracy {metrics['val/accuracy']:.3f} | reward {metrics['val/reward_mean']:.3f}"
-              f" | len {metrics['val/response_len_mean']:.1f} | {int(metrics['val/num_prompts'])} prompts"
-              f" | {metrics['timing/val_s']:.1f} s | samples {path}", flush=True)
-    run.logger.log(step, metrics)
+    record_validation(run, step, metrics, examples)  # rank 0: the samples' file, the console line, the row
 
 
 def entry() -> None:

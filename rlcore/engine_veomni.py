@@ -43,6 +43,7 @@ from torch.distributed.tensor import DTensor
 
 from rlcore import hf_folder
 from rlcore.dist import DistInfo
+from rlcore.errors import writing
 from rlcore.engine import lora as engine_lora, moe as engine_moe, optim as engine_optim, replay as engine_replay
 from rlcore.engine import ulysses as engine_ulysses, vl as engine_vl
 from rlcore.engine.attention import pick_attn_implementation
@@ -574,9 +575,10 @@ class LoraPolicy(VeOmniPolicy):
         with the base model's tokenizer files."""
         tensors = list(self.adapter_weights(dtype))  # collective: every rank gathers
         if self.info.is_main:
-            hf_folder.write_adapter(tensors, self.adapter_config(), path)
-            hf_folder.copy_aux_files(self.model_path, path, dtype)
-            os.remove(os.path.join(path, "config.json"))  # the base's: an adapter folder is not a model
+            with writing("the LoRA adapter export", path):  # a failure inside the run's export: recorded, barrier kept
+                hf_folder.write_adapter(tensors, self.adapter_config(), path)
+                hf_folder.copy_aux_files(self.model_path, path, dtype)
+                os.remove(os.path.join(path, "config.json"))  # the base's: an adapter folder is not a model
         dist.barrier()
 
 

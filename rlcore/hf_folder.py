@@ -13,6 +13,8 @@ import shutil
 
 import torch
 
+from rlcore.errors import pending, writing
+
 # Files of the source folder that the export must not copy: weights it rewrites, and config.json,
 # which it rewrites with the export dtype.
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".safetensors.index.json", ".bin.index.json")
@@ -64,29 +66,39 @@ class ShardWriter:
 
 def write_folder(weights, path: str, source: str, dtype: str, is_main: bool, max_shard_bytes: int) -> None:
     """Stream ``weights`` (every rank iterates: the gathers are collective) into ``path`` on the
-    main rank, then copy ``source``'s non-weight files (config.json with ``dtype``)."""
-    writer = ShardWriter(path, max_shard_bytes) if is_main else None
+    main rank, then copy ``source``'s non-weight files (config.json with ``dtype``). A write that
+    fails inside the run's deferred block (rlcore.errors.deferred) is recorded there; the main rank
+    then writes nothing more but goes on through every gather, as the other ranks do."""
+    writer = None
+    if is_main:
+        with writing("an HF export (its folder)", path):
+            writer = ShardWriter(path, max_shard_bytes)
     for name, tensor in weights:
-        if writer is not None:
-            writer.add(name, tensor.cpu())
+        if writer is not None and not pending():
+            with writing("an HF export (a safetensors shard)", path):
+                writer.add(name, tensor.cpu())
         del tensor
-    if writer is not None:
-        writer.close()
-        copy_aux_files(source, path, dtype)
+    if writer is not None and not pending():
+        with writing("an HF export (its last shard, index and model files)", path):
+            writer.close()
+            copy_aux_files(source, path, dtype)
 
 
 def write_adapter(tensors, config: dict, path: str) -> tuple[int, int]:
     """A PEFT adapter folder: adapter_model.safetensors (written aside, then renamed: a reader
-    never sees half a file) and adapter_config.json. Returns (tensors, bytes)."""
+    never sees half a file) and adapter_config.json. Returns (tensors, bytes). ``tensors`` may be
+    collective gathers: all of them are taken before anything is written, so a failed write never
+    leaves the other ranks in a gather."""
     from safetensors.torch import save_file
 
-    os.makedirs(path, exist_ok=True)
     state = {name: t.detach().cpu().contiguous() for name, t in tensors}
-    tmp = os.path.join(path, ".adapter_model.safetensors.tmp")
-    save_file(state, tmp, metadata={"format": "pt"})
-    os.replace(tmp, os.path.join(path, "adapter_model.safetensors"))
-    with open(os.path.join(path, "adapter_config.json"), "w") as f:
-        json.dump(config, f, indent=1)
+    with writing("a LoRA adapter folder", path):
+        os.makedirs(path, exist_ok=True)
+        tmp = os.path.join(path, ".adapter_model.safetensors.tmp")
+        save_file(state, tmp, metadata={"format": "pt"})
+        os.replace(tmp, os.path.join(path, "adapter_model.safetensors"))
+        with open(os.path.join(path, "adapter_config.json"), "w") as f:
+            json.dump(config, f, indent=1)
     return len(state), sum(t.numel() * t.element_size() for t in state.values())
 
 

@@ -173,10 +173,11 @@ def fake_run(tmp_path, save_every: int, save_hf_final: bool, total_steps: int = 
     switch = SimpleNamespace(record_checkpoint=lambda what: calls.append(("record", what)), phase="training",
                              to_training=lambda: None)
     return SimpleNamespace(
-        cfg=cfg, info=SimpleNamespace(rank=0, is_main=True),
+        cfg=cfg, info=SimpleNamespace(rank=0, is_main=True, world_size=1),
         engines=SimpleNamespace(policy=object(), switch=switch, rollout=SimpleNamespace(shutdown=lambda **k: None)),
-        state=SimpleNamespace(step=0, saved_step=-1, skips_total=0, skips_consecutive=0),
-        sampler=SimpleNamespace(prompts=SimpleNamespace(state_dict=lambda: {}), state_dict=lambda: {}),
+        state=SimpleNamespace(step=0, saved_step=-1, skips_total=0, skips_consecutive=0, skipped_saves=[]),
+        resume_from=None,
+        sampler=SimpleNamespace(prompts=SimpleNamespace(state_dict=lambda: {}, prompts=[]), state_dict=lambda: {}),
         entropy=None, calls=calls)
 
 

@@ -246,6 +246,11 @@ class CheckpointConfig:
     """LoRA: HF exports are the PEFT adapter (adapter_config.json + adapter_model.safetensors,
     what PEFT, vLLM's LoRARequest and lora.path load); true adds the merged model in merged/, a
     plain checkpoint of base + adapter that transformers and vLLM load alone."""
+    on_low_space: Literal["stop", "skip"] = "stop"
+    """Before each checkpoint the free space of trainer.output_dir is checked against the last
+    checkpoint's size (plus the HF export when one is due). stop: the run says so and exits 74 with
+    the newest complete checkpoint intact; skip: this checkpoint (and export) is skipped with a
+    warning and the run goes on, to checkpoint at the next due step if there is room then."""
 
     def __post_init__(self):
         check(self.save_every >= -1, "checkpoint.save_every", self.save_every,

@@ -16,6 +16,7 @@ any foreign code) that they hold only plain data and DCP's metadata classes.
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import json
 import os
@@ -28,7 +29,8 @@ import numpy as np
 import torch
 
 from rlcore.config import ConfigError
-from rlcore.dist import barrier
+from rlcore.errors import require_folder, writing
+from rlcore.run import storage
 
 STEP_DIR = re.compile(r"^step_(\d+)$")
 _EXTRA_STATE = os.path.join("extra_state", "extra_state_rank_{}.pt")  # VeOmni's per-rank file
@@ -96,25 +98,39 @@ def write(policy, output_dir: str, step: int, trainer_state: dict, rank: int, rn
     """Collective: the heavy part of ``save``, into ``.tmp-step_N``, which nothing resumes from
     until ``commit`` renames it (the loop writes in the train phase, while vLLM sleeps, and
     commits once the step's metrics row is written). ``files``: JSON files rank 0 writes beside
-    meta.json (the run's config, rlcore.run.run_config). Returns the temporary folder."""
+    meta.json (the run's config, rlcore.run.run_config). Returns the temporary folder. A failed
+    write on any rank ends it on every rank together (``storage.StorageFailed``): each agreement
+    below is where a barrier was."""
     import torch.distributed as dist
 
     root = checkpoint_root(output_dir)
     tmp = os.path.join(root, f".tmp-step_{step}")
-    if rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        os.makedirs(tmp)
-    barrier()
-    policy.save_checkpoint(tmp, extra_state={"trainer": trainer_state})
-    torch.save(rng if rng is not None else rng_state(), os.path.join(tmp, f"rng_rank{rank}.pt"))
-    barrier()
-    if rank == 0:
-        world = dist.get_world_size() if dist.is_initialized() else 1
-        with open(os.path.join(tmp, "meta.json"), "w") as f:
-            json.dump({"step": step, "world_size": world}, f)
-        _write_json_files(tmp, files or {})
-        _write_manifest(tmp)
-    barrier()
+    what = f"checkpoint step_{step}"
+    with storage.section():
+        if rank == 0:
+            with writing(f"{what} (its folder)", tmp):
+                require_folder(output_dir)
+                shutil.rmtree(tmp, ignore_errors=True)
+                os.makedirs(tmp)
+        storage.agree()
+        # This rank's own file first: a disk already full or read-only stops every rank here, not in
+        # VeOmni's per-rank extra-state file, which it writes before DCP's collectives (a rank failing
+        # there alone would leave the others waiting in them). DCP's own save reports any rank's
+        # failure to every rank.
+        with writing(f"{what} (rank {rank}'s RNG state)", os.path.join(tmp, f"rng_rank{rank}.pt")):
+            torch.save(rng if rng is not None else rng_state(), os.path.join(tmp, f"rng_rank{rank}.pt"))
+        storage.agree()
+        shards = f"{what} (model and optimizer shards, extra state)"
+        with writing(shards, tmp), storage.thread_failures(shards, tmp):
+            policy.save_checkpoint(tmp, extra_state={"trainer": trainer_state})
+        storage.agree()
+        if rank == 0:
+            with writing(f"{what} (meta.json, manifest.json)", tmp):
+                world = dist.get_world_size() if dist.is_initialized() else 1
+                with open(os.path.join(tmp, "meta.json"), "w") as f:
+                    json.dump({"step": step, "world_size": world}, f)
+                _write_json_files(tmp, files or {})
+                _write_manifest(tmp)
     return tmp
 
 
@@ -122,12 +138,13 @@ def commit(output_dir: str, step: int, rank: int, keep_last: int) -> str:
     """Collective: make ``write``'s folder the checkpoint of ``step`` (rename, ``latest``, prune)."""
     root = checkpoint_root(output_dir)
     final = os.path.join(root, f"step_{step}")
-    if rank == 0:
-        _remove(final)  # a same-step folder from an earlier attempt of this run
-        os.replace(os.path.join(root, f".tmp-step_{step}"), final)
-        _write_latest(root, f"step_{step}")
-        _prune(root, keep_last)
-    barrier()
+    with storage.section():
+        if rank == 0:
+            with writing(f"checkpoint step_{step} (renamed into place, then named by latest)", final):
+                _remove(final)  # a same-step folder from an earlier attempt of this run
+                os.replace(os.path.join(root, f".tmp-step_{step}"), final)
+                _write_latest(root, f"step_{step}")
+                _prune(root, keep_last)
     return final
 
 
@@ -153,12 +170,24 @@ def _write_manifest(folder: str) -> None:
 
 
 def _write_latest(root: str, name: str) -> None:
+    """``latest`` replaced atomically: written aside, flushed to disk, renamed over the old one (a
+    failed write leaves the old ``latest`` as it was, and no temporary file)."""
     tmp = os.path.join(root, ".latest.tmp")
-    with open(tmp, "w") as f:
-        f.write(name + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, os.path.join(root, "latest"))
+    try:
+        with open(tmp, "w") as f:
+            f.write(name + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, os.path.join(root, "latest"))
+    except OSError:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        raise
+    fd = os.open(root, os.O_RDONLY)  # the rename itself survives a crash once the folder is synced
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _remove(path: str) -> None:
@@ -409,14 +438,42 @@ def purge_tensorboard(logger, step: int) -> None:
     writer.flush()
 
 
-def export_hf(policy, path: str, dtype: str, is_main: bool) -> None:
-    """Collective: an HF safetensors folder written into a temp folder, renamed when complete."""
+def export_hf(policy, path: str, dtype: str, is_main: bool, output_dir: str | None = None) -> None:
+    """Collective: an HF safetensors folder written into a temp folder, renamed when complete. A
+    failed write (rank 0 writes while every rank gathers) is recorded and the gathers go on
+    (rlcore.hf_folder), then every rank stops together; the checkpoints are not touched.
+    ``output_dir``: the run's folder, which must still exist (``require_folder``)."""
     tmp = os.path.join(os.path.dirname(os.path.abspath(path)), ".tmp-" + os.path.basename(path))
-    if is_main:
-        shutil.rmtree(tmp, ignore_errors=True)
-    barrier()
-    policy.save_hf(tmp, dtype=dtype)  # ends with a barrier: rank 0 has written everything
-    if is_main:
-        _remove(path)
-        os.replace(tmp, path)
-    barrier()
+    what = f"the HF export {path}"
+    with storage.section():
+        if is_main:
+            with writing(what, tmp):
+                if output_dir is not None:
+                    require_folder(output_dir)
+                shutil.rmtree(tmp, ignore_errors=True)
+        storage.agree()
+        with writing(what, tmp):
+            policy.save_hf(tmp, dtype=dtype)  # ends with a barrier: rank 0 has written everything
+        storage.agree()
+        if is_main:
+            with writing(f"{what} (renamed into place)", path):
+                _remove(path)
+                os.replace(tmp, path)
+
+
+def size(path: str) -> int:
+    """Bytes of the checkpoint folder ``path``, from its manifest (else its files)."""
+    try:
+        with open(os.path.join(path, MANIFEST)) as f:
+            return sum(json.load(f)["files"].values())
+    except (OSError, ValueError, KeyError, TypeError):
+        return storage.folder_bytes(path)
+
+
+def leftovers(output_dir: str) -> list[str]:
+    """What a failed save or export leaves: ``.tmp-step_N`` and ``.del-step_N`` folders, the
+    ``latest`` being written, HF exports being written. A resume never loads any of them."""
+    root, out = checkpoint_root(output_dir), os.path.abspath(output_dir)
+    found = glob.glob(os.path.join(root, ".tmp-step_*")) + glob.glob(os.path.join(root, ".del-step_*"))
+    found += glob.glob(os.path.join(root, ".latest.tmp")) + glob.glob(os.path.join(out, "hf", ".tmp-*"))
+    return sorted(found + glob.glob(os.path.join(out, ".tmp-hf_final")))

@@ -42,7 +42,7 @@ import sys
 import threading
 import time
 
-from rlcore.errors import ConfigError, Exit
+from rlcore.errors import ConfigError, Exit, describe_errno
 
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
 _RT = hasattr(signal, "SIGRTMIN") and hasattr(signal, "sigtimedwait")  # Linux
@@ -165,7 +165,7 @@ def lock_output_dir(output_dir: str) -> str | None:
         os.makedirs(output_dir, exist_ok=True)
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
     except OSError as e:
-        return f"trainer.output_dir={output_dir!r} cannot hold the run's files ({e.strerror}): give a writable directory"
+        return _unwritable(output_dir, path, e)
     try:
         fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError as e:
@@ -176,12 +176,22 @@ def lock_output_dir(output_dir: str) -> str | None:
                     f"give this run another trainer.output_dir")
         _say(f"warning: cannot lock {path} ({e.strerror}); a second run on this directory would not be refused")
         return None
-    os.ftruncate(fd, 0)
-    os.write(fd, json.dumps({"host": socket.gethostname(), "pid": os.getpid(),
-                             "started": time.strftime("%Y-%m-%d %H:%M:%S")}).encode())
-    os.fsync(fd)
+    try:  # the holder's details: the run's first write, so a full or read-only disk shows here
+        os.ftruncate(fd, 0)
+        os.write(fd, json.dumps({"host": socket.gethostname(), "pid": os.getpid(),
+                                 "started": time.strftime("%Y-%m-%d %H:%M:%S")}).encode())
+        os.fsync(fd)
+    except OSError as e:
+        os.close(fd)
+        return _unwritable(output_dir, path, e)
     _locks[path] = fd
     return None
+
+
+def _unwritable(output_dir: str, path: str, e: OSError) -> str:
+    return (f"trainer.output_dir={output_dir!r} cannot hold the run's files: writing {e.filename or path} "
+            f"failed: {describe_errno(e.errno, e.strerror)}; give a writable directory with room (or free space "
+            f"there, or remount it read-write)")
 
 
 def release_output_dirs() -> None:

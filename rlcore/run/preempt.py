@@ -20,6 +20,7 @@ from contextlib import contextmanager
 
 from rlcore.dist import all_reduce_sum
 from rlcore.errors import Exit
+from rlcore.run import storage
 
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
@@ -49,8 +50,13 @@ class StopRequest:
         if self.signum is not None:
             return  # torchrun and Slurm may both deliver it: the first one counts
         self.signum, self.received_at = signum, time.monotonic()
-        _say(f"rank {self.rank}: received {signal.Signals(signum).name}; finishing the current phase, "
-             f"then checkpointing and exiting (deadline trainer.preempt_grace_s={self.grace_s:g} s)")
+        if storage.failed():  # the disk that failed is not written again; the run is ending on it
+            _say(f"rank {self.rank}: received {signal.Signals(signum).name} after a failed write of the run: "
+                 f"no checkpoint is attempted; exiting with code {int(Exit.STORAGE)} (the message above says "
+                 f"what is intact)")
+        else:
+            _say(f"rank {self.rank}: received {signal.Signals(signum).name}; finishing the current phase, "
+                 f"then checkpointing and exiting (deadline trainer.preempt_grace_s={self.grace_s:g} s)")
         self._timer = threading.Timer(self.grace_s, self._deadline)
         self._timer.daemon = True
         self._timer.start()

@@ -9,10 +9,11 @@ import os
 from rlcore import agent
 from rlcore.config import Config, ConfigError, check, fail
 from rlcore.dist import detect_device, node_of_each_rank
+from rlcore.errors import describe_errno
 from rlcore.hf_folder import folder_problem, read_config
 from rlcore.judge.config import check_judge_data
 from rlcore.rollout import routing as rollout_routing
-from rlcore.run import checkpoint, run_config
+from rlcore.run import checkpoint, run_config, storage
 from rlcore.run.ownership import claim_output_dir
 from rlcore.task import rewards, verl_rows
 from rlcore.task.prompts import load_prompts
@@ -31,6 +32,7 @@ def preflight(cfg: Config, rank: int, world_size: int):
         validate_against_world(cfg, world_size, nodes)
         rollout_routing.check_config(cfg, detect_device(cfg.parallel.device)[0])  # r3: vLLM's own verdict
         claim_output_dir(cfg.trainer.output_dir, rank)  # before anything in it is read or written
+        storage.check_output_dir(cfg, rank, world_size)  # room for a checkpoint (and the HF export when one is due)
         resume_from = checkpoint.find_resume(cfg.trainer.output_dir, cfg.checkpoint.resume,
                                              report=_print_main if rank == 0 else None)
         resume_note = None
@@ -46,7 +48,9 @@ def preflight(cfg: Config, rank: int, world_size: int):
         verl_note = check_verl_rows(cfg)
         epochs_note = resolve_total_steps(cfg, len(prompts))  # before the engines: the LR schedule follows it
     except ConfigError as e:
-        fail(str(e))
+        fail(str(e) + intact_note(cfg))
+    except OSError as e:  # a data file that vanished or cannot be read while it was read
+        fail(unreadable(e) + intact_note(cfg))
     if rank == 0:
         note = cpu_bf16_note(detect_device(cfg.parallel.device)[0], (cfg.model.dtype, cfg.rollout.dtype),
                              cpu_bf16_isa())
@@ -80,6 +84,25 @@ def check_verl_rows(cfg: Config) -> str | None:
         verl_rows.check_sources(verl_rows.sources(cfg.data.val_files),
                                 "val.reward_components" if cfg.val.reward_components else "reward.components")
     return verl_rows.startup_line(found, cfg.data, cfg.reward.components, counts)
+
+
+def unreadable(e: OSError) -> str:
+    return (f"{e.filename or 'a file'} cannot be read: {describe_errno(e.errno, e.strerror)}; check that it exists "
+            f"and can be read (the files of data.train_files / data.val_files and the images their rows name are "
+            f"read whole at start-up)")
+
+
+def intact_note(cfg: Config) -> str:
+    """For a stopped run started again (a data file gone, a disk remounted read-only): the
+    checkpoint it would resume from is untouched by the refusal; '' when there is none."""
+    if cfg.checkpoint.resume != "auto":
+        return ""
+    try:
+        found = checkpoint.find_resume(cfg.trainer.output_dir, "auto")
+    except (ConfigError, OSError):
+        return ""
+    return (f" (nothing was written: checkpoint {found} is intact, and the run resumes from it once this is "
+            f"fixed)") if found else ""
 
 
 def epochs_to_steps(epochs: int, prompts: int, per_step: int) -> int:
@@ -162,6 +185,8 @@ def prepare_scoring(cfg: Config, tokenizer, rank: int, processor=None):
             check_judge_data(cfg.reward.judges(), [p.row for p in val_prompts])
     except (ConfigError, ValueError) as e:
         fail(str(e))
+    except OSError as e:
+        fail(unreadable(e) + intact_note(cfg))
     if rank == 0 and val_prompts:
         print(f"validation data: {len(val_prompts)} prompts", flush=True)
     return scorer, val_prompts

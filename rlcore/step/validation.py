@@ -9,11 +9,13 @@ scripts/evaluate.py, so a trained model is scored the same way in both places.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from dataclasses import dataclass
 
 from rlcore.dist import all_gather_objects, all_reduce_sum
+from rlcore.errors import require_folder, writing
 from rlcore.task.images import prompt_images
 
 
@@ -136,11 +138,21 @@ def _metrics(totals: list[float], n: int) -> dict:
 
 
 def write_examples(output_dir: str, step: int, examples: list[dict]) -> str:
-    """``output_dir/val/step_{step}.jsonl``: one generation per line."""
+    """``output_dir/val/step_{step}.jsonl``: one generation per line; written aside and renamed,
+    so a failed write (rlcore.errors.writing) leaves no partial file."""
     folder = os.path.join(output_dir, "val")
-    os.makedirs(folder, exist_ok=True)
     path = os.path.join(folder, f"step_{step}.jsonl")
-    with open(path, "w") as f:
-        for row in examples:
-            f.write(json.dumps({"step": step, **row}) + "\n")
+    tmp = os.path.join(folder, f".tmp-step_{step}.jsonl")
+    with writing(f"the validation samples of step {step}", path):
+        require_folder(output_dir)
+        os.makedirs(folder, exist_ok=True)
+        try:
+            with open(tmp, "w") as f:
+                for row in examples:
+                    f.write(json.dumps({"step": step, **row}) + "\n")
+            os.replace(tmp, path)
+        except OSError:
+            with contextlib.suppress(OSError):
+                os.remove(tmp)
+            raise
     return path
