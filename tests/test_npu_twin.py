@@ -156,3 +156,53 @@ def test_the_seed_recipe_runs_three_steps_on_cpu(tmp_path, shapes_data):
     assert [x["step"] for x in r] == [1, 2, 3]
     assert all(x["rollout/experts_restored"] == 4 for x in r), r  # 2 MoE layers x w13, w2
     assert all(x["rollout/mismatch_max"] < 1e-3 for x in r), r
+
+
+# ----------------------------------------------------------------------------- VeOmni's VL modeling
+
+
+VL_MODELING = ("veomni.models.transformers.qwen3_vl_moe.generated.patched_modeling_qwen3_vl_moe_npu",
+               "veomni.models.transformers.qwen3_vl_moe.generated.patched_modeling_qwen3_vl_moe_gpu",
+               "veomni.models.transformers.qwen3_vl.generated.patched_modeling_qwen3_vl_npu")
+
+
+@pytest.mark.unit
+def test_veomnis_vl_modeling_imports_with_this_transformers():
+    """VeOmni 0.1.12's Qwen3-VL(-MoE) modeling (NPU and GPU files) imports transformers'
+    ``accepts_precomputed_kwargs`` and leaves ``get_input_embeddings`` to the mixin's ``language_model``
+    rule, both of which 5.5.4 (the NPU pin) lacks: rlcore.engine.transformers_compat puts them there
+    before a build (the seed run's model raised ImportError at its build before, then
+    NotImplementedError in its first forward); 5.19 has its own, left alone. The forwards themselves:
+    tests/test_vl_moe.py and tests/test_vl_policy.py in the twin."""
+    import importlib
+
+    import transformers
+
+    from rlcore.engine import transformers_compat
+
+    added = transformers_compat.install()
+    assert added == (["transformers.utils.generic.accepts_precomputed_kwargs",
+                      "EmbeddingAccessMixin.get_input_embeddings: self.language_model"]
+                     if transformers.__version__ == "5.5.4" else []), (transformers.__version__, added)
+    assert transformers_compat.install() == []  # once
+    for name in VL_MODELING:
+        importlib.import_module(name)
+
+
+@pytest.mark.unit
+def test_the_backport_renames_as_transformers_does():
+    """The backport and transformers' own decorator (where it has one: 5.19) pass the same keyword
+    arguments: the modality prefix stripped where no parameter has the name, another modality's and the
+    text model's flash varlen ones dropped, the rest kept."""
+    import transformers.utils.generic as generic
+
+    from rlcore.engine import transformers_compat
+
+    def features(pixel_values, grid_thw=None, **kwargs):
+        return kwargs
+
+    kw = {"image_cu_seqlens": 1, "video_position_ids": 2, "cu_seq_lens_q": 3, "image_grid_thw": 4, "other": 5}
+    ours = transformers_compat.accepts_precomputed_kwargs("image")(features)(None, **kw)
+    assert ours == {"cu_seqlens": 1, "other": 5}, ours  # image_grid_thw -> grid_thw, a parameter: not in kwargs
+    if generic.accepts_precomputed_kwargs is not transformers_compat.accepts_precomputed_kwargs:
+        assert generic.accepts_precomputed_kwargs("image")(features)(None, **kw) == ours
