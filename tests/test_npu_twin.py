@@ -109,6 +109,24 @@ def test_demo_runs_three_steps(tiny_model, toy_data, tmp_path):
     assert all(x["rollout/mismatch_max"] < 1e-4 for x in r), r
 
 
+def test_vl_demo_runs_three_steps(tiny_vl_model, shapes_data, tmp_path):
+    """configs/demo_vl_cpu.yaml (the dense tiny Qwen3-VL, images): VeOmni's Qwen3-VL policy on this
+    transformers against vLLM's log-probs of the same tokens after each sync."""
+    from workers.launch import TRAIN
+
+    data = os.path.join(os.path.dirname(shapes_data[0]), "train8_vl.jsonl")  # beside the images it names
+    with open(shapes_data[0]) as src, open(data, "w") as dst:
+        dst.writelines(src.readlines()[:8])
+    out = str(tmp_path / "vl_demo")
+    run_torchrun(TRAIN, 2, "--config", os.path.join(REPO, "configs", "demo_vl_cpu.yaml"), "--model.path", tiny_vl_model,
+                 "--data.train_files", json.dumps([data]), "--data.val_files", "[]", "--trainer.output_dir", out,
+                 "--trainer.total_steps", "3", "--trainer.prompts_per_step", "4", "--rollout.n", "4",
+                 "--rollout.max_num_batched_tokens", "64", "--rollout.emulate_sleep", "true", *NO_VAL)
+    r = rows(out)
+    assert [x["step"] for x in r] == [1, 2, 3]
+    assert all(x["rollout/mismatch_max"] < 1e-4 for x in r), r
+
+
 def test_moe_demo_runs_three_steps_with_the_ascend_moe_emulation(toy_data, tmp_path):
     """configs/demo_moe_cpu.yaml (EP 2) with rollout.emulate_ascend_moe: the experts woke swapped
     every step (2 layers x w13, w2), were put back and synced (per expert on vllm 0.23, fused on 0.32)
