@@ -41,6 +41,12 @@ TWIN = (
 QWEN25_VL = ("its one launch also builds a Qwen2.5-VL policy, and VeOmni 0.1.12's Qwen2.5-VL modeling imports "
              "transformers.vision_utils (generated/patched_modeling_qwen2_5_vl_gpu.py:76), which transformers 5.5.4 "
              "lacks: on the Ascend pins a Qwen2.5-VL policy cannot be built (docs/accelerators.md, round four F8)")
+CUDA_PIN = ("asserts what the dry run says with the CUDA pin's vLLM 0.32 installed (npu's configs then warn about their "
+            "pin, cuda's V2-runner and EP checks run on 0.32's EngineArgs); in the twin npu's configs are judged by their "
+            "own pin, which test_every_shipped_accelerator_config_passes_the_dry_run runs")
+PINNED_LORA = ("vLLM 0.23's LoRA metadata pins host memory whatever the platform says (vllm/utils/torch_utils.py:73, "
+               ":608-616), and the twin's torch is PyPI's CUDA build, which cannot pin without a driver: a limit of the "
+               "twin's torch, not of the Ascend pin (torch-npu pins)")
 NOT_IN_TWIN = {
     "tests/test_vl_policy.py::test_vl_logprobs_match_transformers": QWEN25_VL,
     "tests/test_vl_policy.py::test_vl_freeze_vision_tower_export_and_checkpoint": QWEN25_VL,
@@ -48,6 +54,24 @@ NOT_IN_TWIN = {
     "tests/test_weight_sync.py::test_sync_check_catches_and_locates_a_stale_tied_head":
         "shows vllm 0.32's CPU defect (the tied LM head keeps its first pre-pack over a reload); vllm 0.23's "
         "CPU reload re-processes the head, so there is no stale head to catch",
+    "tests/test_lora.py::test_adapter_gradients_sync_and_untouched_base": PINNED_LORA,
+    "tests/test_lora.py::test_lora_run_end_to_end": PINNED_LORA,
+    "tests/test_check_config.py::test_the_dry_run_reports_what_each_device_would_run": CUDA_PIN,
+    "tests/test_check_config.py::test_vllm_builds_every_engine_config_and_says_what_stays_advisory": CUDA_PIN,
+    "tests/test_check_config.py::test_what_vllm_refuses_fails_the_dry_run_with_its_reason": CUDA_PIN,
+    "tests/test_check_config.py::test_r3_is_judged_by_vllm_with_its_v2_model_runner": CUDA_PIN,
+    "tests/test_check_config.py::test_expert_parallel_and_engine_kwargs_go_through_vllms_engine_config": CUDA_PIN,
+    "tests/test_engine_keys.py::test_chunked_prefill_true_on_cpu_is_refused_with_the_vllm_line":
+        "reads vllm 0.32's gpu_model_runner.py lines the refusal cites; 0.23's CPU runner is the same V1 code, other lines",
+    "tests/test_engine_keys.py::test_expert_parallel_keyword_and_the_vllm_source_behind_it":
+        "reads vllm 0.32's fused_moe/config.py lines the docstring cites",
+    "tests/test_vllm_api.py::test_name_exists[vllm:LLM.release_kv_cache_memory]":
+        "absent in vllm 0.23 (added by 0.32, entrypoints/llm.py:861): sleep level 0 is refused there, "
+        "check_sleep_level_supported",
+    "tests/test_vllm_api.py::test_inproc_client_finalizer_and_v2_seeding_premise":
+        "vllm 0.32's InprocClient finalizer and V2 runner; 0.23 has neither (v1/engine/core_client.py:285-306)",
+    "tests/test_vllm_api.py::test_attribute_chain_on_a_real_engine":
+        "lists vllm 0.32's InprocClient._finalizer, which 0.23 lacks (detach_client_finalizer handles it)",
 }
 
 
