@@ -18,8 +18,8 @@ from __future__ import annotations
 # What the twin runs: the weight sync of every family, sleep levels with the emulated device sleep and
 # rollout.emulate_ascend_moe, judges and the teacher, the dry run for npu, trainer runs, routing replay.
 TWIN = (
-    "tests/test_npu_twin.py",  # F1 (the loader decides the expert names; the first sync is checked), the
-                               # CPU MoE forward's config, 3-step trainer runs of the demos and the seed recipe
+    "tests/test_npu_twin.py",  # F1 (the loader decides the expert names; the first sync is checked), 0.23's CPU
+                               # experts on the AMX path, VeOmni's VL modeling, 3-step runs of the demos and the seed
     "tests/test_weight_sync.py",  # dense, tied (Qwen3, Llama), Qwen3-MoE EP 1 and 2, the Ascend MoE emulation
     "tests/test_vl_rollout.py",  # Qwen3-VL and Qwen2.5-VL: images, vision-tower push
     "tests/test_vl_moe.py",  # Qwen3-VL-MoE (fused released layout), EP 2: policy, routing replay, push
