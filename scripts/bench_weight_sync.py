@@ -195,7 +195,7 @@ def floor_parts(policy, rollout, info) -> dict:
     gathered_mb = policy.sync_plan_summary("float32", 1e9)["max_bucket_mb"]  # one bucket = all params
     numel = int(gathered_mb * 2**20 / 4) // info.world_size
     send, out = torch.ones(numel), torch.ones(numel * info.world_size)
-    full = list(policy.named_hf_weights_bucketed("float32", 1e9, fused_experts=True))  # what the sync loads
+    full = list(policy.named_hf_weights_bucketed("float32", 1e9, fused_experts=bool(rollout.fused_experts)))  # the sync's
     gather = lambda: dist.all_gather_into_tensor(out, send)  # noqa: E731
     gather_s = timed(gather)
     gather_cpu = CPU_S[id(gather)]
@@ -318,7 +318,8 @@ def logprob_check(policy, rollout, model_dir: str, bucket_mb: float, info) -> di
 
     rollout.update_weights_from_path(model_dir)
     stale = worst()
-    tensors = rollout.update_weights(policy.named_hf_weights_bucketed("float32", bucket_mb, fused_experts=True))
+    tensors = rollout.update_weights(policy.named_hf_weights_bucketed("float32", bucket_mb,
+                                                                      fused_experts=bool(rollout.fused_experts)))
     out = {"stale_logprob_diff": stale, "max_logprob_diff": worst(), "tensors": tensors}
     per_expert = sum(1 for _ in policy.named_hf_weights_bucketed("float32", bucket_mb))
     if per_expert != tensors:  # MoE: the checkpoint's per-expert layout, pushed as the sync once did

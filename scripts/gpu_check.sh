@@ -14,7 +14,10 @@
 #   moe     the tiny Qwen3-MoE (4 experts, top-2; EP = the rank count), vLLM sleep level 2: the experts
 #           sleep, wake (vllm-ascend 0.23 swaps them for transposed views; the rollout puts them back:
 #           rollout/experts_restored, 4 on NPU, 0 on CUDA), are synced (weight_load reload) and generate;
-#           the trainer-vs-vLLM log-prob difference after each sync is the verdict
+#           the trainer-vs-vLLM log-prob difference after each sync is the verdict. Its checkpoint has
+#           per-expert names (transformers' save_pretrained): the sync sends them as the engine's loader
+#           takes them (experts_sync: per-expert on NPU, whose vllm 0.23 Qwen3-MoE drops fused names,
+#           fused on CUDA) and the first sync raises if vLLM dropped any tensor
 #   ulysses the dense tiny Qwen3 with Ulysses sequence parallelism over 2 ranks (parallel.ulysses_size 2)
 #           and the device's own attention kernel (auto: flash-attn-4 on Hopper/Blackwell, npu_fusion_attention
 #           on Ascend: VeOmni's Ulysses flash path with the row's cu_seq_lens); needs 2 devices

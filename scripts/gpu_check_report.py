@@ -168,9 +168,14 @@ def check_moe_r3(rows: list[dict], out: dict, reasons: list[str], *, min_router_
 
 def check_moe(rows: list[dict], out: dict, reasons: list[str], **_) -> None:
     """The experts slept and woke every step (sleep level 2), and the rollout checked them after each
-    wake-up: what vllm-ascend 0.23 swapped (4 for the tiny model's 2 layers) was put back; 0 on CUDA."""
+    wake-up: what vllm-ascend 0.23 swapped (4 for the tiny model's 2 layers) was put back; 0 on CUDA.
+    ``experts_sync``: how the experts of the per-expert Qwen3-MoE checkpoint went into vLLM, as its
+    loader takes them (``rollout/experts_fused``): "per-expert" on the NPU pin (vllm 0.23's Qwen3-MoE
+    drops fused names), "fused" on CUDA (vllm 0.32); the first sync raises if vLLM dropped any."""
     restored = _per_step(rows, EXPERTS_RESTORED, out, "experts_restored", reasons)
     out["experts_restored"] = max(restored) if restored else None
+    fused = _per_step(rows, "rollout/experts_fused", out, "experts_fused", reasons)
+    out["experts_sync"] = None if not fused else ("fused" if min(fused) == 1 else "per-expert")
 
 
 def check_ulysses(rows: list[dict], out: dict, reasons: list[str], **_) -> None:

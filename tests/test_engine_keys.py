@@ -22,8 +22,10 @@ WORKER = os.path.join(REPO, "tests", "workers", "engine_keys_worker.py")
 
 @pytest.fixture(autouse=True)
 def nz_env_kept(monkeypatch):
-    """llm_kwargs for npu sets VLLM_ASCEND_ENABLE_NZ=0 in os.environ (rollout.settings.disable_npu_nz): undone after."""
+    """llm_kwargs for npu sets VLLM_ASCEND_ENABLE_NZ=0 and VLLM_ASCEND_ENABLE_FUSED_MC2=0 in os.environ
+    (rollout.settings.disable_npu_nz): undone after."""
     monkeypatch.setenv("VLLM_ASCEND_ENABLE_NZ", "0")
+    monkeypatch.setenv("VLLM_ASCEND_ENABLE_FUSED_MC2", "0")
 
 
 def kwargs(device: str = "cuda", **extra) -> dict:
@@ -44,11 +46,44 @@ def test_engine_kwargs_are_merged_last_and_nothing_else_moves():
 @pytest.mark.unit
 def test_additional_config_merges_key_by_key_and_keeps_nz_off():
     got = kwargs("npu", engine_kwargs={"additional_config": {"enable_shared_expert_dp": True}})
-    assert got["additional_config"] == {"enable_shared_expert_dp": True, "weight_nz_mode": 0}
+    assert got["additional_config"] == {"enable_shared_expert_dp": True, "weight_nz_mode": 0, "enable_fused_mc2": 0}
     from rlcore.errors import ConfigError
 
     with pytest.raises(ConfigError, match=r"additional_config.weight_nz_mode=1 is refused: vllm-ascend's NZ"):
         kwargs("npu", engine_kwargs={"additional_config": {"weight_nz_mode": 1}})
+
+
+@pytest.mark.unit
+def test_fused_mc2_is_refused_and_turned_off_on_npu(monkeypatch, caplog):
+    """Issue 66 F3: vllm-ascend 0.23.0 casts the experts to NZ whenever fused MC2 is on, whatever
+    weight_nz_mode says, and with dynamic EPLB deletes them (ops/fused_moe/fused_moe.py:127-135). Its
+    switch is additional_config.enable_fused_mc2, else VLLM_ASCEND_ENABLE_FUSED_MC2
+    (ascend_config.py:173-178, 354-365): the key is refused, and on npu both are set to 0 (the env var
+    with a warning naming it); other devices leave the env var alone."""
+    from rlcore.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"additional_config.enable_fused_mc2=1 is refused: vllm-ascend casts the "
+                                          r"experts to the NZ format .*fused_moe.py:127-130.*deletes w13_weight"):
+        kwargs("npu", engine_kwargs={"additional_config": {"enable_fused_mc2": 1}})
+    monkeypatch.setenv("VLLM_ASCEND_ENABLE_FUSED_MC2", "1")
+    with caplog.at_level("WARNING", logger="rlcore.rollout"):
+        got = kwargs("npu")
+    assert got["additional_config"] == {"weight_nz_mode": 0, "enable_fused_mc2": 0}
+    assert os.environ["VLLM_ASCEND_ENABLE_FUSED_MC2"] == "0"
+    assert "VLLM_ASCEND_ENABLE_FUSED_MC2=1 overridden to 0: fused MC2 casts the experts to NZ" in caplog.text
+    monkeypatch.setenv("VLLM_ASCEND_ENABLE_FUSED_MC2", "1")
+    assert "additional_config" not in kwargs("cuda") and os.environ["VLLM_ASCEND_ENABLE_FUSED_MC2"] == "1"
+
+
+@pytest.mark.unit
+def test_load_format_is_refused():
+    """Issue 66 F6: ``load_format: dummy`` would have vLLM start from random weights, which the first
+    rollout samples from before any sync: refused, naming why."""
+    from rlcore.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"rollout.engine_kwargs.load_format='dummy' is refused: the rollout sets "
+                                          r"load_format itself; the engine must load model.path's safetensors"):
+        kwargs(engine_kwargs={"load_format": "dummy"})
 
 
 def test_every_key_the_rollout_sets_is_owned_and_named():

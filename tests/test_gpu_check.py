@@ -199,7 +199,7 @@ sys.exit(int(os.environ.get("FAKE_RC_" + part, "0")))
 def good_rows(part: str) -> list[dict]:
     extra = {"judge": {f"reward/{gpu_check_report.JUDGE}": 0.4, f"reward/{gpu_check_report.JUDGE}_parse_fail_frac": 0.0,
                        "timing/judge_s": 0.3},
-             "moe": {"rollout/experts_restored": 4.0}, "ulysses": {"perf/sp_pad_frac": 0.05},
+             "moe": {"rollout/experts_restored": 4.0, "rollout/experts_fused": 0.0}, "ulysses": {"perf/sp_pad_frac": 0.05},
              "teacher": {"distill/reverse_kl": 0.02, "timing/teacher_s": 0.4},
              "moe_r3": {"actor/router_agreement": 0.93, "actor/router_replay_missing": 0.0}}.get(part, {})
     return [row(s, **extra) for s in (1, 2, 3)]
@@ -244,7 +244,7 @@ def test_gpu_check_runs_each_part_and_skips_moe_r3_on_npu(tmp_path):
     assert res["reasons"] == [f"lora: the trainer exited 1 (see {out}/lora/train.log)"]
     assert "PARTS=moe_r3 runs it" in res["parts"]["moe_r3"]["skipped"] and res["parts"]["moe_r3"]["pass"] is None
     assert not (out / "moe_r3").exists() and "moe_r3 skipped" in proc.stderr
-    assert res["parts"]["moe"]["experts_restored"] == 4.0
+    assert res["parts"]["moe"]["experts_restored"] == 4.0 and res["parts"]["moe"]["experts_sync"] == "per-expert"
     assert "lora: the trainer exited 1" in proc.stderr and "trainer of lora" in proc.stderr  # the log's end
     argv = json.loads((out / "moe" / "argv.json").read_text())
     last = lambda key: argv[len(argv) - 1 - argv[::-1].index(key) + 1]  # noqa: E731  (the last one wins)
@@ -589,8 +589,13 @@ def test_report_moe_part():
     """moe: rollout/experts_restored on every step (the wake-up's check ran), reported at its largest."""
     out = gpu_check_report.part_report("moe", good_rows("moe"), steps=3, max_logp_diff=1e-3)
     assert out["pass"] and out["experts_restored"] == 4.0, out
+    # the per-expert checkpoint's experts went per expert (the NPU pin's vllm 0.23 Qwen3-MoE loader)
+    assert out["experts_sync"] == "per-expert" and out["experts_fused_per_step"] == [0.0] * 3, out
+    fused = [row(s, **{"rollout/experts_restored": 0.0, "rollout/experts_fused": 1.0}) for s in (1, 2, 3)]
+    assert gpu_check_report.part_report("moe", fused, steps=3, max_logp_diff=1e-3)["experts_sync"] == "fused"
     assert part_reasons("moe", [row(s) for s in (1, 2, 3)]) == [
-        "metric rollout/experts_restored is missing from metrics.jsonl (steps [1, 2, 3])"]
+        "metric rollout/experts_restored is missing from metrics.jsonl (steps [1, 2, 3])",
+        "metric rollout/experts_fused is missing from metrics.jsonl (steps [1, 2, 3])"]
 
 
 @pytest.mark.unit

@@ -212,3 +212,55 @@ def test_plan_counts_the_measured_state_bytes(tmp_path):
     # everything else in the plan is the same
     other = {k: v for k, v in plans["any"].phases["train"].items() if k != "optimizer"}
     assert other == {k: v for k, v in plans["adamw"].phases["train"].items() if k != "optimizer"}
+
+
+@pytest.mark.parametrize("state_dtype,kahan", [(None, None), ("float32", None), (None, False), ("float32", False)])
+def test_resume_peak_is_what_the_plan_counts(state_dtype, kahan):
+    """Issue 66 F5: a resume's optimizer state at its peak, measured on VeOmni's optimizer as built here:
+    torch's ``load_state_dict`` casts every floating state tensor to its parameter's dtype (fp32 master
+    weights; torch/optim/optimizer.py ``_process_value_according_to_param_policy``) while the loaded
+    state it cast from is still held (a DCP load fills the optimizer's own state dict, which the caller
+    holds), and rlcore.engine.optim's post-hook casts it back only after. The tensors alive when the
+    post-hooks start, over the parameters, equal OPTIMIZER_LOAD_BYTES: 18 bytes for the seed recipe's
+    bf16 state with Kahan (6 after), 12 without Kahan, and no copy of an fp32 state (AdamW in the plan's
+    table is the same: its state is fp32)."""
+    from rlcore.engine.optim import build
+    from rlcore.plan.memory import OPTIMIZER_BYTES, OPTIMIZER_LOAD_BYTES, optimizer_key
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 96, bias=False), torch.nn.Linear(96, 64, bias=False))
+    opt = build(model, "anyprecision_adamw", 1e-3, BETAS, EPS, WEIGHT_DECAY, state_dtype, kahan)
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)
+    opt.step()
+    n = sum(p.numel() for p in model.parameters())
+    nbytes = lambda tensors: sum(t.nbytes for t in {t.data_ptr(): t for t in tensors}.values())  # noqa: E731
+    floating = lambda state: [t for s in state.values() for k, t in s.items() if k != "step"]  # noqa: E731
+    loaded = opt.state_dict()  # what a DCP load filled in place: the optimizer's own state tensors
+    peak = {}
+    opt.register_load_state_dict_post_hook(
+        lambda o: peak.update(n=nbytes(floating(o.state) + floating(loaded["state"]))), prepend=True)
+    opt.load_state_dict(loaded)
+    key = optimizer_key("anyprecision_adamw", state_dtype, kahan)
+    print(f"{key}: {peak['n'] / n:g} bytes per parameter at the load's peak, {nbytes(floating(opt.state)) / n:g} after")
+    assert peak["n"] == OPTIMIZER_LOAD_BYTES[key] * n
+    assert nbytes(floating(opt.state)) == OPTIMIZER_BYTES[key] * n  # the hook cast it back
+
+
+@pytest.mark.unit
+def test_plan_counts_the_resume_peak(tmp_path):
+    """The checkpoint phase holds ``optimizer_load``: the resume's extra copy (OPTIMIZER_LOAD_BYTES - OPTIMIZER_BYTES)
+    x trainable / W, 12 bytes a parameter for bf16 anyprecision_adamw with Kahan, none for AdamW; no other phase."""
+    from rlcore.config.cli import parse_config
+    from rlcore.plan.memory import plan_from_config
+
+    fixture = os.path.join(REPO, "tests", "fixtures", "qwen3_8b")
+    path = tmp_path / "run.yaml"
+    path.write_text(f"model: {{path: {fixture}, dtype: bfloat16}}\ndata: {{train_files: [unused.jsonl]}}\n")
+    plans = {name: plan_from_config(parse_config(["--config", str(path), *args], device_type="cuda"), world_size=16,
+                                    device_gb=80, device_type="cuda")
+             for name, args in {"adamw": [], "any": ["--optim.optimizer", "anyprecision_adamw"]}.items()}
+    trainable = plans["any"].inputs.trainable
+    assert plans["any"].phases["checkpoint"]["optimizer_load"] == 12 * trainable // 16
+    assert plans["adamw"].phases["checkpoint"]["optimizer_load"] == 0
+    assert all(plans["any"].phases[ph]["optimizer_load"] == 0 for ph in plans["any"].phases if ph != "checkpoint")

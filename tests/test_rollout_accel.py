@@ -179,6 +179,7 @@ def fake_vllm(monkeypatch):
 
     monkeypatch.setattr(process_state, "accel_module", lambda device_type: None)  # no torch.cuda/npu RNG here
     monkeypatch.delenv(rs.NZ_ENV, raising=False)
+    monkeypatch.delenv(rs.FUSED_MC2_ENV, raising=False)
     return mod
 
 
@@ -197,7 +198,7 @@ def test_nz_turned_off_on_npu_only(fake_vllm, monkeypatch):
 
     make("npu")
     assert os.environ[rs.NZ_ENV] == "0", "vllm-ascend NPUWorker.wake_up raises while NZ is on"
-    assert FakeLLM.built[-1]["additional_config"] == {"weight_nz_mode": 0}  # the config key wins over env
+    assert FakeLLM.built[-1]["additional_config"] == {"weight_nz_mode": 0, "enable_fused_mc2": 0}  # key wins over env
     for device in ("cpu", "cuda"):
         monkeypatch.setenv(rs.NZ_ENV, "2")
         make(device)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import sys
 import types
+from types import SimpleNamespace as NS
 
 import pytest
 import torch
@@ -101,6 +102,57 @@ def has_rope(hf_config):  # :1032-1038
     if _HAS_ROPE is None:
         _HAS_ROPE = "rope_parameters" in hf_config
     return _HAS_ROPE
+
+
+_potential_max_tokens = None
+
+
+def set_potential_max_tokens(vllm_config):  # :1216-1221, the no-graph branch of :1205-1206
+    global _potential_max_tokens
+    if _potential_max_tokens is not None:
+        return
+    _potential_max_tokens = min(vllm_config.scheduler_config.max_num_seqs, 512)
+
+
+def get_potential_max_tokens():  # :1224-1227
+    assert _potential_max_tokens is not None
+    return _potential_max_tokens
+'''
+
+ASCEND_CONFIG = '''
+_ASCEND_CONFIG = None
+
+
+class AscendConfig:  # ascend_config.py:27-32, the keys read here (enable_reduce_sample :324, enable_prefill_mc2 :165)
+    def __init__(self, vllm_config):
+        additional_config = vllm_config.additional_config if vllm_config.additional_config is not None else {}
+        self.vllm_config = vllm_config
+        self.enable_reduce_sample = additional_config.get("enable_reduce_sample", False)
+        self.enable_prefill_mc2 = bool(additional_config.get("enable_prefill_mc2", False))
+        self.ascend_compilation_config = self.eplb_config = object()
+
+
+def _is_ascend_config_initialized(config):  # :900-910
+    if config is None:
+        return False
+    return hasattr(config, "ascend_compilation_config") and hasattr(config, "eplb_config")
+
+
+def init_ascend_config(vllm_config):  # :913-931 (the refresh key left out)
+    global _ASCEND_CONFIG
+    if (_ASCEND_CONFIG is not None and _is_ascend_config_initialized(_ASCEND_CONFIG)
+            and getattr(_ASCEND_CONFIG, "vllm_config", None) is vllm_config):
+        return _ASCEND_CONFIG
+    new_config = AscendConfig(vllm_config)
+    if _is_ascend_config_initialized(new_config):
+        _ASCEND_CONFIG = new_config
+    return new_config
+
+
+def get_ascend_config():  # :940-944
+    if _ASCEND_CONFIG is None or not _is_ascend_config_initialized(_ASCEND_CONFIG):
+        raise RuntimeError("Ascend config is not initialized. Please call init_ascend_config first.")
+    return _ASCEND_CONFIG
 '''
 
 
@@ -114,7 +166,8 @@ def standin(name: str, source: str) -> types.ModuleType:
 def ascend(monkeypatch):
     mods = {"rot": standin("vllm_ascend.ops.rotary_embedding", ROTARY),
             "ctx": standin("vllm_ascend.ascend_forward_context", FORWARD_CONTEXT),
-            "utils": standin("vllm_ascend.utils", UTILS)}
+            "utils": standin("vllm_ascend.utils", UTILS),
+            "config": standin("vllm_ascend.ascend_config", ASCEND_CONFIG)}
     for m in (types.ModuleType("vllm_ascend"), types.ModuleType("vllm_ascend.ops"), *mods.values()):
         monkeypatch.setitem(sys.modules, m.__name__, m)
     for name, keys in vllm_globals.ASCEND_GLOBALS.items():  # exactly the names vllm_globals keeps
@@ -139,9 +192,14 @@ class NPUFakeLLM(FakeLLM):
 
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
-        rot, ctx, utils = (sys.modules[n] for n in vllm_globals.ASCEND_GLOBALS)
+        rot, ctx, utils, config = _modules()
         s = self.spec = dict(NPUFakeLLM.spec)
         tokens = kwargs["max_num_batched_tokens"]
+        # NPUPlatform.check_and_update_config (platform.py:475) on the engine's own config object
+        self.vllm_config = NS(additional_config=kwargs.get("additional_config"),
+                              scheduler_config=NS(max_num_seqs=kwargs.get("max_num_seqs") or 256))
+        config.init_ascend_config(self.vllm_config)
+        utils.set_potential_max_tokens(self.vllm_config)  # model_runner_v1.py:505
         self.cache = torch.arange(s["max_pos"] * s["rope_dim"], dtype=torch.float32).view(s["max_pos"], s["rope_dim"])
         rot._record_cos_sin_cache(self.cache)
         if not utils.is_vl_model(s["hf_config"]) and utils.has_rope(s["hf_config"]):  # rotary_embedding.py:78
@@ -151,13 +209,18 @@ class NPUFakeLLM(FakeLLM):
         self.forwards: list[dict] = []
 
     def generate(self, inputs, params, use_tqdm=False):
-        rot, ctx, utils = (sys.modules[n] for n in vllm_globals.ASCEND_GLOBALS)
+        rot, ctx, utils, config = _modules()
         positions = torch.arange(self.spec["positions"])
         rot.update_cos_sin(positions)
         self.forwards.append({"own_cache": rot._cos_sin_cache is self.cache,
                               "cos_ok": bool(torch.isfinite(rot._cos_slice).all()),
                               "cos_tokens": rot._cos.shape[1], "mc2": ctx._mc2_tokens_capacity,
                               "moe": utils.is_moe_model(self.spec["hf_config"])})
+        if self.spec.get("read_config"):  # model_runner_v1.py:2623, vocab_parallel_embedding.py:176
+            ascend = config.get_ascend_config()
+            self.forwards[-1].update(reduce_sample=ascend.enable_reduce_sample,
+                                     own_config=ascend.vllm_config is self.vllm_config,
+                                     max_tokens=utils.get_potential_max_tokens())
         return super().generate(inputs, params, use_tqdm)
 
     def sleep(self, level=1):
@@ -167,6 +230,11 @@ class NPUFakeLLM(FakeLLM):
     def wake_up(self, tags=None):
         super().wake_up(tags)
         self.cache.copy_(torch.arange(self.cache.numel(), dtype=torch.float32).view_as(self.cache))
+
+
+def _modules():
+    return (sys.modules[n] for n in ("vllm_ascend.ops.rotary_embedding", "vllm_ascend.ascend_forward_context",
+                                     "vllm_ascend.utils", "vllm_ascend.ascend_config"))
 
 
 POLICY = dict(max_pos=64, rope_dim=32, positions=48, hf_config={"rope_parameters": {}})
@@ -230,3 +298,27 @@ def test_no_vllm_ascend_is_a_no_op(monkeypatch, no_vllm):
     assert owned["ascend"] == {}
     with vllm_globals.bind(owned):
         assert vllm_globals.ascend_state() == {}
+
+
+@pytest.mark.unit
+def test_the_policys_additional_config_survives_a_teachers_build(fake_vllm, ascend, monkeypatch):
+    """Issue 66 F2: vllm-ascend rebuilds its process-wide AscendConfig from each engine's
+    additional_config (ascend_config.py:913-929) and sizes potential_max_tokens once, from the first
+    engine (utils.py:1216-1221); forwards read both. The policy's rollout.engine_kwargs.additional_config
+    key (enable_reduce_sample) and its max_num_seqs stay what its forwards see after a teacher with
+    vllm-ascend's defaults is built, and the teacher's forwards see its own. Before: the policy read the
+    teacher's config (the key reverted to False) and the teacher the policy's token count."""
+    fake_vllm.LLM = NPUFakeLLM
+    monkeypatch.setattr(NPUFakeLLM, "spec", {**POLICY, "read_config": True})
+    policy = make("npu", max_num_batched_tokens=64, max_num_seqs=32, sleep_level=1,
+                  vllm={"engine_kwargs": {"additional_config": {"enable_reduce_sample": True}}})
+    assert policy.llm.vllm_config.additional_config["enable_reduce_sample"] is True  # it reached the engine
+    monkeypatch.setattr(NPUFakeLLM, "spec", {**TEACHER, "read_config": True})
+    teacher = make("npu", max_num_batched_tokens=256, max_num_seqs=128, sleep_level=1)
+    policy.generate([[1]], n=1)
+    teacher.generate([[1]], n=1)
+    policy.generate([[1]], n=1)
+    mine = {k: [f[k] for f in policy.llm.forwards] for k in ("reduce_sample", "own_config", "max_tokens")}
+    assert mine == {"reduce_sample": [True, True], "own_config": [True, True], "max_tokens": [32, 32]}
+    theirs = teacher.llm.forwards[0]
+    assert (theirs["reduce_sample"], theirs["own_config"], theirs["max_tokens"]) == (False, True, 128)

@@ -70,6 +70,34 @@ def _cfg(tmp_path, heads, kv, u, attn="auto", extra=None):
                            model=SimpleNamespace(path=str(tmp_path), attn_implementation=attn))
 
 
+def test_npu_cu_seq_lens_stay_on_the_host(monkeypatch):
+    """Issue 66 F4: transformers 5.5.4's NPU varlen kernel reads ``cu_seqlens_q[1:].cpu()`` and
+    ``cu_seqlens_k[1:].cpu()`` in every attention call (integrations/npu_flash_attention.py:116-117,
+    133-134): on npu the row's cu_seq_lens are built on the host, so both reads are of host memory (no
+    device-to-host sync), and the kernel gets the sequences' end offsets. transformers' function runs
+    here with ``npu_fusion_attention`` (torch_npu's, absent on CPU) as a recorder; CUDA keeps them on
+    the device (flash-attn reads device tensors)."""
+    from transformers.integrations import npu_flash_attention as nfa
+
+    from rlcore.engine import ulysses
+
+    assert ulysses.cu_seq_lens_device("npu:3") == torch.device("cpu")
+    assert ulysses.cu_seq_lens_device("cuda:1") == torch.device("cuda:1")
+    assert ulysses.cu_seq_lens_device(torch.device("cpu")) == torch.device("cpu")
+    ctx = ulysses.Context(group=None, size=2, rank=0, flash=True)
+    ctx.set_mask(None, segments=[(0, 5), (5, 3), (8, 4)])
+    kw = ctx.flash_kwargs("npu:0")
+    calls, reads = [], []
+    real_cpu = torch.Tensor.cpu
+    monkeypatch.setattr(torch.Tensor, "cpu", lambda self, *a, **k: reads.append(self.device.type) or real_cpu(self))
+    monkeypatch.setattr(nfa, "npu_fusion_attention", lambda *a, **k: calls.append(k) or [a[0]], raising=False)
+    monkeypatch.setattr(nfa, "get_attn_mask_npu", lambda device: None)
+    q = torch.zeros(12, 2, 32)  # (T, heads, head_dim): TND
+    nfa.npu_flash_attn_varlen_func(q, q, q, kw["cu_seq_lens_q"], kw["cu_seq_lens_k"], causal=True)
+    assert reads == ["cpu", "cpu"], reads  # both .cpu() reads were of host tensors
+    assert calls[0]["actual_seq_qlen"] == calls[0]["actual_seq_kvlen"] == (5, 8, 12)
+
+
 def test_ulysses_size_is_checked_against_the_world_and_the_heads(tmp_path):
     from rlcore.config import ConfigError
     from rlcore.run.preflight import _check_sequence_parallel

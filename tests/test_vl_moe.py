@@ -60,7 +60,7 @@ def vl_moe_inputs(tiny_vl_moe, tmp_path_factory):
     margins = []
 
     def margin_hook(module, _args, output):
-        probs = output[0].detach().float().softmax(-1).sort(-1, descending=True).values
+        probs = router_probs(output[0].detach()).sort(-1, descending=True).values
         margins.append(float((probs[:, module.top_k - 1] - probs[:, module.top_k]).min()))
 
     hooks = [m.register_forward_hook(margin_hook) for m in model.modules()
@@ -85,6 +85,14 @@ def vl_moe_inputs(tiny_vl_moe, tmp_path_factory):
     return path, ref, grads, min(margins), forced_ref
 
 
+def router_probs(first: torch.Tensor) -> torch.Tensor:
+    """The fp32 router probabilities from the router's first output: transformers 5.19 returns the logits
+    (modeling_qwen3_vl_moe.py:136-141), 5.5.4 (the NPU pin) their softmax under the same name (:124-130)."""
+    if bool((first >= 0).all()) and torch.allclose(first.float().sum(-1), torch.ones(len(first))):
+        return first.float()
+    return torch.nn.functional.softmax(first, dtype=torch.float, dim=-1)
+
+
 def forced_routing(model, samples) -> tuple[torch.Tensor, torch.Tensor]:
     """Rows for routing replay over a packed row (token order = the samples' ids one after the
     other): transformers' own top-k of each token with every third token moved to other experts,
@@ -101,7 +109,7 @@ def forced_routing(model, samples) -> tuple[torch.Tensor, torch.Tensor]:
                 state["native"].append(idx)
                 return logits, weights, idx
             forced = state["rows"][:, layer]
-            probs = torch.nn.functional.softmax(logits, dtype=torch.float, dim=-1).gather(1, forced)
+            probs = router_probs(logits).gather(1, forced)
             return logits, (probs / probs.sum(-1, keepdim=True)).to(logits.dtype), forced
         gate.forward = forward
     per_sample, logps = [], []

@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 
 from rlcore import heap
-from rlcore.engine import remote_code
+from rlcore.engine import remote_code, transformers_compat
 from rlcore.hf_folder import model_num_experts
 from rlcore.dist import DistInfo
 from rlcore.engine import moe as engine_moe, vl as engine_vl
@@ -82,6 +82,7 @@ def build_sharded_model(model_path: str, info: DistInfo, *, master_dtype: str, c
     from veomni.models import build_foundation_model
 
     heap.freeze()  # VeOmni collects after loading the weights (rlcore.heap): not over the imports
+    transformers_compat.install()  # the NPU pin's transformers 5.5.4 lacks what VeOmni's VL modeling imports
     config = None
     if trust_remote_code and remote_code.auto_map(model_path):
         config = remote_code.register_veomni(model_path)

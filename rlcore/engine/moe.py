@@ -272,8 +272,10 @@ FUSED_LAYOUT = ExpertLayout(per_expert=False, transposed=False)  # VeOmni's own 
 
 
 def sync_layout(checkpoint: ExpertLayout) -> ExpertLayout:
-    """How the experts go into vLLM at a weight sync: fused, whatever the checkpoint. vllm 0.32.0
-    loads a fused tensor under ``...mlp.experts.gate_up_proj`` / ``down_proj`` for every MoE model
+    """How the experts go into vLLM at a weight sync where its loader takes them fused (the rollout
+    asks the engine's own model: rollout.expert_layout.loader_takes; vllm 0.23's Qwen3-MoE does not):
+    fused, whatever the checkpoint. vllm 0.32.0 loads a fused tensor under
+    ``...mlp.experts.gate_up_proj`` / ``down_proj`` for every MoE model
     (``RoutedExperts.load_weights`` with ``get_expert_mapping(include_fused=True)``,
     model_executor/layers/fused_moe/routed_experts.py:981-1060: a 3-D tensor without an expert
     index is fused; w1/w3 are ``chunk(2, dim=1)`` of gate_up, gate first, as VeOmni stacks them;
@@ -283,27 +285,6 @@ def sync_layout(checkpoint: ExpertLayout) -> ExpertLayout:
     return FUSED_LAYOUT if checkpoint.per_expert else checkpoint
 
 
-def _checkpoint_shapes(model_path: str) -> dict[str, tuple[int, ...]]:
-    """Tensor names -> shapes of the safetensors checkpoint in ``model_path`` (headers only)."""
-    import json
-    import os
-
-    from safetensors import safe_open
-
-    index = os.path.join(model_path, "model.safetensors.index.json")
-    if os.path.exists(index):
-        with open(index) as f:
-            files = sorted(set(json.load(f)["weight_map"].values()))
-    else:
-        files = sorted(f for f in os.listdir(model_path) if f.endswith(".safetensors"))
-    shapes = {}
-    for fname in files:
-        with safe_open(os.path.join(model_path, fname), "pt") as f:
-            for key in f.keys():
-                shapes[key] = tuple(f.get_slice(key).get_shape())
-    return shapes
-
-
 def checkpoint_expert_layout(model_path: str) -> ExpertLayout:
     """The ``ExpertLayout`` of the checkpoint in ``model_path`` (PER_EXPERT for a dense model or
     a folder without safetensors). A fused layer's orientation comes from the pair of its tensors:
@@ -311,12 +292,12 @@ def checkpoint_expert_layout(model_path: str) -> ExpertLayout:
     checkpoint VeOmni would load wrong: in the modeling's own layout with a square tensor, which
     VeOmni's Qwen3-VL-MoE converter takes for the released layout and transposes
     (qwen3_vl_moe/checkpoint_tensor_converter.py:91-92 test the released shape first)."""
-    from rlcore.hf_folder import config_or_empty, num_experts
+    from rlcore.hf_folder import checkpoint_shapes, config_or_empty, num_experts
 
     config = config_or_empty(model_path)
     if not num_experts(config):
         return PER_EXPERT
-    shapes = _checkpoint_shapes(model_path)
+    shapes = checkpoint_shapes(model_path)
     if not any(k.endswith(".mlp.experts.gate_up_proj") for k in shapes):
         return PER_EXPERT  # per-expert names (or none: VeOmni's loader then reports what is missing)
     text = config.get("text_config", config)

@@ -98,7 +98,8 @@ class Context:
             raise ValueError("a shared-prompt row (its dense mask) cannot go through the flash kernels; "
                              "algorithm.share_prompt is off with them")
         lengths = [n for _, n in self.segments]
-        cu = torch.tensor([0, *lengths], dtype=torch.int32, device=device).cumsum(0, dtype=torch.int32)  # (n + 1,)
+        cu = torch.tensor([0, *lengths], dtype=torch.int32, device=cu_seq_lens_device(device)).cumsum(
+            0, dtype=torch.int32)  # (n + 1,)
         longest = max(lengths)
         return {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": longest, "max_length_k": longest}
 
@@ -118,6 +119,17 @@ class Context:
         out = {"perf/sp_pad_frac": self.pad_tokens / max(self.row_tokens, 1)} if self.row_tokens else {}
         self.pad_tokens = self.row_tokens = 0
         return out
+
+
+def cu_seq_lens_device(device: torch.device | str) -> torch.device:
+    """Where the row's ``cu_seq_lens`` live: the host on Ascend, the compute device elsewhere.
+    transformers 5.5.4's NPU varlen kernel reads them as host lists, ``cu_seqlens_q[1:].cpu()`` and
+    ``cu_seqlens_k[1:].cpu()`` (integrations/npu_flash_attention.py:116-117 and :133-134), in every
+    attention layer: a device tensor costs two device-to-host syncs a layer, a host one none. VeOmni
+    hands its Qwen3-VL ViT host cu_seqlens on NPU for the same reason (qwen3_vl_gpu_patch_gen_config.py:
+    641, 756-757). CUDA's flash-attn kernels take device tensors."""
+    kind = device.type if isinstance(device, torch.device) else str(device).split(":")[0]  # "npu" needs torch_npu
+    return torch.device("cpu") if kind == "npu" else torch.device(device)
 
 
 def register() -> None:

@@ -11,8 +11,8 @@ from rlcore.plan.model_shape import ModelShape
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 PHASES = ("train", "checkpoint", "sync", "generate")  # the order a run goes through them
-COMPONENTS = ("trainer_params", "gradients", "optimizer", "reference", "activations", "fsdp_gathered",
-              "vllm_weights", "kv_cache", "vllm_activations", "vllm_overhead", "sync_buckets")
+COMPONENTS = ("trainer_params", "gradients", "optimizer", "optimizer_load", "reference", "activations",
+              "fsdp_gathered", "vllm_weights", "kv_cache", "vllm_activations", "vllm_overhead", "sync_buckets")
 JUDGE_COMPONENTS = ("judges", "judges_asleep")  # only in plans with reward.models
 TEACHER_COMPONENTS = ("teacher", "teacher_asleep")  # only in plans with distill.teacher
 
@@ -55,6 +55,7 @@ class PlanInputs:
     vllm_images: int | None = None  # rollout.limit_mm_per_prompt's image limit; None: vLLM's default
 
     optimizer_bytes: int = 8  # optimizer state per trainable parameter (optim: rlcore.plan.memory.optimizer_bytes)
+    optimizer_load_bytes: int = 8  # the same at a resume's peak (rlcore.plan.memory.optimizer_load_bytes)
     lora_rank: int = 0  # lora.rank: only adapters on every decoder linear layer train
     judges: tuple = ()  # JudgePlan of each reward.models entry
     teacher: JudgePlan | None = None  # distill.teacher's engine (a judge engine that returns log-probs)

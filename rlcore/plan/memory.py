@@ -21,8 +21,9 @@ Phases, in the order a run meets them (the steps are rlcore/step/switch.py's); e
               reference, and what vLLM keeps at its sleep level
     checkpoint  the save after the optimizer step, still in the train phase (vLLM asleep), and the
               load on resume (vLLM released first): params and optimizer state on the device, the
-              reference, what vLLM keeps at its sleep level; no gradients (freed by zero_grad) and
-              no activations
+              load's extra copy of the state (optimizer_load: torch casts a bf16 state to fp32 before
+              it is cast back, OPTIMIZER_LOAD_BYTES), the reference, what vLLM keeps at its sleep
+              level; no gradients (freed by zero_grad) and no activations
     sync      to_generation step 3: optimizer offloaded (if configured), vLLM weights woken, trainer
               params still resident, two sync buckets; the KV cache is woken only after
     generate  vLLM's weights + KV cache + activations, plus the trainer state not offloaded; also
@@ -65,6 +66,14 @@ SAMPLER_BUFFERS = 3  # fp32 (max_num_seqs, V) buffers of vLLM's sampler in its p
 # one fp32 step counter per parameter tensor, nothing on a real model. Keys: rlcore.plan.memory.optimizer_key.
 OPTIMIZER_BYTES = {"adamw": 8, "anyprecision_adamw": 6, "anyprecision_adamw/float32": 12,
                    "anyprecision_adamw/no_kahan": 4, "anyprecision_adamw/float32/no_kahan": 8}
+# Optimizer state alive at a resume's peak, bytes per trainable parameter: torch's load_state_dict casts
+# every floating state tensor to its parameter's dtype (fp32 master weights; torch 2.13
+# torch/optim/optimizer.py:774-803) while the loaded state it cast from is still held, and
+# rlcore.engine.optim's post-hook casts it back only after: bf16 state (b bytes) peaks at b + 2b, fp32
+# state is not copied (``.to`` of the same dtype returns the tensor). Measured by tests/test_optimizer.py
+# (the state and loaded tensors alive when the load's post-hooks start).
+OPTIMIZER_LOAD_BYTES = {"adamw": 8, "anyprecision_adamw": 18, "anyprecision_adamw/float32": 12,
+                        "anyprecision_adamw/no_kahan": 12, "anyprecision_adamw/float32/no_kahan": 8}
 
 
 # ------------------------------------------------------------------------------- components
@@ -80,6 +89,12 @@ def optimizer_bytes(optimizer: str = "adamw", state_dtype: str | None = None, ka
                     ) -> int:
     """The optimizer state's bytes per trainable parameter (OPTIMIZER_BYTES, measured)."""
     return OPTIMIZER_BYTES[optimizer_key(optimizer, state_dtype, kahan_summation)]
+
+
+def optimizer_load_bytes(optimizer: str = "adamw", state_dtype: str | None = None,
+                         kahan_summation: bool | None = None) -> int:
+    """The optimizer state's bytes per trainable parameter at a resume's peak (OPTIMIZER_LOAD_BYTES)."""
+    return OPTIMIZER_LOAD_BYTES[optimizer_key(optimizer, state_dtype, kahan_summation)]
 
 
 def activation_bytes(p: PlanInputs) -> int:
@@ -214,7 +229,8 @@ def component_bytes(p: PlanInputs) -> dict[str, int]:
     trainer_params 4P/W (fp32 master), gradients 4P'/W (fp32: FSDP2 reduces in float32; freed by
     zero_grad after each step), optimizer bP'/W (made at the first step; b = OPTIMIZER_BYTES of
     optim.optimizer: 8 for AdamW's fp32 exp_avg + exp_avg_sq, 6 for anyprecision_adamw's bf16
-    exp_avg + exp_avg_sq + Kahan buffer), reference cP/W (kl_loss_coef > 0); P counts a vision
+    exp_avg + exp_avg_sq + Kahan buffer), optimizer_load (b_load - b)P'/W (the resume's fp32 copy
+    of a bf16 state, OPTIMIZER_LOAD_BYTES), reference cP/W (kl_loss_coef > 0); P counts a vision
     tower, P' = P less a frozen one.
     vllm_overhead: VLLM_OVERHEAD_GB, + VLLM_GRAPHS_GB with CUDA/ACL graphs. kv_cache: what vLLM's
     budget (gpu_memory_utilization x device) leaves after its weights, its profiled activations
@@ -225,6 +241,7 @@ def component_bytes(p: PlanInputs) -> dict[str, int]:
     sizes = {
         "trainer_params": 4 * P // p.shard, "gradients": 4 * trainable // p.shard,
         "optimizer": p.optimizer_bytes * trainable // p.shard,
+        "optimizer_load": (p.optimizer_load_bytes - p.optimizer_bytes) * trainable // p.shard,
         "reference": p.c * P // p.shard if p.reference and not p.lora_rank else 0,  # LoRA: the adapter off
         "activations": activation_bytes(p), "vllm_weights": vllm_weight_bytes(p),
         "vllm_activations": vllm_activation_bytes(p),
@@ -257,7 +274,7 @@ def resident(p: PlanInputs) -> dict[str, tuple[str, ...]]:
         + ("vllm_weights", "vllm_overhead", "sync_buckets") + ("kv_cache",) * (not p.free_kv_cache),
         "train": ("trainer_params", "gradients", "optimizer", "activations", "fsdp_gathered") + ref
         + train_vllm + ("vllm_overhead",),
-        "checkpoint": ("trainer_params", "optimizer") + ref + train_vllm + ("vllm_overhead",),
+        "checkpoint": ("trainer_params", "optimizer", "optimizer_load") + ref + train_vllm + ("vllm_overhead",),
     }
     phases = {ph: held + asleep for ph, held in phases.items()}
     # generate -> the policy's engine sleeps -> the judges wake, score, sleep -> the teacher does
@@ -482,6 +499,7 @@ def plan_from_config(cfg, world_size: int, device_gb: float, device_type: str = 
         vllm_images=None if r.limit_mm_per_prompt is None else r.limit_mm_per_prompt.get("image", 0),
         lora_rank=cfg.lora.rank if cfg.lora.enabled else 0,
         optimizer_bytes=optimizer_bytes(cfg.optim.optimizer, cfg.optim.state_dtype, cfg.optim.kahan_summation),
+        optimizer_load_bytes=optimizer_load_bytes(cfg.optim.optimizer, cfg.optim.state_dtype, cfg.optim.kahan_summation),
         judges=tuple(JudgePlan(ModelShape.from_path(j.path), j.gpu_memory_utilization, j.sleep_level or 1,
                                DTYPE_BYTES[j.dtype or r.dtype or cfg.model.dtype]) for j in cfg.reward.judges()),
         teacher=teacher_plan(cfg, DTYPE_BYTES), oversample=r.partial.oversample if r.partial.enable else 1.0,

@@ -359,19 +359,37 @@ def missing_params(model, loaded: Iterable[str]) -> list[str]:
     return sorted({name for name, _ in model.named_parameters()} - set(loaded))
 
 
-def require_all_loaded(model, calls: list, what: str) -> None:
-    """Raise naming the parameters a push after a level-2 sleep did not write (their memory was
-    discarded, so they hold garbage). No check when the model does not report its loaded names.
+def loader_name(model) -> str:
+    """The engine's weight loader, as an error message names it: the model class's ``load_weights``
+    and the vLLM release it comes from."""
+    import sys
+
+    version = getattr(sys.modules.get("vllm"), "__version__", "?")
+    cls = type(model)
+    return f"{cls.__module__}.{cls.__qualname__}.load_weights (vllm {version})"
+
+
+def require_all_loaded(model, calls: list, what: str, refill: bool = True) -> None:
+    """Raise naming the parameters a full push did not write: after a level-2 sleep (``refill``) they
+    hold garbage; at the first full push after a build they keep the checkpoint's weights, which vLLM
+    would sample from for the whole run. A tensor sent under a name the engine's loader does not
+    accept is dropped without an error (vllm 0.23.0 models/qwen3_moe.py:651-652; nothing checks
+    afterwards, models/utils.py:271-283), so the message names the loader. No check when the model
+    does not report its loaded names.
     Limit: vLLM adds a fused parameter (qkv_proj, gate_up_proj) to the set once ANY shard arrived,
     so a missing q/k/v or gate/up shard is caught by ColocateRollout._check_full (HF names against
     the previous full push), not here."""
     if not calls or any(c is None for c in calls):
-        log.warning("%s: the model's load_weights does not report loaded names; level-2 completeness unchecked", what)
+        log.warning("%s: the model's load_weights does not report loaded names; completeness unchecked", what)
         return
     missing = missing_params(model, set().union(*calls))
     if missing:
-        raise RuntimeError(f"{what} after a level-2 sleep left {len(missing)} vLLM parameters unwritten (garbage "
-                           f"memory): {missing[:8]}{' ...' if len(missing) > 8 else ''}; push every weight")
+        state = ("hold garbage (the level-2 sleep discarded their memory)" if refill else
+                 "still hold the checkpoint's weights, which vLLM would sample from for the whole run")
+        raise RuntimeError(f"{what} left {len(missing)} vLLM parameters unwritten, which {state}: "
+                           f"{missing[:8]}{' ...' if len(missing) > 8 else ''}. {loader_name(model)} did not load "
+                           f"what was sent for them: the names it accepts differ from those sent (it drops unknown "
+                           f"names without an error), or the push left them out")
 
 
 # ----------------------------------------------------------------------------- teardown / log

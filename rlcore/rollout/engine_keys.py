@@ -51,10 +51,19 @@ OWNED = {
     "runner": "the policy's engine generates; reward models are reward.models entries",
     "trust_remote_code": "use model.trust_remote_code",
     "quantization": "the weight sync pushes the trainer's unquantized weights into vLLM every step",
+    "load_format": "the engine must load model.path's safetensors at start-up: the first rollout (and "
+                   "trainer.val_before_train) samples before any weight sync, so 'dummy' would sample from random "
+                   "weights",
 }
 # vllm-ascend's additional_config keys the rollout sets (rollout.settings.disable_npu_nz): the rest merge.
-OWNED_ADDITIONAL = {"weight_nz_mode": "vllm-ascend's NZ weight format breaks wake-up and in-place weight pushes "
-                                      "(rollout.settings.disable_npu_nz); it stays 0"}
+OWNED_ADDITIONAL = {
+    "weight_nz_mode": "vllm-ascend's NZ weight format breaks wake-up and in-place weight pushes "
+                      "(rollout.settings.disable_npu_nz); it stays 0",
+    # vllm-ascend 0.23.0 ops/fused_moe/fused_moe.py:127-135, ascend_config.py:173-178
+    "enable_fused_mc2": "vllm-ascend casts the experts to the NZ format whenever it is set, whatever weight_nz_mode "
+                        "says (ops/fused_moe/fused_moe.py:127-130), and with dynamic EPLB deletes w13_weight/w2_weight "
+                        "(:131-135): the weight sync would write into NZ storage or find no expert weight; it stays 0",
+}
 
 
 def check_keys(engine_kwargs) -> None:

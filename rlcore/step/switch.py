@@ -41,7 +41,9 @@ each phase of the loop: ``memory/{step}_allocated_gb`` / ``_reserved_gb`` / ``_p
 on accelerators, ``memory/{step}_rss_gb`` on CPU, with step one of the names above or
 ``generate`` / ``train`` (taken when the next switch starts); for a mixture-of-experts engine
 whose weights slept, ``rollout/experts_restored``: the expert weights vLLM's wake-up had swapped for
-views and the rollout put back (vllm-ascend 0.23: 2 per MoE layer; CUDA and CPU: 0).
+views and the rollout put back (vllm-ascend 0.23: 2 per MoE layer; CUDA and CPU: 0); for every
+mixture-of-experts sync, ``rollout/experts_fused``: 1 when the experts went as two fused tensors a layer
+(vllm 0.32's loader takes them), 0 under per-expert names (vllm 0.23's Qwen3-MoE: rollout.expert_layout).
 """
 
 from __future__ import annotations
@@ -210,12 +212,15 @@ class PhaseSwitcher:
             n, nbytes = self.rollout.update_adapter(self.policy.adapter_weights(self.rollout_dtype),
                                                     self.policy.adapter_config())
             return f"LoRA adapter pushed: {n} tensors, {nbytes / 2**20:.2f} MiB; base weights untouched"
+        fused = bool(self.rollout.fused_experts)  # MoE: 2 tensors a layer where the engine's loader takes them
+        if self.rollout.fused_experts is not None:  # None: a dense model
+            self.memory["rollout/experts_fused"] = float(fused)
         if self.sync_bucket_mb is None:
-            n = self.rollout.update_weights(self.policy.named_hf_weights(dtype=self.rollout_dtype, fused_experts=True),
+            n = self.rollout.update_weights(self.policy.named_hf_weights(dtype=self.rollout_dtype, fused_experts=fused),
                                             full=True)
             return f"{n} tensors pushed, one collective each"
         weights = self.policy.named_hf_weights_bucketed(dtype=self.rollout_dtype, bucket_mb=self.sync_bucket_mb,
-                                                        fused_experts=True)  # MoE: 2 tensors a layer
+                                                        fused_experts=fused)
         n = self.rollout.update_weights(weights, full=True)
         plan = self.policy.sync_plan_summary(dtype=self.rollout_dtype, bucket_mb=self.sync_bucket_mb)
         return f"{n} tensors pushed in {plan['buckets']} buckets (largest {plan['max_bucket_mb']:.1f} MiB)"

@@ -162,6 +162,10 @@ def serve(path: str) -> None:
     from rlcore.run.ownership import set_parent_death_signal
 
     set_parent_death_signal(signal.SIGKILL)  # the pytest process that started it is gone: so is it
+    # vllm 0.23's model layers import pandas (vllm/_aiter_ops.py:22), pandas imports pyarrow, and pyarrow's
+    # jemalloc starts its purging thread ("jemalloc_bg_thd") at the first allocation; without it jemalloc
+    # purges on the allocating threads instead. Read when pyarrow loads: set before the imports.
+    os.environ.setdefault("JE_ARROW_MALLOC_CONF", "background_thread:false")
     for name in PRELOAD:
         importlib.import_module(name)
     gc.freeze()  # what the imports made: out of every forked rank's collections

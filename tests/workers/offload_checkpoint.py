@@ -45,6 +45,7 @@ class FakeRollout:
     released: set = set()
     sleep_level = None
     weights_valid = False
+    fused_experts = None
 
     def update_weights(self, weights, full: bool) -> int:
         self.pushed = {name: t.detach().cpu().clone() for name, t in weights}

@@ -157,7 +157,7 @@ def run_case(info, model_dir: str, tp: int, out: str, flags: list[str]) -> None:
     # a tied head is the embedding's Parameter, so the embedding's tensor covers it.
     rollout.weights_valid = False
     with policy.on_device():
-        refilled = rollout.update_weights(policy.named_hf_weights(fused_experts=True), full=True)
+        refilled = rollout.update_weights(policy.named_hf_weights(fused_experts=bool(rollout.fused_experts)), full=True)
     after = sample(rollout, prompts, temperature, seed=2)
     diff = max_diff(policy, rollout, after, temperature, info.device)
     mask = after.response_mask()
@@ -170,6 +170,7 @@ def run_case(info, model_dir: str, tp: int, out: str, flags: list[str]) -> None:
                    "probe_max": check["rollout/sync_probe_max"], "probe_mean": check["rollout/sync_probe_mean"],
                    "breach": check["breach"], "check_s": check.get("timing/sync_check_s"),
                    "refilled": refilled, "valid": rollout.weights_valid, "after_vs_transformers": vs_hf,
+                   "fused_experts": rollout.fused_experts,
                    "restored": RESTORED},
                   open(out, "w"))
     rollout.shutdown()
