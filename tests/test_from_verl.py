@@ -1,9 +1,10 @@
 """scripts/from_verl.py (rlcore/verl/): verl launch scripts in, this project's YAML out.
 
 Conversions checked by hand against verl's semantics (each citing verl 1dda039's line), the three
-classes of keys, the entry points and Hydra flags verl's scripts use, the shell reader's constructs,
-the launch line and bad inputs. Every fixture's outcome is tests/test_verl_examples.py's. All
-in-process except --help and the no-traceback checks, which run the script as a user does.
+classes of keys, verl's reward (its scorer, custom function and reward model), the entry points and
+Hydra flags verl's scripts use, the shell reader's constructs, the launch line and bad inputs. Every
+fixture's outcome is tests/test_verl_examples.py's. All in process (the unit set); the script as a
+user runs it, in a child interpreter, is tests/test_from_verl_cli.py.
 """
 
 from __future__ import annotations
@@ -11,8 +12,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import subprocess
-import sys
 
 import pytest
 
@@ -246,12 +245,129 @@ def test_distillation_maps_to_distill(capsys):
     assert "distill" not in cfg
 
 
-@pytest.mark.parametrize("override", ["algorithm.use_kl_in_reward=True", "reward_model.enable=True",
+@pytest.mark.parametrize("override", ["algorithm.use_kl_in_reward=True",
                                       "trainer.critic_warmup=5", A + "strategy=megatron", "critic.enable=True",
                                       R + "ignore_eos=True"])
 def test_no_effect_keys_at_another_value_change_training(override, capsys):
     rc, _, err = convert(["--", *BASE, override], capsys)
     assert rc == 2 and override in err
+
+
+# ----------------------------------------------------------------------------- verl's reward
+
+
+VERL_FN = """
+def compute_score(data_source, solution_str, ground_truth, extra_info=None, bonus=0.0):
+    return float(solution_str.strip() == ground_truth) + bonus
+"""
+
+
+def test_verls_default_reward_is_the_verl_component(capsys):
+    """No custom function and no reward model: verl scores by each row's data_source
+    (default_compute_score, verl/utils/reward_score/__init__.py): reward.components {verl: 1.0}, and
+    nothing says another reward applies."""
+    cfg, text, err = yaml_of(["--", *BASE], capsys)
+    assert cfg["reward"] == {"components": {"verl": 1.0}}
+    assert "default_compute_score by each row's data_source" in comment_of(text, "components")
+    assert "math" not in err and "issue 65" not in err and "port the function" not in text + err
+
+
+@pytest.mark.parametrize("section", ["reward.custom_reward_function.", "custom_reward_function."])
+def test_custom_reward_function_becomes_reward_fn(section, tmp_path, capsys, monkeypatch):
+    """verl's custom_reward_function (both places) -> reward.fn path:name + reward.fn_kwargs, the only
+    component (verl scores with it alone). A relative path is taken from the directory the converter
+    runs in (verl takes it from its launch directory) and written absolute; the name defaults to
+    verl's compute_score; reward_kwargs as one mapping or dotted keys. The file exists here, so this
+    project's parse loads it and binds verl's call with the kwargs."""
+    (tmp_path / "rewards").mkdir()
+    (tmp_path / "rewards" / "mine.py").write_text(VERL_FN)
+    monkeypatch.chdir(tmp_path)
+    cfg, text, err = yaml_of(["--", *BASE, section + "path=rewards/mine.py", f"+{section}reward_kwargs.bonus=0.5"],
+                             capsys)
+    assert cfg["reward"] == {"fn": f"{tmp_path}/rewards/mine.py:compute_score", "fn_kwargs": {"bonus": 0.5},
+                             "components": {"custom": 1.0}}
+    assert f"rewards/mine.py taken from {tmp_path}" in comment_of(text, "fn") and "(verl default)" in comment_of(text, "fn")
+    assert "not on this machine" not in err
+    cfg, _, _ = yaml_of(["--", *BASE, f"{section}path={tmp_path}/rewards/mine.py", section + "name=compute_score",
+                         "+" + section + "reward_kwargs={bonus: 1.0}"], capsys)
+    assert cfg["reward"]["fn"] == f"{tmp_path}/rewards/mine.py:compute_score" and cfg["reward"]["fn_kwargs"] == {"bonus": 1.0}
+    rc, _, err = convert(["--", *BASE, section + "path=rewards/mine.py", f"+{section}reward_kwargs.nope=1"], capsys)
+    assert rc == 2 and "this project refuses reward.fn" in err and "nope" in err  # the call would not bind
+    rc, _, err = convert(["--", *BASE, section + "path=rewards/mine.py", section + "name=missing"], capsys)
+    assert rc == 2 and "has no callable named 'missing'" in err
+
+
+def test_custom_reward_function_not_on_this_machine_is_written_and_said(tmp_path, capsys, monkeypatch):
+    """verl's own examples name files of verl's repository (verl/utils/reward_score/openr1mm.py),
+    relative to where verl runs: written absolute from the converter's directory, with a note; the
+    trainer refuses it at start-up until the file is there."""
+    monkeypatch.chdir(tmp_path)
+    cfg, _, err = yaml_of(["--", *BASE, "reward.custom_reward_function.path=verl/utils/reward_score/openr1mm.py"],
+                          capsys)
+    assert cfg["reward"]["fn"] == f"{tmp_path}/verl/utils/reward_score/openr1mm.py:compute_score"
+    assert cfg["reward"]["components"] == {"custom": 1.0}
+    assert f"reward.fn: {tmp_path}/verl/utils/reward_score/openr1mm.py is not on this machine" in err
+    cfg, _, err = yaml_of(["--", *BASE, "reward.custom_reward_function.path=pkg://my_rewards.math",
+                           "reward.custom_reward_function.name=score"], capsys)
+    assert cfg["reward"]["fn"] == "my_rewards.math:score" and "my_rewards.math is not on this machine" in err
+
+
+def test_the_top_level_custom_reward_function_replaces_the_nested_one(tmp_path, capsys, monkeypatch):
+    """verl's migration (experimental/reward_loop/reward_loop.py:58-60): custom_reward_function, when
+    it sets anything, replaces reward.custom_reward_function whole."""
+    (tmp_path / "a.py").write_text(VERL_FN)
+    (tmp_path / "b.py").write_text(VERL_FN)
+    monkeypatch.chdir(tmp_path)
+    cfg, text, _ = yaml_of(["--", *BASE, "custom_reward_function.path=a.py", "reward.custom_reward_function.path=b.py",
+                            "+reward.custom_reward_function.reward_kwargs.bonus=1"], capsys)
+    assert cfg["reward"]["fn"] == f"{tmp_path}/a.py:compute_score" and "fn_kwargs" not in cfg["reward"]
+    assert "#   reward.custom_reward_function.path=b.py: verl reads custom_reward_function.*" in text
+    cfg, _, _ = yaml_of(["--", *BASE, "custom_reward_function.path=null", "reward.custom_reward_function.path=b.py"],
+                        capsys)
+    assert cfg["reward"]["fn"] == f"{tmp_path}/b.py:compute_score"
+
+
+@pytest.mark.parametrize("legacy", [False, True])
+def test_verls_reward_model_is_a_discriminative_judge_alone(legacy, tmp_path, capsys):
+    """verl's reward model without a custom function (experimental/reward_loop/reward_loop.py:145-156,
+    compute_score_disrm): the head's raw value (classify, use_activation=False) is the whole reward,
+    no rule score added -> one discriminative reward.models entry, the only component. Its context
+    is verl's max_model_len, whose null is the model's max_position_embeddings (read from a local
+    folder; else the rollout budget, said)."""
+    rm = (tmp_path / "rm")
+    rm.mkdir()
+    (rm / "config.json").write_text(json.dumps({"architectures": ["LlamaForSequenceClassification"],
+                                                "max_position_embeddings": 131072}))
+    p = "reward_model." if legacy else "reward.reward_model."
+    path_key = "reward_model.model.path" if legacy else p + "model_path"
+    cfg, text, err = yaml_of(["--", *BASE, p + "enable=True", f"{path_key}={rm}", p + "rollout.name=vllm",
+                              p + "rollout.gpu_memory_utilization=0.3", p + "rollout.tensor_model_parallel_size=1",
+                              p + "rollout.enforce_eager=True"], capsys)
+    assert cfg["reward"] == {"components": {"reward_model": 1.0}, "models": [
+        {"name": "reward_model", "path": str(rm), "kind": "discriminative", "activation": "none", "dtype": "bfloat16",
+         "gpu_memory_utilization": 0.3, "max_model_len": 131072}]}
+    assert "max_position_embeddings 131072" in comment_of(text, "models")
+    for key in ("rollout.name=vllm", "rollout.tensor_model_parallel_size=1", "rollout.enforce_eager=True"):
+        assert f"#   {p}{key}:" in text, key
+    cfg, _, err = yaml_of(["--", *BASE, "data.max_prompt_length=3000", p + "enable=True", f"{path_key}=org/rm",
+                           p + "rollout.prompt_length=1000", p + "rollout.response_length=1000"], capsys)
+    assert cfg["reward"]["models"][0]["max_model_len"] == 3000 + 512  # at least the policy's prompt + response
+    assert "reward.models[0].max_model_len=3512" in err and "overlong_frac" in err
+
+
+def test_a_reward_model_with_a_custom_function_or_quantized_is_class_3(tmp_path, capsys, monkeypatch):
+    (tmp_path / "a.py").write_text(VERL_FN)
+    monkeypatch.chdir(tmp_path)
+    rm = ["reward.reward_model.enable=True", "reward.reward_model.model_path=/rm"]
+    rc, _, err = convert(["--", *BASE, *rm, "reward.custom_reward_function.path=a.py"], capsys)
+    assert rc == 2 and "reward.reward_model.enable=True: verl scores with the custom reward function alone" in err
+    rc, _, err = convert(["--", *BASE, *rm, "reward.reward_model.rollout.quantization=fp8"], capsys)
+    assert rc == 2 and "a quantized reward model" in err
+    rc, _, err = convert(["--", *BASE, "reward_model.enable=True"], capsys)
+    assert rc == 2 and "reward_model.enable=True: no reward_model.model_path" in err
+    cfg, text, _ = yaml_of(["--", *BASE, "reward.reward_model.enable=False", "reward.reward_model.model_path=/rm"],
+                           capsys)
+    assert cfg["reward"] == {"components": {"verl": 1.0}} and "read by verl only with reward_model.enable=True" in text
 
 
 # ----------------------------------------------------------------------------- entry points and Hydra
@@ -368,18 +484,22 @@ def test_division_by_a_variable_defined_later_is_bashs_error_with_its_line(tmp_p
     assert rc == 2 and "line 3:" in err and "division by 0" in err and "per_gpu" in err
 
 
-@pytest.mark.parametrize("body, expected", [
+UNREADABLE = [  # (script, what the error says); also run as a user does in tests/test_from_verl_cli.py
     ("ARR=(\n  a=1\n  b='2\n)\npython3 -m verl.trainer.main_ppo a=1\n", "line 2"),
     ("x=${V/}\npython3 -m verl.trainer.main_ppo a=$(( 1 +* ))\n", "line 3"),
     ("echo 'unbalanced\n", "single quote"),
     ("python3 -m verl.trainer.main_ppo model=${M:?set M}\n", "M is not set"),
     ("if [ 1 = 1 ]; then\n  echo\n", "'if' without 'fi'"),
-])
-def test_unreadable_scripts_exit_2_with_the_line_and_the_construct(body, expected, tmp_path):
-    path = script(tmp_path, body)
-    p = subprocess.run([sys.executable, os.path.join(REPO, "scripts", "from_verl.py"), path],
-                       capture_output=True, text=True, env={**os.environ, "M": ""})
-    assert p.returncode == 2 and expected in p.stderr and "Traceback" not in p.stderr, p.stderr
+    ("#!/bin/bash\npython3 train.py a=1\n", "starts no verl training"),
+    ("python3 -m verl.trainer.main_sft a=1\n", "not a GRPO-family trainer"),
+]
+
+
+@pytest.mark.parametrize("body, expected", UNREADABLE)
+def test_unreadable_scripts_exit_2_with_the_line_and_the_construct(body, expected, tmp_path, capsys, monkeypatch):
+    """In process: an exception escaping cli.main would fail the test (no traceback is possible)."""
+    rc, out, err = convert([script(tmp_path, body)], capsys, env={"M": ""}, monkeypatch=monkeypatch)
+    assert rc == 2 and out == "" and expected in err and err.startswith("from_verl.py: error:"), err
 
 
 def test_an_empty_variable_where_an_integer_is_needed_names_the_key_and_the_variable(tmp_path, capsys):
@@ -516,22 +636,11 @@ def test_bad_overrides_exit_2_with_one_paragraph(argv, expected, capsys):
     assert rc == 2 and out == "" and expected in err and err.startswith("from_verl.py: error:"), err
 
 
-@pytest.mark.parametrize("text, expected", [
-    ("#!/bin/bash\npython3 train.py a=1\n", "starts no verl training"),
-    ("python3 -m verl.trainer.main_sft a=1\n", "not a GRPO-family trainer"),
-])
-def test_bad_scripts_exit_2_without_a_traceback(text, expected, tmp_path):
-    path = tmp_path / "run.sh"
-    path.write_text(text)
-    p = subprocess.run([sys.executable, os.path.join(REPO, "scripts", "from_verl.py"), str(path)],
-                       capture_output=True, text=True)
-    assert p.returncode == 2 and expected in p.stderr and "Traceback" not in p.stderr, p.stderr
-
-
-def test_help_explains_it():
-    p = subprocess.run([sys.executable, os.path.join(REPO, "scripts", "from_verl.py"), "--help"], capture_output=True,
-                       text=True)
-    assert p.returncode == 0 and "--allow-unmapped" in p.stdout and "examples:" in p.stdout and "docs/from_verl.md" in p.stdout
+def test_help_explains_it(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["--help"])
+    out = capsys.readouterr().out
+    assert exit_.value.code == 0 and "--allow-unmapped" in out and "examples:" in out and "docs/from_verl.md" in out
 
 
 # ----------------------------------------------------------------------------- the doc's key tables

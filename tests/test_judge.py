@@ -110,6 +110,32 @@ def test_a_template_failing_on_one_sample_scores_it_as_unreadable(tmp_path):
     assert m["judge/j_distinct_frac"] == 0.0
 
 
+@pytest.mark.unit
+def test_a_reward_model_reads_the_rows_chat_messages_as_verls(tmp_path):
+    """Without a template a reward model reads its own chat template over the conversation: the
+    row's chat messages (a system turn kept) then the response, the text verl's reward model
+    renders (verl 1dda039 experimental/reward_loop/reward_loop.py:196-221: raw_prompt + the assistant
+    turn, add_generation_prompt=False); a plain-text prompt is one user turn."""
+    from transformers import AutoTokenizer
+
+    from rlcore.demo.toy import make_tokenizer
+    from rlcore.judge.config import JudgeConfig
+    from rlcore.judge.scorer import Judge
+
+    make_tokenizer(str(tmp_path))
+    tok = AutoTokenizer.from_pretrained(str(tmp_path))
+    tok.chat_template = "{% for m in messages %}{{ m['role'] }} {{ m['content'] }} <eos> {% endfor %}"
+    tok.save_pretrained(str(tmp_path))
+    judge = Judge(JudgeConfig(name="rm", path=str(tmp_path), kind="discriminative"), engine=None, prompt_key="prompt")
+    messages = [{"role": "system", "content": "pick 1st"}, {"role": "user", "content": "d 0 1"}]
+    ids = judge.judge_ids("3", "3", {"prompt": messages})
+    verl = tok.apply_chat_template([*messages, {"role": "assistant", "content": "3"}], add_generation_prompt=False,
+                                   tokenize=False)
+    assert ids == tok(verl, add_special_tokens=False)["input_ids"]
+    assert tok.decode(ids) == "<unk> pick 1st <eos> <unk> d 0 1 <eos> <unk> 3 <eos>"  # roles: words the toy lacks
+    assert tok.decode(judge.judge_ids("3", "3", {"prompt": "d 0 1"})) == "<unk> d 0 1 <eos> <unk> 3 <eos>"
+
+
 # ----------------------------------------------------------------------------- engines
 
 

@@ -173,6 +173,64 @@ def test_extreme_ratios_stay_finite():
         assert torch.isfinite(corr.weights).all() and all(math.isfinite(v) for v in sums.values())
 
 
+@pytest.mark.parametrize("level", ["token", "sequence"])
+@pytest.mark.parametrize("threshold", [2.0, "0.5_1.5"])
+@pytest.mark.parametrize("ranks", [1, 3])
+def test_batch_normalized_weights_equal_verls(level, threshold, ranks):
+    """is_batch_normalize against verl's own compute_rollout_correction_weights with
+    rollout_is_batch_normalize=True (tests/verl_reference.py, copied from verl 1dda039) on a random
+    batch, within 1e-6 in float64: the batch split over ``ranks`` ranks, each rank's sums added as
+    all_rank_sums adds them, every rank's weights divided by the one batch mean."""
+    from verl_reference import compute_rollout_correction_weights
+
+    g = torch.Generator().manual_seed(7)
+    n, t = 12, 9
+    lengths = torch.randint(1, t + 1, (n,), generator=g)
+    mask = (torch.arange(t)[None, :] < lengths[:, None]).double()  # (N, T)
+    old = -torch.rand(n, t, generator=g, dtype=torch.float64) * 3
+    roll = old + 0.4 * torch.randn(n, t, generator=g, dtype=torch.float64)
+    want, metrics = compute_rollout_correction_weights(old - roll, mask, level, threshold, True)
+    low, high = (None, float(threshold)) if isinstance(threshold, float) else map(float, threshold.split("_"))
+    opts = dict(is_level=level, is_mode="truncate" if low is None else "mask", is_low=low or 0.5, is_high=high,
+                rs=None, rs_threshold=None, rs_low=None, is_batch_normalize=True)
+    parts = [rc.correct(old[i::ranks], roll[i::ranks], mask[i::ranks], **opts) for i in range(ranks)]
+    total = {}
+    for _, sums in parts:
+        for k, v in sums.items():
+            total[k] = total.get(k, 0.0) + v
+    got = torch.zeros_like(want)
+    for i, (corr, _) in enumerate(parts):
+        factor = rc.batch_normalize(corr, total)
+        assert factor["rollout_corr/is_batch_norm_factor"] == pytest.approx(metrics["rollout_is_batch_norm_factor"],
+                                                                          rel=1e-6)
+        got[i::ranks] = corr.weights * mask[i::ranks]
+    assert torch.allclose(got, want, atol=1e-6, rtol=0), (got - want).abs().max()
+    assert not torch.allclose(got, rc.correct(old, roll, mask, **{**opts, "is_batch_normalize": False})[0].weights * mask)
+
+
+def test_batch_normalize_needs_importance_weights_and_a_positive_mean():
+    """Off without is_level (verl normalises IS weights only); a batch whose weights are all masked
+    to 0 keeps them (verl: a mean <= 1e-8 divides nothing, factor 1)."""
+    corr, sums = rc.correct(OLD, ROLL, MASK, is_level=None, is_mode="truncate", is_low=0.5, is_high=2.0,
+                            rs="token_k2", rs_threshold=1.0, rs_low=None, is_batch_normalize=True)
+    assert rc.batch_normalize(corr, sums) == {} and corr.weights is None
+    corr, sums = rc.correct(OLD, ROLL, MASK, is_level="token", is_mode="mask", is_low=10.0, is_high=20.0,
+                            rs=None, rs_threshold=None, rs_low=None, is_batch_normalize=True)
+    assert rc.batch_normalize(corr, sums) == {"rollout_corr/is_batch_norm_factor": 1.0}
+    assert float(corr.weights.abs().sum()) == 0.0
+
+
+def test_batch_normalize_in_the_update():
+    """In train_on_batch: the factor is logged, the weight statistics are the weights' before it (as
+    verl's), and the gradient is the plain IS gradient divided by the factor (the loss is linear in
+    the weights on one on-policy update)."""
+    plain, m0 = update(options(is_level="sequence", is_high=5.0))
+    normed, m1 = update(options(is_level="sequence", is_high=5.0, is_batch_normalize=True))
+    factor = m1["rollout_corr/is_batch_norm_factor"]
+    assert factor != pytest.approx(1.0) and m1["rollout_corr/is_weight_mean"] == m0["rollout_corr/is_weight_mean"]
+    assert torch.allclose(normed, plain / factor, rtol=1e-5, atol=1e-7)
+
+
 # ----------------------------------------------------------------------------- in the update
 
 

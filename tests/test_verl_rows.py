@@ -240,18 +240,27 @@ def test_the_verl_reward_times_out_as_reward_fn_does(tmp_path):
         call_with_timeout(lambda: call_with_timeout(lambda: __import__("time").sleep(2), (), 5), (), 0.3)
 
 
-def test_convert_data_reads_and_writes_verl_rows(tmp_path):
+def test_convert_data_reads_and_writes_verl_rows(tmp_path, capsys):
     """The issue's point 5: convert_data.py gsm8k on verl's Parquet reads it (it said "no gsm8k rows
     with an extractable answer"); --to verl writes rows the trainer recognises as verl's, with verl's
-    data_source and instruction, and converting them back gives the plain rows again."""
+    data_source and instruction, and converting them back gives the plain rows again. The script's
+    main in this process (tests/test_data_rewards.py runs the script in a child interpreter)."""
+    import runpy
+
     import pyarrow.parquet as pq
 
+    from conftest import REPO
     from rlcore.task import verl_rows
-    from test_data_rewards import _script, write_jsonl
+    from test_data_rewards import write_jsonl
+
+    main = runpy.run_path(os.path.join(REPO, "scripts", "convert_data.py"))["main"]
+
+    def _script(_, *argv):
+        main(list(argv))
 
     verl = write_parquet(tmp_path / "verl.parquet", gsm8k_rows(3))
-    proc = _script("scripts/convert_data.py", "gsm8k", verl, "--out", str(tmp_path / "plain.jsonl"))
-    assert "wrote 3 rows" in proc.stdout
+    _script("scripts/convert_data.py", "gsm8k", verl, "--out", str(tmp_path / "plain.jsonl"))
+    assert "wrote 3 rows" in capsys.readouterr().out
     plain = [json.loads(x) for x in open(tmp_path / "plain.jsonl")]
     assert plain[1] == {"prompt": f"d 1 2 pick 1st = {GSM8K_INSTRUCTION}", "answer": "1", "data_source": "openai/gsm8k",
                         "extra_info": gsm8k_rows(3)[1]["extra_info"]}  # no second instruction appended

@@ -1,8 +1,9 @@
 """verl's own loss functions, the reference tests/test_loss_modes.py checks rlcore/advantage.py
-against. Copied unchanged (decorators that register them in verl dropped) from
-https://github.com/verl-project/verl/blob/1dda039b9c6311889a9c9a26040677e1254814f9/verl/trainer/ppo/core_algos.py
-and .../verl/utils/torch_functional.py (verl, Apache License 2.0, the verl authors); each function
-names its lines. verl is not a dependency of this project: the few names these functions use from
+against, and its rollout-correction weights (tests/test_rollout_correction.py). Copied unchanged
+(decorators that register them in verl dropped) from
+https://github.com/verl-project/verl/blob/1dda039b9c6311889a9c9a26040677e1254814f9/verl/trainer/ppo/core_algos.py,
+.../verl/trainer/ppo/rollout_corr_helper.py and .../verl/utils/torch_functional.py (verl, Apache
+License 2.0, the verl authors); each function names its lines. verl is not a dependency of this project: the few names these functions use from
 verl are stood in for below (``verl_F``: the two masked reductions copied here; the configs: plain
 attribute holders)."""
 
@@ -939,3 +940,196 @@ def kl_penalty_forward(logprob: torch.FloatTensor, ref_logprob: torch.FloatTenso
         raise NotImplementedError
 
     raise NotImplementedError
+
+
+# --- verl/trainer/ppo/rollout_corr_helper.py (rollout correction; its metrics stood in: compute_is_metrics -> {})
+
+verl_F = SimpleNamespace(masked_sum=masked_sum, masked_mean=masked_mean)  # the torch_functional reductions above
+
+
+def compute_is_metrics(**kwargs) -> dict:
+    """Stand-in for verl's metrics (rollout_corr_helper.py:660-783): the weights are what is compared."""
+    return {}
+
+
+# verl/trainer/ppo/rollout_corr_helper.py:75
+SAFETY_BOUND = 20.0
+
+
+# verl/trainer/ppo/rollout_corr_helper.py:93-129
+def _parse_rollout_is_threshold(threshold_spec: str | float) -> tuple[float, Optional[float]]:
+    if isinstance(threshold_spec, bool):
+        raise TypeError(
+            "rollout_is_threshold must be specified as a float or a string threshold specification, not a boolean."
+        )
+    if isinstance(threshold_spec, int | float):
+        upper = float(threshold_spec)
+        lower = None
+    elif isinstance(threshold_spec, str):
+        spec = threshold_spec.strip()
+        if not spec:
+            raise ValueError("rollout_is_threshold must not be an empty string.")
+        if "_" in spec:
+            lower_str, upper_str = spec.split("_", 1)
+            try:
+                lower = float(lower_str)
+                upper = float(upper_str)
+            except ValueError as exc:
+                raise ValueError(f"Invalid rollout_is_threshold '{threshold_spec}'.") from exc
+        else:
+            try:
+                upper = float(spec)
+            except ValueError as exc:
+                raise ValueError(f"Invalid rollout_is_threshold '{threshold_spec}'.") from exc
+            lower = None
+    else:
+        raise TypeError("rollout_is_threshold must be a float or a string threshold specification.")
+
+    if upper <= 0:
+        raise ValueError(f"rollout_is_threshold upper bound must be positive, got {upper}.")
+    if lower is not None:
+        if lower <= 0:
+            raise ValueError(f"rollout_is_threshold lower bound must be positive, got {lower}.")
+        if lower > upper:
+            raise ValueError("rollout_is_threshold lower bound must be <= upper bound.")
+
+    return upper, lower
+
+
+# verl/trainer/ppo/rollout_corr_helper.py:522-657
+def compute_rollout_correction_weights(
+    log_ratio: torch.Tensor,
+    response_mask: torch.Tensor,
+    rollout_is: str = "token",
+    rollout_is_threshold: str | float = 2.0,
+    rollout_is_batch_normalize: bool = False,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """Compute importance sampling weights to correct for off-policy distribution shifts.
+
+    This function calculates IS weights (π_train / π_rollout) using log ratios for numerical stability.
+    It supports multiple aggregation levels and truncates extreme weights to prevent training instability.
+
+    Key design:
+    - Log-space computations to avoid overflow
+    - Truncation of extreme weights (TIS: Truncated Importance Sampling)
+    - Optional batch normalization (normalize to mean=1.0)
+    - Metrics tracking for weight distribution analysis
+
+    Args:
+        log_ratio: Log ratio of training policy probability to rollout policy probability,
+            shape (batch_size, seq_length).
+        response_mask: Binary mask for valid tokens (1=valid, 0=padding),
+            shape (batch_size, seq_length).
+        rollout_is: IS weight aggregation level, must be one of:
+            - "token": Per-token weights (biased, low variance)
+            - "sequence": Per-sequence weight (product of tokens; unbiased, high variance)
+        rollout_is_threshold: Threshold specification for IS weights.
+            - Single float or float-like string: TIS, clamp weights to the upper bound
+            - "lower_upper" string: IcePop, zero weights outside [lower, upper]
+        rollout_is_batch_normalize: Whether to normalize IS weights to have mean=1.0 per batch,
+            default False.
+
+    Returns:
+        Tuple containing:
+            rollout_is_weights: Truncated IS weights (masked to zero for padding tokens),
+                shape (batch_size, seq_length). If batch_normalize=True, normalized to mean=1.0.
+            metrics: Dictionary of IS weight metrics (all scalars), including:
+                - rollout_is_mean/max/min: Statistic of weights (before batch normalization)
+                - rollout_is_eff_sample_size: Effective sample size (ESS)
+                - rollout_is_seq_*: Sequence-level weight statistics
+                - rollout_is_batch_norm_factor: Normalization factor (only if batch_normalize=True)
+    """
+    # Validate input parameters
+    valid_is_levels = {"token", "sequence"}
+    if rollout_is not in valid_is_levels:
+        raise ValueError(f"Invalid rollout_is: {rollout_is}. Must be one of {valid_is_levels}.")
+    rollout_is_threshold_upper, rollout_is_threshold_lower = _parse_rollout_is_threshold(rollout_is_threshold)
+    use_icepop = rollout_is_threshold_lower is not None
+
+    # Compute IS weights from log ratio (handles different aggregation levels)
+    if rollout_is == "token":
+        # Per-token IS weight: exp(log(π_train/π_rollout)) with safety clamp
+        log_ratio_for_metrics: torch.Tensor = log_ratio
+        log_ratio_safe: torch.Tensor = torch.clamp(log_ratio, min=-SAFETY_BOUND, max=SAFETY_BOUND)
+        raw_rollout_is_weights: torch.Tensor = torch.exp(log_ratio_safe)
+
+    elif rollout_is == "sequence":
+        # Sequence-level IS weight: product of token ratios (exp(sum(log ratios)))
+        log_ratio_sum: torch.Tensor = verl_F.masked_sum(log_ratio, response_mask, axis=-1).unsqueeze(
+            -1
+        )  # Shape: (batch_size, 1)
+        log_ratio_for_metrics = log_ratio_sum
+
+        log_ratio_sum_safe: torch.Tensor = torch.clamp(log_ratio_sum, min=-SAFETY_BOUND, max=SAFETY_BOUND)
+        raw_rollout_is_weights = torch.exp(log_ratio_sum_safe).expand_as(log_ratio)  # Broadcast to sequence length
+
+    else:
+        raise ValueError(f"Unsupported rollout_is: {rollout_is}")
+
+    # Zero out weights for padding tokens using response mask
+    raw_rollout_is_weights = raw_rollout_is_weights * response_mask
+
+    # Apply TIS for a single upper bound and IcePop for a lower_upper string.
+    if not use_icepop:
+        rollout_is_weights = raw_rollout_is_weights.clamp(max=rollout_is_threshold_upper)
+    else:
+        assert rollout_is_threshold_lower is not None
+        token_kept_mask = (raw_rollout_is_weights >= rollout_is_threshold_lower) & (
+            raw_rollout_is_weights <= rollout_is_threshold_upper
+        )
+        rollout_is_weights = torch.where(
+            token_kept_mask, raw_rollout_is_weights, torch.zeros_like(raw_rollout_is_weights)
+        )
+
+    # Compute IS weight metrics.
+    metrics: dict[str, float] = compute_is_metrics(
+        rollout_is_weights=rollout_is_weights,
+        raw_rollout_is_weights=raw_rollout_is_weights,
+        log_ratio_for_metrics=log_ratio_for_metrics,
+        response_mask=response_mask,
+        rollout_is=rollout_is,
+        rollout_is_threshold=rollout_is_threshold_upper,
+        rollout_is_threshold_lower=rollout_is_threshold_lower,
+    )
+    if use_icepop:
+        assert rollout_is_threshold_lower is not None
+        oob_mask = (raw_rollout_is_weights < rollout_is_threshold_lower) | (
+            raw_rollout_is_weights > rollout_is_threshold_upper
+        )
+        metrics["rollout_is_oob_ratio"] = verl_F.masked_mean(oob_mask.float(), response_mask).item()
+
+    # Detach weights to prevent gradient flow (mathematically required by IS theory)
+    # IS weights change the measure, not the objective. See §3.2.2 in docs/algo/rollout_corr_math.md
+    rollout_is_weights = rollout_is_weights.detach()
+
+    # Apply batch normalization if requested
+    if rollout_is_batch_normalize:
+        # Compute mean based on aggregation level
+        mask_float = response_mask.to(dtype=rollout_is_weights.dtype)
+        if rollout_is == "token":
+            # Token-level: normalize over all token weights
+            if torch.distributed.is_available() and torch.distributed.is_initialized():
+                weights_mean = verl_F.distributed_masked_mean(rollout_is_weights, mask_float)
+            else:
+                weights_mean = verl_F.masked_mean(rollout_is_weights, response_mask)
+        elif rollout_is == "sequence":
+            # Sequence-level: normalize over sequence weights (one weight per sequence)
+            # For each sequence, compute mean over valid tokens (they all have the same weight)
+            # then average across sequences
+            seq_weights = verl_F.masked_mean(rollout_is_weights, response_mask, axis=-1)  # (batch_size,)
+            seq_mask = (response_mask.sum(dim=-1) > 0).to(dtype=rollout_is_weights.dtype)
+            if torch.distributed.is_available() and torch.distributed.is_initialized():
+                weights_mean = verl_F.distributed_masked_mean(seq_weights, seq_mask)
+            else:
+                weights_mean = (seq_weights * seq_mask).sum() / seq_mask.sum().clamp_min(1e-8)
+        else:
+            raise ValueError(f"Unsupported rollout_is: {rollout_is}")
+
+        # Normalize to mean=1.0 (avoid division by zero)
+        if weights_mean > 1e-8:
+            rollout_is_weights = rollout_is_weights / weights_mean
+            metrics["rollout_is_batch_norm_factor"] = weights_mean.item()
+        else:
+            metrics["rollout_is_batch_norm_factor"] = 1.0
+
+    return rollout_is_weights, metrics

@@ -166,6 +166,11 @@ class RolloutCorrectionConfig:
     verl 0.9.1's compute_rollout_correction_weights (weight 0, response mask unchanged) define it.
     kept: they also leave the normaliser, so the remaining tokens' mean sets the step (larger when
     many are masked; the earlier default here). Rejection (rs) always shrinks it."""
+    is_batch_normalize: bool = False
+    """Divide the importance weights by their mean over the step's batch (every rank's samples), so
+    they average 1 (self-normalised IS, verl's rollout_is_batch_normalize): token level over every
+    response token, sequence/geometric over the sequences; after is_mode, before rejection. The
+    metric rollout_corr/is_batch_norm_factor is the mean divided by."""
     is_high: float = 2.0
     """Upper bound of the importance weight."""
     is_low: Optional[float] = None
@@ -204,7 +209,7 @@ class RolloutCorrectionConfig:
         if level is None and self.rs is None:
             return None
         return {"is_level": level, "is_mode": self.is_mode, "is_mask_normalizer": self.is_mask_normalizer,
-                "is_high": self.is_high,
+                "is_batch_normalize": self.is_batch_normalize, "is_high": self.is_high,
                 "is_low": self.is_low if self.is_low is not None else 1.0 / self.is_high,
                 "rs": self.rs, "rs_threshold": self.rs_threshold, "rs_low": self.rs_low}
 

@@ -353,7 +353,8 @@ def train_on_batch(policy, ref, batch: RolloutBatch, adv: torch.Tensor, cfg: Alg
         corr, sums = rollout_correction.correct(old, batch.rollout_logp_matrix().to(device),
                                                 batch.response_mask().to(device), **correction)
         w_max = all_reduce_max([sums.pop("w_max", 0.0)])[0]
-        extra = rollout_correction.summarise(all_rank_sums(sums), w_max)
+        total = all_rank_sums(sums)
+        extra = {**rollout_correction.summarise(total, w_max), **rollout_correction.batch_normalize(corr, total)}
     with _routing(policy, replay and "replay", rows):
         metrics = ppo_update(policy, batch, adv.to(device), old, ref_logp, cfg, temperature, world_size, device,
                              norm_len=norm_len, tis_cap=tis_cap, clip_cov=clip_cov, correction=corr,

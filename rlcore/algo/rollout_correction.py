@@ -25,6 +25,14 @@ for a "lower_upper" threshold) zeroes the weight with ``torch.where(token_kept_m
 and leaves the response mask alone. ``is_mask_normalizer: kept`` also removes them from the
 normaliser (this module's behaviour before; a larger per-token step when many tokens are masked).
 Weights are detached: they change the measure, not the objective.
+
+Batch normalisation (``is_batch_normalize``, verl's ``rollout_is_batch_normalize``: self-normalised
+importance sampling) divides the weights by their mean over the step's whole batch, every rank's
+samples together, so they average 1: at token level the mean over every response token, at
+sequence (and geometric) level the mean of the sequences' weights; computed after truncation or
+masking, over the response mask before rejection, and only when that mean is > 1e-8, as verl
+1dda039's compute_rollout_correction_weights does (verl/trainer/ppo/rollout_corr_helper.py:627-656).
+The weight statistics (``is_weight_mean``, ``ess``) are the weights' before it, as verl's metrics.
 """
 
 from __future__ import annotations
@@ -126,10 +134,13 @@ def weight_stats(weights: torch.Tensor, keep: torch.Tensor) -> dict[str, float]:
 
 def correct(old_logp: torch.Tensor, rollout_logp: torch.Tensor, mask: torch.Tensor, *, is_level: str | None,
             is_mode: str, is_low: float, is_high: float, rs: str | None, rs_threshold: float | None,
-            rs_low: float | None, is_mask_normalizer: str = "all") -> tuple[Correction, dict[str, float]]:
+            rs_low: float | None, is_mask_normalizer: str = "all", is_batch_normalize: bool = False
+            ) -> tuple[Correction, dict[str, float]]:
     """The correction of this rank's samples and the sums its metrics need (see ``summarise``).
     ``is_mask_normalizer`` (is_mode mask): "all" keeps out-of-band tokens in ``keep`` (weight 0,
-    still counted by the normaliser: IcePop, verl), "kept" drops them from ``keep`` too."""
+    still counted by the normaliser: IcePop, verl), "kept" drops them from ``keep`` too.
+    ``is_batch_normalize``: the sums of ``batch_normalize`` too; the caller applies it once every
+    rank's sums are added up."""
     if is_mask_normalizer not in IS_MASK_NORMALIZERS:
         raise ValueError(f"unknown is_mask_normalizer {is_mask_normalizer!r}; valid: {', '.join(IS_MASK_NORMALIZERS)}")
     mask = mask.to(old_logp.dtype)
@@ -148,10 +159,36 @@ def correct(old_logp: torch.Tensor, rollout_logp: torch.Tensor, mask: torch.Tens
         kept = keep * in_band  # the weight statistics: over the tokens whose weight counts
         sums.update(weight_stats(weights, kept))
         sums["w_max"] = (weights * kept).max().item() if kept.any() else 0.0
+        if is_batch_normalize:
+            sums.update(_norm_sums(weights, mask, is_level))
         if is_mask_normalizer == "kept":
             keep = kept
     sums.update(diagnostics(log_rho, mask))
     return Correction(weights.detach() if weights is not None else None, keep), sums
+
+
+def _norm_sums(weights: torch.Tensor, mask: torch.Tensor, level: str) -> dict[str, float]:
+    """This rank's share of the batch mean of the weights: token level over the response tokens
+    (the mask before rejection); otherwise over the sequences, each its weight (the masked mean of
+    its tokens', all equal) once: verl's rollout_corr_helper.py:631-646."""
+    if level == "token":
+        return {"norm_w": (weights * mask).sum().item(), "norm_n": mask.sum().item()}
+    has = (mask.sum(-1) > 0).to(weights.dtype)  # (N,)
+    seq = (weights * mask).sum(-1) / mask.sum(-1).clamp(min=1)  # (N,)
+    return {"norm_w": (seq * has).sum().item(), "norm_n": has.sum().item()}
+
+
+def batch_normalize(corr: Correction, total: dict[str, float]) -> dict[str, float]:
+    """Divide ``corr.weights`` by the batch mean of the weights (``total``: every rank's sums), when
+    it is > 1e-8 (verl: rollout_corr_helper.py:648-654); the factor as a metric. Nothing when the
+    sums hold no batch mean (is_batch_normalize off)."""
+    if "norm_n" not in total or corr.weights is None:
+        return {}
+    mean = total["norm_w"] / max(total["norm_n"], 1e-8)
+    if mean <= 1e-8:
+        return {"rollout_corr/is_batch_norm_factor": 1.0}
+    corr.weights = corr.weights / mean
+    return {"rollout_corr/is_batch_norm_factor": mean}
 
 
 def summarise(total: dict[str, float], w_max: float | None) -> dict[str, float]:

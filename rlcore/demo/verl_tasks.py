@@ -5,7 +5,8 @@ verl's rewards (a strict ``#### N`` for GSM8K; ``<think>``, ``</think>`` and ``\
 0.9 x accuracy + 0.1 x format).
 
     sum task     "tom has 3 apples and gets 4 more . how many apples ?" + verl's GSM8K instruction;
-                 data_source openai/gsm8k, ground truth "7"
+                 data_source openai/gsm8k, ground truth "7"; or, in MATH's layout, verl's MATH
+                 instruction and data_source DigitalLearningGmbH/MATH-lighteval (math_dataset.py)
     shapes task  the shapes images of rlcore.demo.vl, "<image> how many shapes are there ?" + verl's
                  geo3k instruction; data_source hiyouga/geometry3k, ground truth the count
 """
@@ -18,6 +19,8 @@ from rlcore.demo.toy import DIGITS, SPECIAL, make_tiny_model
 from rlcore.task.verl_rows import to_verl_row
 
 GSM8K_INSTRUCTION = 'Let\'s think step by step and output the final answer after "####".'  # gsm8k.py:43
+MATH_SOURCE = "DigitalLearningGmbH/MATH-lighteval"  # examples/data_preprocess/math_dataset.py:46
+MATH_INSTRUCTION = "Let's think step by step and output the final answer within \\boxed{}."  # math_dataset.py:60
 GEO3K_INSTRUCTION = (r"You FIRST think about the reasoning process as an internal monologue and then provide the final "
                      r"answer. The reasoning process MUST BE enclosed within <think> </think> tags. The final answer "
                      r"MUST BE put in \boxed{}.")  # geo3k.py:44-48
@@ -79,15 +82,20 @@ def favour_words(model_dir: str, ids: list[int], scale: float = FAVOUR) -> str:
     return model_dir
 
 
-def sum_rows(n: int, seed: int, split: str) -> list[dict]:
-    """``n`` rows of the sum task in verl's GSM8K layout."""
+def sum_rows(n: int, seed: int, split: str, data_source: str = "openai/gsm8k") -> list[dict]:
+    """``n`` rows of the sum task in verl's GSM8K layout (gsm8k.py), or its MATH layout
+    (math_dataset.py) with ``data_source=MATH_SOURCE``."""
     rng, rows = random.Random(seed), []
     for i in range(n):
         total = rng.choice(SUMS)
         a = rng.randint(1, total - 1)
         question = f"tom has {a} apples and gets {total - a} more . how many apples ?"
-        rows.append(to_verl_row(f"{question} {GSM8K_INSTRUCTION}", str(total), "openai/gsm8k", extra_info={
-            "split": split, "index": i, "answer": f"{a} + {total - a} = {total} #### {total}", "question": question}))
+        extra = {"split": split, "index": i}
+        if data_source == MATH_SOURCE:
+            rows.append(to_verl_row(f"{question} {MATH_INSTRUCTION}", str(total), data_source, extra_info=extra))
+            continue
+        rows.append(to_verl_row(f"{question} {GSM8K_INSTRUCTION}", str(total), data_source, extra_info={
+            **extra, "answer": f"{a} + {total - a} = {total} #### {total}", "question": question}))
     return rows
 
 

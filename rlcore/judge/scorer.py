@@ -47,10 +47,24 @@ class Judge:
                 return tok(text, add_special_tokens=False)["input_ids"]
             return tok(text)["input_ids"]
         if chat:  # a reward model's own format: the conversation it was trained on
-            text = tok.apply_chat_template([{"role": "user", "content": fields["prompt"]},
+            text = tok.apply_chat_template([*self.conversation(row, fields["prompt"]),
                                             {"role": "assistant", "content": response}], tokenize=False)
             return tok(text, add_special_tokens=False)["input_ids"]
         return tok(fields["prompt"] + response)["input_ids"]
+
+    def conversation(self, row: dict, prompt: str) -> list[dict]:
+        """The turns before the response a reward model reads: the row's prompt when it is chat
+        messages (a system turn included, as verl's reward model reads its raw_prompt:
+        verl/experimental/reward_loop/reward_loop.py:196-221), else one user turn of its text."""
+        from rlcore.task.prompts import get_key
+
+        try:
+            messages = get_key(row, self.prompt_key)
+        except KeyError:
+            messages = None
+        if isinstance(messages, list) and messages and all(isinstance(m, dict) and "role" in m for m in messages):
+            return [{"role": m["role"], "content": m.get("content", "")} for m in messages]
+        return [{"role": "user", "content": prompt}]
 
     def score(self, responses: list[str], answers: list[str], rows: list | None
               ) -> tuple[list[float], list[bool], dict]:

@@ -3,6 +3,11 @@ sampled answers when n > 1. Every rank takes part: each data-parallel replica ge
 strided slice of the prompts, and the sums are all-reduced (TP ranks of one replica hold the same
 outputs, so only TP rank 0 of each replica contributes).
 
+Rows that carry a ``data_source`` (verl's rows) are also counted per source, as verl's
+process_validation_metrics groups them (verl/trainer/ppo/metric_utils.py:896-1046): the same
+metrics under ``val/{data_source}/`` (``val/openai/gsm8k/reward_mean`` is verl's
+``val-core/openai/gsm8k/reward/mean@1``; docs/from_verl.md maps the names).
+
 Used by train_grpo.py (``trainer.val_every``, ``trainer.val_before_train``) and by
 scripts/evaluate.py, so a trained model is scored the same way in both places.
 """
@@ -100,7 +105,46 @@ def validate(rollout, tokenizer, scorer, prompts: list, settings: ValSettings, a
     metrics = _metrics(totals, settings.n)
     if agent is not None:
         metrics["val/tool_calls_mean"] = totals[-1] / max(totals[0], 1.0)
+    metrics.update(_source_metrics(sources(chosen), mine, greedy, sampled, settings.n, counts))
     return metrics, _first_examples(rollout, mine, greedy, settings.num_examples)
+
+
+def _source(prompt) -> str | None:
+    source = (prompt.row or {}).get("data_source")
+    return source if isinstance(source, str) and source else None
+
+
+def sources(prompts: list) -> list[str]:
+    """The data sources of a prompt set, sorted (every rank holds the whole set: the same list)."""
+    return sorted({s for s in map(_source, prompts) if s is not None})
+
+
+def _source_metrics(names: list[str], mine: list, greedy: _Scored, sampled: _Scored | None, n: int,
+                    counts: float) -> dict:
+    """The validation metrics of each data source's prompts (one all-reduce; nothing without sources)."""
+    if not names:
+        return {}
+    width = 3 + (3 if sampled is not None else 0)
+    per = {name: [0.0] * width for name in names}  # prompts, greedy correct, greedy reward[, sampled sums]
+    for i, p in enumerate(mine):
+        if _source(p) is None:
+            continue
+        sums = [1, greedy.correct[i], greedy.rewards[i]]
+        if sampled is not None:
+            right, rewards = sampled.correct[i * n: (i + 1) * n], sampled.rewards[i * n: (i + 1) * n]
+            sums += [sum(right), sum(rewards), any(right)]
+        per[_source(p)] = [a + float(b) for a, b in zip(per[_source(p)], sums)]
+    local = [v for name in names for v in per[name]]
+    totals = all_reduce_sum([v * counts for v in local])
+    out = {}
+    for k, name in enumerate(names):
+        t, count = totals[width * k: width * (k + 1)], max(totals[width * k], 1.0)
+        out.update({f"val/{name}/accuracy": t[1] / count, f"val/{name}/reward_mean": t[2] / count,
+                    f"val/{name}/num_prompts": t[0]})
+        if sampled is not None:
+            out.update({f"val/{name}/mean@{n}": t[3] / (count * n), f"val/{name}/reward_mean@{n}": t[4] / (count * n),
+                        f"val/{name}/pass@{n}": t[5] / count})
+    return out
 
 
 def _first_examples(rollout, mine: list, greedy: _Scored, k: int) -> list[dict]:
@@ -108,7 +152,7 @@ def _first_examples(rollout, mine: list, greedy: _Scored, k: int) -> list[dict]:
     (replica d holds prompts d, d + dp, ...: its first k rows cover its share of the first k)."""
     rows = [
         {"index": rollout.dp_rank + i * rollout.dp_size, "prompt": p.text, "response": t, "answer": p.answer,
-         "reward": r, "correct": bool(c), "response_len": ln}
+         "reward": r, "correct": bool(c), "response_len": ln, **({"data_source": _source(p)} if _source(p) else {})}
         for i, (p, t, r, c, ln) in enumerate(zip(mine, greedy.texts, greedy.rewards, greedy.correct, greedy.lens))
     ][:k] if rollout.tp_rank == 0 else []  # TP ranks of a replica hold the same rows
     if greedy.conversations is not None:  # multi-turn: the whole conversation, tool messages included

@@ -4,7 +4,7 @@
     script.py    the script's statements: variables, branches, the training command it reaches
     defaults.py  verl's own defaults (its generated trainer configs, copied in defaults/)
     keys.py      verl's keys in three classes: mapped, no effect here, no equivalent
-    rules*.py    the conversions that are more than a copy (rules_run, rules_train, rules_recipes)
+    rules*.py    the conversions that are more than a copy (rules_run, rules_train, rules_recipes, rules_reward)
     convert.py   one override list through the classes and rules, checked by this project's parse
     launch.py    the launch line (absolute paths, device, the script's environment sorted)
     cli.py       the command line

@@ -10,7 +10,7 @@ import sys
 import textwrap
 
 from rlcore.verl import keys as K
-from rlcore.verl import rules_recipes, rules_run, rules_train  # noqa: F401  (they register the rules, in order)
+from rlcore.verl import rules_recipes, rules_reward, rules_run, rules_train  # noqa: F401  (they register the rules)
 from rlcore.verl import script as verl_script
 from rlcore.verl.convert import Converter, check_with_project_parse, to_yaml
 from rlcore.verl.defaults import CONFIG_NAMES, ENGINE_CONFIGS, Defaults

@@ -111,7 +111,7 @@ NO_EFFECT: dict[str, str] = {
     "data.val_batch_size": "validation generates every validation prompt in one call",
     "data.validation_shuffle": "validation keeps the file's order here",
     "data.image_patch_size": "the model's image processor (preprocessor_config.json) sets the patch size here, as vLLM's",
-    "data.reward_fn_key": "the reward reads each row's data_source here",
+    "data.reward_fn_key": "verl 1dda039's reward loop reads each row's data_source whatever it says (experimental/reward_loop/reward_manager/naive.py:42); only its legacy reward managers read it",
     # actor / reference engines: kernels, memory, layout
     REF + "strategy": "the reference is built as the actor",
     A + "use_torch_compile": "no torch.compile of the actor here",
@@ -247,8 +247,6 @@ NO_EFFECT: dict[str, str] = {
     "trainer.default_hdfs_dir": "checkpoints stay in trainer.output_dir",
     "trainer.del_local_ckpt_after_load": "checkpoints stay in trainer.output_dir",
     "trainer.val_only": "False only (True: unmapped)",
-    "reward_model.enable": "False only (True: a reward-model worker, unmapped)",
-    "reward.reward_model.enable": "False only (True: a reward-model worker, unmapped)",
     "reward_model.use_reward_loop": "rewards are scored in the loop here",
     "reward_model.num_workers": "rewards are scored in the trainer's process",
     "reward.num_workers": "rewards are scored in the trainer's process",
@@ -265,8 +263,6 @@ NO_EFFECT: dict[str, str] = {
 
 # NO_EFFECT keys that have no effect only at these values (another value is UNMAPPED, with this reason)
 NO_EFFECT_ONLY: dict[str, tuple[list, str]] = {
-    "reward_model.enable": ([False, None], "a reward-model worker: reward.models runs reward models on the rollout engine (docs/judges.md)"),
-    "reward.reward_model.enable": ([False, None], "a reward-model worker: reward.models runs reward models on the rollout engine (docs/judges.md)"),
     "trainer.critic_warmup": ([0], "critic warm-up steps: no critic here"),
     REF + "strategy": (["fsdp", "fsdp2", "fsdp_turbo", "veomni", "dp"], "Megatron is not a backend here: VeOmni's FSDP2"),
     A + "veomni.enable_full_shard": ([True], "FSDP without full sharding: parallel.fsdp_size sets HSDP here"),
@@ -293,10 +289,9 @@ NO_EFFECT_ONLY: dict[str, tuple[list, str]] = {
 }
 
 UNMAPPED: dict[str, str] = {
-    "reward_model.": "no reward-model worker here: reward.models runs judges and reward models on the rollout engine (docs/judges.md)",
-    "reward.reward_model.": "no reward-model worker here: reward.models runs judges and reward models on the rollout engine (docs/judges.md)",
+    "reward_model.": "verl's older reward-model worker settings (FSDP worker, micro-batches): reward.models runs reward models on the rollout engine here (docs/judges.md)",
     "reward.": "verl's reward settings: reward.components / reward.fn / reward.models here (docs/judges.md)",
-    "custom_reward_function.": "verl's custom reward function: reward.fn here takes another signature (rlcore/task/rewards.py)",
+    "custom_reward_function.": "not a key of verl's custom_reward_function (path, name, reward_kwargs)",
     "sandbox_fusion.": "no SandboxFusion client: tools run in rlcore's own sandbox (docs/tools.md)",
     R + "multi_turn.": "multi-turn is configured with rollout.multi_turn and tools here (docs/tools.md)",
     R + "agent.": "verl's agent loops: rollout.multi_turn and tools here (docs/tools.md)",
@@ -325,7 +320,7 @@ UNMAPPED: dict[str, str] = {
     A + "loss_scale_factor": "a constant loss scale (seq-mean-token-sum-norm's divisor here is the response budget)",
     A + "use_rollout_log_probs": "vLLM's log-probs as the old policy: algorithm.use_rollout_logprobs here, for one PPO epoch and mini-batch",
     A + "veomni.": "VeOmni's other engine settings are set by this trainer",
-    "algorithm.rollout_correction.": "rollout_correction.* here has other names (docs/algorithms.md)",
+    "algorithm.rollout_correction.": "not a key of verl 1dda039's rollout_correction (rollout_is, rollout_is_threshold, rollout_is_batch_normalize, rollout_rs, rollout_rs_threshold, bypass_mode, loss_type): an older verl's setting (verl 1dda039 refuses it too)",
     "distillation.": "verl's other distillation settings",
     "async_training.": "verl's fully asynchronous trainer",
     "rollout.": "verl's fully asynchronous trainer's rollout section",

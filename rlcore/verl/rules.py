@@ -1,5 +1,6 @@
 """The registry of conversion rules: a rule converts the verl keys it names (more than a copy: verl's
-semantics turned into this project's), in registration order (rules_run.py, then rules_train.py).
+semantics turned into this project's), in registration order (rules_run.py, rules_train.py,
+rules_recipes.py, then rules_reward.py).
 
 ``@rule({verl key: (this key, meaning)})`` registers a function ``f(converter)``; its keys enter
 keys.RULE_KEYS (the doc's table) and are settled once it has run. A key ending in ``.*`` names
@@ -15,7 +16,8 @@ from rlcore.verl import keys as K
 RULES: list[Callable] = []
 # the order the rule modules run in, whatever order they were imported in (batch sizes and lengths
 # before the optimizer's steps, the rollout budget before DAPO's overlong shaping)
-MODULES = ("rlcore.verl.rules_run", "rlcore.verl.rules_train", "rlcore.verl.rules_recipes")
+MODULES = ("rlcore.verl.rules_run", "rlcore.verl.rules_train", "rlcore.verl.rules_recipes",
+           "rlcore.verl.rules_reward")
 
 
 def rule(table: dict[str, tuple[str, str]]) -> Callable:

@@ -1,27 +1,12 @@
-"""Conversion rules for verl's reward settings, DAPO's overlong shaping, on-policy distillation
-(``distillation.*`` -> ``distill.*``) and the partial-rollout recipe (verl 1dda039, verl-recipe)."""
+"""Conversion rules for DAPO's overlong shaping, on-policy distillation (``distillation.*`` ->
+``distill.*``) and the partial-rollout recipe (verl 1dda039, verl-recipe); verl's reward itself is
+rules_reward.py's."""
 
 from __future__ import annotations
 
 from rlcore.verl.keys import A
 from rlcore.verl.rules import rule
 from rlcore.verl.rules_train import OVERLONG, overlong_on
-
-MANAGERS = {"naive": "rule scoring of each response", "dapo": "rule scoring, with DAPO's overlong shaping below"}
-
-
-@rule({"reward.reward_manager.name": ("(reward scoring)", "naive / dapo: rule scoring, as the reward here; others "
-                                      "(prime, batch, gdpo, ...): unmapped"),
-       "reward_model.reward_manager": ("(reward scoring)", "verl's older place of reward.reward_manager.name")})
-def reward_manager(c):
-    for key in ("reward.reward_manager.name", "reward_model.reward_manager"):
-        name = c.get(key) if c.given(key) else None
-        if name is None:
-            continue
-        if name in MANAGERS:
-            c.ignore(key, f"{name}: {MANAGERS[name]}")
-        else:
-            c.refuse(key, f"verl's {name} reward manager scores in its own way: reward.components / reward.fn here")
 
 
 @rule({p + k: ("algorithm.overlong_" + ("buffer_len" if k != "penalty_factor" else "penalty_factor"),
@@ -56,28 +41,6 @@ def overlong(c):
     for key in used:
         if not key.startswith(prefix) and key != max_key:
             c.ignore(key, f"verl reads the overlong settings at {prefix}* here")
-
-
-@rule({})
-def default_reward(c):
-    """verl scores a row by its data_source (verl/utils/reward_score/__init__.py default_compute_score);
-    the reward component that does the same here is issue 65's: until it lands, said on every conversion."""
-    if not any(k.startswith(("custom_reward_function.", "reward.custom_reward_function.")) for k in c.v):
-        c.note("reward: verl scores each row by its data_source (default_compute_score: gsm8k's strict '#### N', "
-               "math_dapo's +-1, geo3k's format term, ...); this project's reward.components default (math) applies "
-               "until its verl component lands (issue 65): check reward.components before training")
-
-
-@rule({"custom_reward_function.*": ("reward.fn", "verl's compute_score(data_source, solution_str, ground_truth, "
-                                    "extra_info): pending verl's signature in reward.fn (issue 65)"),
-       "reward.custom_reward_function.*": ("reward.fn", "as custom_reward_function.*")})
-def custom_reward(c):
-    for key in [k for k in c.v if k.startswith(("custom_reward_function.", "reward.custom_reward_function."))]:
-        if key.endswith(".path") and c.get(key) is None:
-            c.ignore(key, "null: verl's default reward")
-        else:
-            c.refuse(key, "verl's custom reward function (compute_score(data_source, solution_str, ground_truth, "
-                     "extra_info)): reward.fn here takes another signature (rlcore/task/rewards.py); port the function")
 
 
 TEACHER = "distillation.teacher_models."

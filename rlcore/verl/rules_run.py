@@ -447,4 +447,7 @@ def override_config(c):
             c.ignore(key, "dropout 0: the model runs with its config.json's dropout here, 0.0 for Qwen/Llama/Mistral/"
                      "DeepSeek (a config with dropout > 0 would train with it)")
         else:
-            c.refuse(key, "the model's config.json is used as is")
+            c.refuse(key, "the model's config.json is used as is (a max_position_embeddings override raises vLLM's "
+                     "context limit and, with RoPE scaling, its base): edit config.json in a copy of the model folder "
+                     "and point model.path at it" if key.endswith("max_position_embeddings") else
+                     "the model's config.json is used as is: edit it in a copy of the model folder")

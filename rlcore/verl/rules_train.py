@@ -228,7 +228,8 @@ def _threshold(text) -> tuple[float | None, float]:
                                                    "seq_mean_k3, ...); several: unmapped"),
        "algorithm.rollout_correction.rollout_rs_threshold": ("rollout_correction.rs_threshold", "its bound (k1: "
                                                              "lower_upper -> rs_low / rs_threshold)"),
-       "algorithm.rollout_correction.rollout_is_batch_normalize": ("(none)", "False only (True: unmapped)"),
+       "algorithm.rollout_correction.rollout_is_batch_normalize": ("rollout_correction.is_batch_normalize", "the "
+                                                                  "weights divided by their batch mean (with rollout_is)"),
        "algorithm.rollout_correction.bypass_mode": ("(none)", "False only (True: unmapped)"),
        "algorithm.rollout_correction.loss_type": ("(none)", "read by verl only with bypass_mode=True")})
 def rollout_correction(c):
@@ -248,13 +249,18 @@ def rollout_correction(c):
         c.refuse(p + "rollout_is", "token or sequence here")
     else:
         c.ignore(p + "rollout_is_threshold", "read by verl only with rollout_is set")
+    norm = p + "rollout_is_batch_normalize"
+    if level in ("token", "sequence") and c.get(norm):  # rollout_corr_helper.py:627-656
+        c.put("rollout_correction.is_batch_normalize", True, c.said(norm), norm)
+    else:
+        c.ignore(norm, "False: as here" if not c.get(norm) else "read by verl only with rollout_is set")
     _rejection(c, p)
-    for key, why in (("rollout_is_batch_normalize", "normalising the importance weights to mean 1 per batch"),
-                     ("bypass_mode", "verl's bypass mode: the rollout's log-probs as the old policy, its own loss")):
-        if c.get(p + key):
-            c.refuse(p + key, why)
-        else:
-            c.ignore(p + key, "False: as here")
+    if c.get(p + "bypass_mode"):  # core_algos.py:2413-2540, rollout_corr_helper.py:1109-1146
+        c.refuse(p + "bypass_mode", "verl's bypass mode: vLLM's log-probs as the old policy, the importance weights "
+                 "and rejection recomputed against the current policy in every micro-batch's loss (loss_type "
+                 "ppo_clip or reinforce); here they are computed once per step against the old policy")
+    else:
+        c.ignore(p + "bypass_mode", "False: as here")
     c.ignore(p + "loss_type", "read by verl only with bypass_mode=True")
 
 
@@ -267,7 +273,8 @@ def _rejection(c, p: str) -> None:
         return
     rs = str(rs).strip("'\"")
     if rs not in RS_MODES:
-        c.refuse(p + "rollout_rs", f"one criterion here ({', '.join(RS_MODES)})")
+        c.refuse(p + "rollout_rs", f"one criterion here ({', '.join(RS_MODES)})" if "," in rs else
+                 f"no criterion {rs!r}: verl 1dda039 has the same ones as here ({', '.join(RS_MODES)})")
         return
     c.put("rollout_correction.rs", rs, c.said(p + "rollout_rs"), p + "rollout_rs")
     low, high = _threshold(c.get(p + "rollout_rs_threshold"))

@@ -1,6 +1,7 @@
 """torchrun worker for tests/test_validation.py: rlcore.step.validation.validate on 2 CPU ranks (tp=1:
 two replicas, then tp=2: one replica over both ranks) against a recount of the same generations
-gathered from every rank. Also holds the reward functions the tests load by file path.
+gathered from every rank, overall and per data_source (the rows get one of two, as verl's rows
+carry theirs). Also holds the reward functions the tests load by file path.
 
     torchrun --nproc_per_node=2 tests/workers/validation_worker.py MODEL VAL_JSONL OUT_JSON
 """
@@ -15,6 +16,7 @@ import json
 import sys
 
 N, MAX_SAMPLES, SEED, MAX_TOKENS = 3, 11, 7, 4
+SOURCES = ("openai/gsm8k", "lighteval/MATH")  # every third prompt the second
 
 
 def first_is_digit(response: str, answer: str) -> float:
@@ -34,7 +36,7 @@ def recount(rollout, tokenizer, prompts) -> dict:
     greedy = [g[0] for g in rollout.generate(ids, n=1, temperature=0.0, max_tokens=MAX_TOKENS)]
     sampled = rollout.generate(ids, n=N, temperature=1.0, max_tokens=MAX_TOKENS, seed=SEED)
     dec = lambda s: tokenizer.decode(s.response_ids, skip_special_tokens=True)  # noqa: E731
-    return {"tp_rank": rollout.tp_rank, "answers": [p.answer for p in mine],
+    return {"tp_rank": rollout.tp_rank, "answers": [p.answer for p in mine], "sources": [p.row["data_source"] for p in mine],
             "greedy": [dec(s) for s in greedy], "greedy_len": [len(s.response_ids) for s in greedy],
             "sampled": [[dec(s) for s in group] for group in sampled]}
 
@@ -46,10 +48,19 @@ def expected_metrics(parts: list[dict]) -> dict:
     greedy = [first_is_digit(r, a) for p in parts for r, a in zip(p["greedy"], p["answers"])]
     groups = [[first_is_digit(r, a) for r in g] for p in parts for g, a in zip(p["sampled"], p["answers"])]
     lens = [n for p in parts for n in p["greedy_len"]]
-    return {"val/num_prompts": len(answers), "val/accuracy": sum(greedy) / len(greedy),
-            "val/reward_mean": sum(greedy) / len(greedy), "val/response_len_mean": sum(lens) / len(lens),
-            f"val/mean@{N}": sum(map(sum, groups)) / (N * len(groups)),
-            f"val/pass@{N}": sum(max(g) for g in groups) / len(groups), "val/errors": 0.0}
+    out = {"val/num_prompts": len(answers), "val/accuracy": sum(greedy) / len(greedy),
+           "val/reward_mean": sum(greedy) / len(greedy), "val/response_len_mean": sum(lens) / len(lens),
+           f"val/mean@{N}": sum(map(sum, groups)) / (N * len(groups)),
+           f"val/pass@{N}": sum(max(g) for g in groups) / len(groups), "val/errors": 0.0}
+    sources = [s for p in parts for s in p["sources"]]
+    for name in SOURCES:  # the same counts over each source's prompts
+        at = [i for i, s in enumerate(sources) if s == name]
+        out.update({f"val/{name}/num_prompts": len(at), f"val/{name}/accuracy": sum(greedy[i] for i in at) / len(at),
+                    f"val/{name}/reward_mean": sum(greedy[i] for i in at) / len(at),
+                    f"val/{name}/mean@{N}": sum(sum(groups[i]) for i in at) / (N * len(at)),
+                    f"val/{name}/reward_mean@{N}": sum(sum(groups[i]) for i in at) / (N * len(at)),
+                    f"val/{name}/pass@{N}": sum(max(groups[i]) for i in at) / len(at)})
+    return out
 
 
 def main(model: str, val_file: str, out: str) -> None:
@@ -66,6 +77,8 @@ def main(model: str, val_file: str, out: str) -> None:
     info = init_distributed("cpu")
     tokenizer = AutoTokenizer.from_pretrained(model)
     prompts, _ = load_prompts([val_file], DataConfig(max_prompt_length=16), tokenizer)
+    for i, p in enumerate(prompts):
+        p.row["data_source"] = SOURCES[i % 3 == 0]
     scorer = Scorer(RewardConfig(fn=f"{__file__}:first_is_digit"))
     settings = ValSettings(n=N, temperature=1.0, max_tokens=MAX_TOKENS, max_samples=MAX_SAMPLES,
                            num_examples=2, seed=SEED)
