@@ -253,6 +253,34 @@ def test_no_effect_keys_at_another_value_change_training(override, capsys):
     assert rc == 2 and override in err
 
 
+def _model_folder(tmp_path, **config) -> str:
+    folder = tmp_path / "model"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"model_type": "qwen3", **config}))
+    return str(folder)
+
+
+def test_max_position_embeddings_override_is_decided_from_the_models_rope(tmp_path, capsys):
+    """verl sets override_config on the trainer's HF config only (verl/workers/config/model.py:204-220) and
+    bounds vLLM's max_model_len by it (vllm_async_server.py:993-1002). With RoPE that does not read it
+    nothing trained changes (a comment); with rope_scaling, or a model that is not here, it is class 3."""
+    key = M + "override_config.max_position_embeddings"
+    plain = _model_folder(tmp_path, rope_scaling=None, text_config={"rope_scaling": {"rope_type": "default"}})
+    argv = ["--", *BASE, M + f"path={plain}", "data.max_prompt_length=512", "data.max_response_length=512"]
+    cfg, text, _ = yaml_of([*argv, f"{key}=32768"], capsys)
+    assert "max_position_embeddings" not in json.dumps({k: v for k, v in cfg.items() if k != "model"}) \
+        and set(cfg["model"]) <= {"path", "gradient_checkpointing", "dtype"} and f"{key}=32768: 32768: verl sets it on the trainer's config" in text
+    rc, _, err = convert([*argv, f"{key}=1000"], capsys)  # below prompt + response: verl refuses it too
+    assert rc == 2 and "is below rollout.max_model_len=1024" in err
+    yarn = tmp_path / "yarn"
+    yarn.mkdir()
+    (yarn / "config.json").write_text(json.dumps({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}))
+    rc, _, err = convert(["--", *BASE, M + f"path={yarn}", f"{key}=32768"], capsys)
+    assert rc == 2 and "reads max_position_embeddings" in err
+    rc, _, err = convert(["--", *BASE, M + "path=Qwen/Qwen3-8B", f"{key}=32768"], capsys)
+    assert rc == 2 and "is not a local model folder here" in err
+
+
 # ----------------------------------------------------------------------------- verl's reward
 
 

@@ -440,14 +440,53 @@ def chat_template_kwargs(c):
 
 
 @rule({M + "override_config.*": ("(none)", "dropout set to 0: models here run with config.json's dropout, 0.0 in "
-                                 "Qwen/Llama/Mistral/DeepSeek configs; any other override: unmapped")})
+                                 "Qwen/Llama/Mistral/DeepSeek configs; max_position_embeddings: no effect when the local "
+                                 "model's RoPE does not read it; any other override: unmapped")})
 def override_config(c):
     for key in [k for k in c.v if k.startswith(M + "override_config.")]:
         if ("dropout" in key or key.endswith("pdrop")) and c.get(key) in (0, 0.0):
             c.ignore(key, "dropout 0: the model runs with its config.json's dropout here, 0.0 for Qwen/Llama/Mistral/"
                      "DeepSeek (a config with dropout > 0 would train with it)")
+        elif key.endswith(".max_position_embeddings"):
+            max_position_embeddings(c, key)
         else:
-            c.refuse(key, "the model's config.json is used as is (a max_position_embeddings override raises vLLM's "
-                     "context limit and, with RoPE scaling, its base): edit config.json in a copy of the model folder "
-                     "and point model.path at it" if key.endswith("max_position_embeddings") else
-                     "the model's config.json is used as is: edit it in a copy of the model folder")
+            c.refuse(key, "the model's config.json is used as is: edit it in a copy of the model folder")
+
+
+def max_position_embeddings(c, key: str) -> None:
+    """verl sets the override on the trainer's HF config only (verl/workers/config/model.py:204-220; vLLM gets
+    no hf_overrides from it, vllm_async_server.py:282-323) and bounds vLLM's max_model_len by it
+    (vllm_async_server.py:993-1002). With RoPE that does not read it (no rope_scaling: the rotary table is
+    computed per position) nothing trained changes, and vLLM's context here is rollout.max_model_len. With
+    rope_scaling (YaRN, dynamic NTK, longrope read max_position_embeddings) it changes the positions' encoding,
+    and a model folder that is not here cannot be read: unmapped in both cases."""
+    limit, path = c.integer(key), c.get(M + "path")
+    config = _local_config(path)
+    if config is None:
+        c.refuse(key, f"model.path {path!r} is not a local model folder here, so whether its RoPE reads "
+                      f"max_position_embeddings cannot be told: download the model, set the script's model path to the "
+                      f"folder and convert again")
+        return
+    scaling = [cfg.get("rope_scaling") for cfg in (config, config.get("text_config") or {}) if cfg.get("rope_scaling")]
+    scaling = [s for s in scaling if s.get("rope_type", s.get("type")) not in (None, "default", "mrope")]
+    if scaling:
+        c.refuse(key, f"the model's rope_scaling {scaling[0]} reads max_position_embeddings, so the override changes "
+                      f"the positions' encoding: edit config.json in a copy of the model folder and point model.path at it")
+        return
+    context = c.out.get("rollout.max_model_len", (None,))[0]
+    if context is not None and context > limit:
+        raise BadInput(f"{key}={limit} is below rollout.max_model_len={context} (prompt + response): verl refuses "
+                       f"this too (vllm_async_server.py:998-1001); raise the override or shorten the lengths")
+    c.ignore(key, f"{limit}: verl sets it on the trainer's config only, and this model's RoPE ({path}) does not read "
+                  f"it; vLLM's context is rollout.max_model_len" + (f" ({context})" if context is not None else ""))
+
+
+def _local_config(path) -> dict | None:
+    import json
+    import os
+
+    try:
+        with open(os.path.join(str(path), "config.json")) as f:
+            return json.load(f)
+    except (OSError, ValueError, TypeError):
+        return None
