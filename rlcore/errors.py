@@ -16,6 +16,7 @@ class Exit(IntEnum):
     CONFIG = 2  # bad configuration or input data, reported before any model loads (or at the bad row)
     NON_FINITE = 3  # trainer.max_consecutive_skips steps in a row had a non-finite loss or gradient norm
     SYNC_MISMATCH = 4  # rollout.check_sync=strict: after a weight sync vLLM scored the probe unlike the trainer
+    AGENT_FAILURES = 5  # rollout.agent: more than max_failure_frac of a step's episodes failed (the agent is broken)
     PREEMPTED = 75  # stopped by SIGTERM/SIGUSR1 after writing a checkpoint: resume with checkpoint.resume=auto
     GRACE_EXPIRED = 76  # stop signal, but no checkpoint within trainer.preempt_grace_s: the previous one is intact
     ORPHANED = 77  # the launcher (torchrun) died, e.g. kill -9: the rank ended itself (rlcore/run/ownership.py)

@@ -1,0 +1,230 @@
+"""The agent workers' zygote: a fresh interpreter (started by path, not forked from the trainer, which
+holds a vLLM engine and torch's threads) that imports the user's agent once and forks one child per
+episode. Standard library only: it imports nothing of rlcore, so a user's module starts fast.
+
+    python zygote.py        # by rlcore.agent.workers.ProcessRunner; JSON lines both ways
+
+stdin, first line: ``{"entry": "path.py:fn" | "pkg.module:fn", "sys_path": [...], "preload": [...],
+"kwargs": {...}}``; the answer is ``{"ready": true}`` or ``{"error": "..."}``. Then commands:
+``{"op": "run", "id": k, "call": {...}}`` forks a child that runs ``fn(**call, **kwargs)`` (an
+``async def`` through ``asyncio.run``) and ``{"op": "kill", "id": k}`` kills the child's process
+group. stdout: one ``{"id": k, "ok": bool, "reward": float | null, "error": str | null}`` per run,
+whatever the child did (returned, raised, exited, was killed, crashed). On stdin's end (the trainer
+exited or died) every child is killed and the zygote exits.
+
+A child runs in its own session (its subprocesses die with it on a kill), dies with the zygote
+(PR_SET_PDEATHSIG), has stdin closed and its stdout sent to stderr (the protocol's pipe is not its).
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import inspect
+import json
+import os
+import select
+import signal
+import sys
+import traceback
+
+_PR_SET_PDEATHSIG = 1
+
+
+def load_entry(ref: str):
+    """``path/to/file.py:fn`` (loaded by path, without importing its package) or ``pkg.module:fn``."""
+    where, _, name = ref.rpartition(":")
+    if not where or not name:
+        raise ValueError(f"{ref!r}: give path/to/file.py:function or package.module:function")
+    if where.endswith(".py"):
+        spec = importlib.util.spec_from_file_location(f"rlcore_agent_{os.path.basename(where)[:-3]}", where)
+        if spec is None or spec.loader is None:
+            raise ValueError(f"{where!r} cannot be loaded as a Python file")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module
+        spec.loader.exec_module(module)
+    else:
+        module = importlib.import_module(where)
+    fn = getattr(module, name, None)
+    if not callable(fn):
+        raise ValueError(f"{where} has no function {name!r}")
+    return fn
+
+
+def call_kwargs(fn, offered: dict) -> dict:
+    """The arguments ``fn`` takes of those offered (all of them when it has ``**kwargs``)."""
+    params = inspect.signature(fn).parameters
+    if any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        return dict(offered)
+    return {k: v for k, v in offered.items() if k in params}
+
+
+def as_reward(value):
+    """What the agent returned as a reward: a number, None (the reward components score the final
+    answer), or a dict with a "reward" entry."""
+    if isinstance(value, dict):
+        value = value.get("reward")
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"the agent returned {type(value).__name__} {value!r:.80}; return a number, None or "
+                        "{'reward': number}")
+    return float(value)
+
+
+def run_episode(fn, kwargs: dict) -> dict:
+    """One episode in this process: the result line, never an exception."""
+    try:
+        if inspect.iscoroutinefunction(fn):
+            import asyncio
+
+            value = asyncio.run(fn(**kwargs))
+        else:
+            value = fn(**kwargs)
+        return {"ok": True, "reward": as_reward(value), "error": None}
+    except BaseException as e:  # noqa: BLE001 - the agent's failure is reported, whatever it is
+        lines = traceback.format_exception(type(e), e, e.__traceback__)
+        return {"ok": False, "reward": None, "error": "".join(lines)[-2000:]}
+
+
+def _child(fn, call: dict, extra: dict, out_fd: int) -> None:
+    os.setsid()
+    try:
+        import ctypes
+
+        ctypes.CDLL(None).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    except (OSError, AttributeError):
+        pass
+    devnull = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(devnull, 0)
+    os.dup2(2, 1)
+    result = run_episode(fn, call_kwargs(fn, {**call, **extra}))
+    data = json.dumps(result, default=str).encode()
+    while data:
+        data = data[os.write(out_fd, data):]
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+class Zygote:
+    def __init__(self, fn, extra: dict):
+        self.fn, self.extra = fn, extra
+        self.children: dict[int, dict] = {}  # id -> {"pid", "fd", "buf", "exit"}
+
+    def emit(self, line: dict) -> None:
+        sys.stdout.write(json.dumps(line, default=str) + "\n")
+        sys.stdout.flush()
+
+    def start(self, eid: int, call: dict) -> None:
+        r, w = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            os.close(r)
+            sys.stdin.close()
+            self._child_entry(call, w)
+        os.close(w)
+        os.set_blocking(r, False)
+        self.children[eid] = {"pid": pid, "fd": r, "buf": b"", "exit": None, "eof": False}
+
+    def _child_entry(self, call: dict, w: int) -> None:
+        try:
+            _child(self.fn, call, self.extra, w)
+        finally:
+            os._exit(70)
+
+    def kill(self, eid: int) -> None:
+        child = self.children.get(eid)
+        if child is not None:
+            try:
+                os.killpg(child["pid"], signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+    def read_child(self, eid: int) -> None:
+        """What the child's pipe holds now (its result is written before it exits)."""
+        child = self.children[eid]
+        while not child["eof"]:
+            try:
+                chunk = os.read(child["fd"], 1 << 16)
+            except BlockingIOError:
+                return
+            if chunk:
+                child["buf"] += chunk
+            else:
+                child["eof"] = True
+
+    def reap(self) -> None:
+        """Children that exited: their result (a process the child left behind may hold the pipe
+        open, so the exit, not the pipe's end, is what finishes an episode)."""
+        for eid, child in list(self.children.items()):
+            pid, status = os.waitpid(child["pid"], os.WNOHANG)
+            if not pid:
+                continue
+            child["exit"] = status
+            self.read_child(eid)
+            os.close(child["fd"])
+            self.emit({"id": eid, **self._result(child)})
+            del self.children[eid]
+
+    @staticmethod
+    def _result(child: dict) -> dict:
+        try:
+            return json.loads(child["buf"])
+        except ValueError:
+            status = child["exit"]
+            how = (f"killed by signal {os.WTERMSIG(status)}" if os.WIFSIGNALED(status)
+                   else f"exited with code {os.WEXITSTATUS(status)}")
+            return {"ok": False, "reward": None, "error": f"the agent's process {how} before it returned"}
+
+    def serve(self) -> None:
+        stdin = sys.stdin.fileno()
+        pending = b""
+        while True:
+            fds = [stdin] + [c["fd"] for c in self.children.values() if not c["eof"]]
+            ready, _, _ = select.select(fds, [], [], 0.02)
+            for fd in ready:
+                if fd == stdin:
+                    chunk = os.read(stdin, 1 << 16)
+                    if not chunk:
+                        return self.shutdown()
+                    pending += chunk
+                    while b"\n" in pending:
+                        line, pending = pending.split(b"\n", 1)
+                        self.command(json.loads(line))
+                else:
+                    eid = next(k for k, c in self.children.items() if c["fd"] == fd and not c["eof"])
+                    self.read_child(eid)
+            self.reap()
+
+    def command(self, cmd: dict) -> None:
+        if cmd["op"] == "run":
+            self.start(cmd["id"], cmd["call"])
+        elif cmd["op"] == "kill":
+            self.kill(cmd["id"])
+
+    def shutdown(self) -> None:
+        for eid in list(self.children):
+            self.kill(eid)
+        os._exit(0)
+
+
+def main() -> None:
+    setup = json.loads(sys.stdin.readline())
+    sys.path[:0] = setup.get("sys_path", [])
+    try:
+        for name in setup.get("preload", []):
+            importlib.import_module(name)
+        fn = load_entry(setup["entry"])
+    except BaseException as e:  # noqa: BLE001 - reported to the trainer, which stops with it
+        line = {"error": "".join(traceback.format_exception_only(type(e), e)).strip()[-2000:]}
+        sys.stdout.write(json.dumps(line) + "\n")
+        sys.stdout.flush()
+        return
+    sys.stdout.write(json.dumps({"ready": True}) + "\n")
+    sys.stdout.flush()
+    Zygote(fn, setup.get("kwargs", {})).serve()
+
+
+if __name__ == "__main__":
+    main()
