@@ -50,7 +50,8 @@ class Episode:
     tool_calls: int = 0  # calls the model made (parsed by the tool parser)
     final_ids: list[int] = field(default_factory=list)  # the last completion's sampled ids
     env_reward: float | None = None  # what the agent returned (None: the reward components score final_ids)
-    finish: str | None = None  # None while running
+    finish: str | None = None  # None while running (and when cancelled)
+    version: int = 0  # partial rollouts: the policy version that ran it (its tokens' staleness)
     failure: str | None = None  # one of FAILURES when finish == "failed"
     error: str | None = None  # the agent's traceback or the endpoint's reason, cut
     # Serving state (not plain data: dropped by plain()): the append check's view of the last
@@ -59,6 +60,7 @@ class Episode:
     closed: bool = False
     over_budget: bool = False
     admitted: int = 0  # requests admitted into the engine (request k's seed key ends in /k)
+    cancelled: bool = False  # partial rollouts: stopped by the step's stop rule, to run again
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     # ------------------------------------------------------------------ the Conversation interface
@@ -73,7 +75,7 @@ class Episode:
 
     @property
     def response_ids(self) -> list[int]:
-        return self.last.response_ids
+        return self.last.response_ids if self.segments or self.finish is not None else []  # [] before it ran
 
     @property
     def env_mask(self) -> list[int]:
@@ -88,6 +90,11 @@ class Episode:
         return self.requests
 
     tool_errors = tool_timeouts = malformed = 0  # the built-in loop's counts: the agent's own business here
+
+    @property
+    def versions(self) -> list[int]:
+        """The policy version of each of the row's tokens (none before the episode ran)."""
+        return [self.version] * len(self.response_ids) if self.segments else []
 
     def final_text_ids(self) -> list[int]:
         return list(self.final_ids)
@@ -147,7 +154,7 @@ class Episode:
 
     def plain(self) -> dict:
         """The recorded data (to share with TP peers, to checkpoint with partial rollouts)."""
-        skip = {"history", "closed", "over_budget", "admitted", "lock"}
+        skip = {"history", "closed", "over_budget", "admitted", "cancelled", "lock"}
         out = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in skip}
         out["segments"] = [vars(s).copy() for s in self.segments]
         return out
@@ -162,7 +169,8 @@ class Episode:
 
 def episode_metrics(episodes: list[Episode]) -> dict[str, float]:
     """This rank's sums (all-reduced by the caller): requests, segments, append-only requests, prompt
-    and cached tokens, latency, failures by kind."""
+    and cached tokens, latency, failures by kind; cancelled episodes (partial rollouts) left out."""
+    episodes = [ep for ep in episodes if not ep.cancelled]
     out = {"episodes": float(len(episodes)), "served": float(sum(ep.requests > 0 for ep in episodes)), "requests": 0.0, "segments": 0.0, "appended": 0.0,
            "prompt_tokens": 0.0, "cached_tokens": 0.0, "latency_s": 0.0, "failures": 0.0, "length": 0.0}
     out.update({f"failure_{k}": 0.0 for k in FAILURES})
@@ -189,6 +197,6 @@ def summarise(total: dict[str, float]) -> dict[str, float]:
            "agent/segments_mean": total["segments"] / n,
            "agent/append_only_frac": total["appended"] / later if later > 0 else 1.0,
            "agent/cached_prompt_frac": total["cached_tokens"] / max(total["prompt_tokens"], 1.0),
-           "agent/latency_s_mean": total["latency_s"] / req, "agent/length_frac": total["length"] / n}
+           "timing/agent_request_s": total["latency_s"] / req, "agent/length_frac": total["length"] / n}
     out.update({f"agent/failures_{k}": total[f"failure_{k}"] for k in FAILURES if total[f"failure_{k}"]})
     return out

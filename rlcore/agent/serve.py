@@ -63,9 +63,15 @@ class EndpointAgent:
 
     # ------------------------------------------------------------------ the call
 
+    def start(self, prompt_ids: list[int], row: dict | None, n: int) -> list[Episode]:
+        """A group's n episodes before they run (partial rollouts keep them in their pool)."""
+        return [Episode(k, list(prompt_ids)) for k in range(n)]
+
     def run(self, rollout, prompts: list[list[int]], rows: list, *, n: int, seed: int, sampling: dict,
-            per_turn_tokens: int) -> list[list[Episode]]:
-        """For each prompt (its row) its ``n`` episodes, run to the end."""
+            per_turn_tokens: int, stop=None) -> list[list[Episode]]:
+        """For each prompt (its row) its ``n`` episodes, run to the end; or, with ``stop`` (partial
+        rollouts: ``stop(groups done, episodes running) -> bool``, called on every rank once per loop,
+        collective), until it says so: the episodes still running are then cancelled (``cancelled``)."""
         episodes = [Episode(k, list(prompts[k // n])) for k in range(len(prompts) * n)]
         self.service.sampling = {"temperature": sampling["temperature"], "top_p": sampling.get("top_p", 1.0),
                                  "top_k": sampling.get("top_k", -1)}
@@ -73,9 +79,9 @@ class EndpointAgent:
         self.stats = {"generate_s": [], "tool_s": 0.0, "turn_lengths": []}
         start = time.perf_counter()
         if self.leader:
-            self._serve(episodes, [rows[k // n] for k in range(len(episodes))], seed)
+            self._serve(episodes, [rows[k // n] for k in range(len(episodes))], seed, n, stop)
         else:
-            _replay(self)
+            _replay(self, stop)
         if self.tp_size > 1:
             episodes = self._follow(episodes if self.leader else None)
         self.stats["serve_s"] = time.perf_counter() - start
@@ -83,7 +89,7 @@ class EndpointAgent:
         self.check_failures(episodes)
         return [episodes[i * n: (i + 1) * n] for i in range(len(prompts))]
 
-    def _serve(self, episodes: list[Episode], rows: list, seed: int) -> None:
+    def _serve(self, episodes: list[Episode], rows: list, seed: int, n: int, stop) -> None:
         from rlcore.agent.endpoint import Endpoint
 
         runner = self._runner()
@@ -97,7 +103,7 @@ class EndpointAgent:
                             "seed": f"{seed}/{ep.index}"} for (key, ep), row in zip(keys.items(), rows)}
         if self.sandbox is not None:
             calls = {k: {**c, "sandbox_url": endpoint.base_url[: -len("/v1")]} for k, c in calls.items()}
-        loop = _Loop(self, episodes, calls, runner, seed, base)
+        loop = _Loop(self, episodes, calls, runner, seed, base, n, stop)
         try:
             loop.run()
         finally:
@@ -157,9 +163,10 @@ class EndpointAgent:
 class _Loop:
     """One call's serving loop on the leader's main thread (see the module docstring, step 3)."""
 
-    def __init__(self, agent: EndpointAgent, episodes: list[Episode], calls: dict, runner, seed: int, base: int):
+    def __init__(self, agent: EndpointAgent, episodes: list[Episode], calls: dict, runner, seed: int, base: int,
+                 n: int = 1, stop=None):
         self.agent, self.episodes, self.calls, self.runner, self.seed = agent, episodes, calls, runner, seed
-        self.base = base
+        self.base, self.n, self.stop = base, n, stop
         self.cfg = agent.cfg
         self.waiting = deque(episodes)  # not started yet
         self.deadline: dict[int, float] = {}  # running episodes: index -> time limit
@@ -188,11 +195,19 @@ class _Loop:
                     if job is not None:
                         job.sample = (f.token_ids, f.logprobs, f.finish_reason, f.cached_tokens)
                         job.event.set()
-            elif done:
+            if self.stop is not None:  # partial rollouts: the step's stop rule decides, on every rank
+                if self.stop(self.groups_done(), bool(self.deadline or self.waiting)):
+                    self.release(cancel=True)
+                    return
+            elif done and not step:
                 return
-            else:
+            if not step:
                 agent.wake.wait(_IDLE_S)
                 agent.wake.clear()
+
+    def groups_done(self) -> int:
+        eps, n = self.episodes, self.n
+        return sum(all(e.finish is not None for e in eps[i: i + n]) for i in range(0, len(eps), n))
 
     def collect(self) -> None:
         """The workers' reports: episodes whose agent returned, raised or crashed."""
@@ -267,13 +282,21 @@ class _Loop:
             tail = (ep.error or "").strip().splitlines()[-1:] or [""]
             log.warning("rollout.agent: episode %d failed (%s): %s", ep.index, ep.failure, tail[0][:300])
 
-    def release(self) -> None:
-        """After the call (or on an error): nothing runs on, nothing waits."""
+    def release(self, cancel: bool = False) -> None:
+        """After the call (or on an error): nothing runs on, nothing waits. ``cancel``: the episodes
+        not finished are cancelled (partial rollouts run their groups again), not failed."""
         for eid in list(self.deadline):
             self.runner.kill(self.base + eid)
             ep = self.episodes[eid]
             with ep.lock:
-                ep.end(False, failure="timeout", error="the call ended before the episode")
+                if cancel and ep.finish is None:
+                    ep.cancelled = ep.closed = True
+                else:
+                    ep.end(False, failure="timeout", error="the call ended before the episode")
+        self.deadline.clear()
+        for ep in self.waiting:
+            ep.cancelled = ep.closed = True
+        self.waiting.clear()
         self.agent.steps.abort(list(self.inflight))
         for job in list(self.inflight.values()) + list(self.agent.jobs):
             self.release_job(job)
@@ -296,8 +319,9 @@ def _tell_group(agent: EndpointAgent, message: dict | None) -> bool:
     return all(m["done"] for m in gathered[:: agent.tp_size])
 
 
-def _replay(agent: EndpointAgent) -> None:
-    """A TP rank that is not its group's leader: make the leader's engine calls, in its order."""
+def _replay(agent: EndpointAgent, stop=None) -> None:
+    """A TP rank that is not its group's leader: make the leader's engine calls, in its order (and
+    take part in the stop rule's collective, when there is one)."""
     ids: dict[str, str] = {}  # the leader's request id -> this rank's
     while True:
         done = _tell_group(agent, None)
@@ -307,5 +331,8 @@ def _replay(agent: EndpointAgent) -> None:
         agent.steps.abort([ids.pop(r) for r in told["abort"] if r in ids])
         if told["step"]:
             agent.steps.step()  # finished requests leave the engine; their ids are not reused
-        elif done:
+        if stop is not None:
+            if stop(0, False):
+                return
+        elif done and not told["step"]:
             return

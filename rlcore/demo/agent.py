@@ -30,12 +30,15 @@ def compact(messages: list[dict]) -> list[dict]:
     return [m for m in messages if m["role"] in ("system", "user") or m["role"] == "tool"]
 
 
-def run(row: dict, base_url: str, api_key: str, max_turns: int = 4, call_bonus: float = 0.2) -> float:
+def run(row: dict, base_url: str, api_key: str, max_turns: int = 4, call_bonus: float = 0.2,
+        compact_every: int = 2) -> float:
+    """One episode; ``compact_every`` 0 keeps the history append-only (scripts/bench_agent.py compares
+    that with the built-in loop)."""
     client = _CLIENT.with_options(base_url=base_url, api_key=api_key)
     secret, called = str(row["answer"]), False
     messages = [{"role": "user", "content": row["prompt"]}]
     for turn in range(max_turns):
-        if turn % 2 == 1:
+        if compact_every and turn % compact_every == compact_every - 1:
             messages = compact(messages)
         reply = client.chat.completions.create(model="policy", messages=messages, tools=[LOOKUP]).choices[0].message
         if not reply.tool_calls:
