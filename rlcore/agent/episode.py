@@ -23,7 +23,7 @@ from dataclasses import dataclass, field, fields
 
 # finish: "stop" (the agent returned), "length" (the endpoint refused a request over the context or the
 # episode's request budget: the episode is scored as it stands), "failed" (see FAILURES)
-FAILURES = ("raised", "timeout", "malformed", "crashed", "no_request")
+FAILURES = ("raised", "timeout", "malformed", "crashed")
 
 
 @dataclass

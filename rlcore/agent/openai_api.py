@@ -29,6 +29,12 @@ from dataclasses import dataclass, field
 log = logging.getLogger("rlcore.agent")
 
 
+# Request fields that would change the sampled distribution (or the seed): ignored, logged once.
+_IGNORED = (("frequency_penalty", 0.0), ("presence_penalty", 0.0), ("logit_bias", None), ("seed", None),
+            ("min_p", 0.0), ("repetition_penalty", 1.0), ("min_tokens", 0), ("ignore_eos", False),
+            ("response_format", None), ("structured_outputs", None), ("bad_words", None))
+
+
 class ApiError(Exception):
     """An error response. ``ends``: "malformed" (the episode fails: the agent sent what the endpoint
     cannot serve), "length" (a budget: the episode stops taking requests), None (only this request)."""
@@ -68,6 +74,7 @@ class Job:
     prompt_text: str | None = None
     arrived: float = field(default_factory=time.perf_counter)
     event: threading.Event = field(default_factory=threading.Event)
+    stops: dict = field(default_factory=dict)  # the request's stop strings / stop_token_ids (rollout.serving)
     sample: tuple | None = None  # (ids, logprobs, finish_reason, cached tokens) once served
     error: ApiError | None = None  # or why it was not
 
@@ -180,13 +187,30 @@ class OpenAIService:
 
     def _note_sampling(self, req) -> None:
         """The run's sampling settings hold for every request (GRPO's samples and the trainer's log-probs
-        use them); a request asking for others is served with the run's, said once per setting."""
+        use them); a request asking for others is served with the run's, said once per setting. What
+        would change the sampled distribution otherwise (penalties, logit bias, a grammar, a minimum
+        length, ...) or is the endpoint's own to choose (the seed) is ignored, said once too."""
         for name in ("temperature", "top_p", "top_k"):
             asked = getattr(req, name, None)
-            if asked is not None and asked != self.sampling[name] and name not in self._logged:
-                self._logged.add(name)
-                log.warning("rollout.agent: a request asked %s=%s; every request is served with the run's "
-                            "%s=%s (logged once)", name, asked, name, self.sampling[name])
+            if asked is not None and asked != self.sampling[name]:
+                self._note_once(name, f"rollout.agent: a request asked {name}={asked}; every request is served "
+                                      f"with the run's {name}={self.sampling[name]}")
+        for name, default in _IGNORED:
+            asked = getattr(req, name, default)
+            if asked not in (default, None) and not (name == "response_format" and getattr(asked, "type", "") == "text"):
+                self._note_once(name, f"rollout.agent: a request set {name}={str(asked)[:80]}; the endpoint ignores it "
+                                      "(it would sample from another distribution than the policy's, or the seed "
+                                      "is the run's)")
+        choice = getattr(req, "tool_choice", None)
+        if choice is not None and choice not in ("auto", "none"):
+            self._note_once("tool_choice", f"rollout.agent: tool_choice={str(choice)[:80]} is served as auto (the "
+                                           "model is not constrained to call a tool)")
+
+    @staticmethod
+    def stops(req) -> dict:
+        """The request's stop strings and stop token ids, for the engine."""
+        stop = req.stop if isinstance(req.stop, list) else [req.stop] if req.stop else []
+        return {"stop": [x for x in stop if x], "stop_token_ids": list(getattr(req, "stop_token_ids", None) or [])}
 
     def chat_job(self, episode, req) -> Job:
         messages = [template_message(m) for m in req.messages]
@@ -213,7 +237,8 @@ class OpenAIService:
                                    continue_final=bool(req.continue_final_message))
             ids = renderer.encode(text)
         history = History("chat", key, cmp, [])
-        return Job(episode, "chat", req, ids, delta, self._max_tokens(req, ids), history, renderer)
+        return Job(episode, "chat", req, ids, delta, self._max_tokens(req, ids), history, renderer,
+                   stops=self.stops(req))
 
     def text_job(self, episode, req) -> Job:
         prompt = req.prompt
@@ -234,7 +259,8 @@ class OpenAIService:
             if last is not None and last.kind == "text" and ids[: len(last.ids)] == last.ids:
                 delta = ids[len(last.ids):]
         history = History("text", "", [], [], text=prompt if isinstance(prompt, str) else None)
-        return Job(episode, "text", req, ids, delta, self._max_tokens(req, ids), history, prompt_text=history.text)
+        return Job(episode, "text", req, ids, delta, self._max_tokens(req, ids), history, prompt_text=history.text,
+                   stops=self.stops(req))
 
     def _encode(self, text: str, special: bool) -> list[int]:
         return self.tokenizer(text, add_special_tokens=special)["input_ids"] if text else []
@@ -246,7 +272,7 @@ class OpenAIService:
             raise ApiError(400, f"this request's prompt is {len(ids)} tokens; the context holds "
                            f"{self.max_model_len} (rollout.max_model_len) with room for at least one new token",
                            code="context_length_exceeded", ends="length")
-        asked = getattr(req, "max_completion_tokens", None) or req.max_tokens or self.max_tokens
+        asked = getattr(req, "max_completion_tokens", None) or vars(req).get("max_tokens") or self.max_tokens
         return max(1, min(asked, self.max_tokens, room))
 
     def _renderer(self, key: str, tools, variables):
@@ -277,9 +303,21 @@ class OpenAIService:
         """The completion's text for the parsers: special tokens kept, the closing EOS dropped."""
         return self.tokenizer.decode(ids[:-1] if ids and ids[-1] == self.eos else ids, skip_special_tokens=False)
 
+    @staticmethod
+    def cut(job: Job, text: str) -> str:
+        """The text up to the first of the request's stop strings (with it, with include_stop_str_in_output).
+        A cut text is not what the sampled ids decode to: the next request cannot extend it."""
+        hits = [(text.find(s), s) for s in job.stops.get("stop", []) if s in text]
+        if not hits:
+            return text
+        at, stop = min(hits)
+        job.history.text = None
+        job.history.eos = False
+        return text[: at + (len(stop) if getattr(job.request, "include_stop_str_in_output", False) else 0)]
+
     def chat_response(self, job: Job) -> dict:
         ids, logprobs, finish, cached = job.sample
-        text = self.turn_text(ids)
+        text = self.cut(job, self.turn_text(ids))
         reasoning, content = None, text
         with self._lock:
             if self._reasoning_parser is not None:
@@ -310,6 +348,7 @@ class OpenAIService:
         text = self.tokenizer.decode(ids, skip_special_tokens=True)
         if job.history.text is not None:
             job.history.text += text
+        text = self.cut(job, text)
         lp = None
         if job.request.logprobs is not None:
             tokens = self.tokenizer.convert_ids_to_tokens(ids)

@@ -37,6 +37,7 @@ from collections import deque
 
 from rlcore.agent.episode import Episode, episode_metrics, summarise
 from rlcore.agent.openai_api import ApiError
+from rlcore.agent.zygote import CRASHED
 
 log = logging.getLogger("rlcore.agent")
 _IDLE_S = 0.05  # the loop's wait when the engine is idle and nothing arrived
@@ -216,7 +217,7 @@ class _Loop:
             if not 0 <= eid < len(self.episodes):
                 continue  # an episode of an earlier call, killed at its end
             ep = self.episodes[eid]
-            failure = None if ok else ("crashed" if (error or "").startswith("the agent's process") else "raised")
+            failure = None if ok else ("crashed" if (error or "").startswith(CRASHED) else "raised")
             with ep.lock:
                 ep.end(ok, reward, failure, error)
             self.note(ep)
@@ -257,7 +258,8 @@ class _Loop:
             if over:
                 self.release_job(job)
                 continue
-            request = (job.prompt_ids, f"{self.seed}/{ep.index}/{k}", job.max_tokens, self.agent.service.sampling)
+            request = (job.prompt_ids, f"{self.seed}/{ep.index}/{k}", job.max_tokens,
+                       {**self.agent.service.sampling, **job.stops})
             rid = _submit(self.agent.steps, request)
             self.inflight[rid] = job
             out.append((rid, request))

@@ -36,6 +36,7 @@ import sys
 import traceback
 
 _PR_SET_PDEATHSIG = 1
+CRASHED = "the agent's process"  # how the report of a child that ended without a result begins
 
 
 def load_entry(ref: str):
@@ -182,7 +183,7 @@ class Zygote:
             status = child["exit"]
             how = (f"killed by signal {os.WTERMSIG(status)}" if os.WIFSIGNALED(status)
                    else f"exited with code {os.WEXITSTATUS(status)}")
-            return {"ok": False, "reward": None, "error": f"the agent's process {how} before it returned"}
+            return {"ok": False, "reward": None, "error": f"{CRASHED} {how} before it returned"}
 
     def serve(self) -> None:
         stdin = sys.stdin.fileno()

@@ -6,7 +6,7 @@ Each episode: the question goes to the model with the ``lookup`` tool; a reply t
 gets the row's secret digit as the tool's answer and the model is asked again; a reply without a call
 is the answer, worth 1 when its first word is the secret, plus ``call_bonus`` if the episode called
 the tool (the bonus makes calls common enough early for the model to learn to read the answer, as in
-the tool demo). Every other request the agent compacts its history: the assistant's call is dropped
+the tool demo); no answer within ``max_turns`` replies earns 0. Every other request the agent compacts its history: the assistant's call is dropped
 and only the question and the tool's answer stay (as harnesses summarise long contexts), so the
 trainer's recording sees a history that is not an extension of the last request and trains the
 episode as two segments.
@@ -27,7 +27,7 @@ LOOKUP = {"type": "function", "function": {"name": "lookup", "description": "Rev
 
 def compact(messages: list[dict]) -> list[dict]:
     """The question and the tool answers only: what a summarising harness keeps."""
-    return [m for m in messages if m["role"] in ("system", "user") or m["role"] == "tool"]
+    return [m for m in messages if m["role"] in ("system", "user", "tool")]
 
 
 def run(row: dict, base_url: str, api_key: str, max_turns: int = 4, call_bonus: float = 0.2,
@@ -49,4 +49,4 @@ def run(row: dict, base_url: str, api_key: str, max_turns: int = 4, call_bonus: 
         for call in reply.tool_calls:
             messages.append({"role": "tool", "tool_call_id": call.id,
                              "content": secret if call.function.name == "lookup" else "?"})
-    return call_bonus * called
+    return 0.0  # no answer within max_turns (as the tool demo's SecretEnv: calling forever earns nothing)

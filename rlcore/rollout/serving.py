@@ -38,16 +38,18 @@ class EngineSteps:
         self.count = 0  # requests submitted: their ids, the same on the ranks of a TP group
 
     def submit(self, prompt_ids: list[int], *, seed: str, max_tokens: int, temperature: float, top_p: float = 1.0,
-               top_k: int = -1) -> str:
-        """Queue one request (one sample); returns vLLM's request id."""
+               top_k: int = -1, stop: list[str] | None = None, stop_token_ids: list[int] | None = None) -> str:
+        """Queue one request (one sample); returns its id. ``stop`` strings and ``stop_token_ids`` end
+        it early (vLLM detokenizes only when there are stop strings); they change no probability."""
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
         ro = self.rollout
         ro._require_awake("submit", {"weights", "kv_cache"})
         params = SamplingParams(n=1, temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=max_tokens,
-                                seed=request_seed(seed, ro.dp_rank, 0), stop_token_ids=list(ro._slot_tokens),
-                                logprobs=0, detokenize=False, output_kind=RequestOutputKind.FINAL_ONLY)
+                                seed=request_seed(seed, ro.dp_rank, 0), stop=list(stop or []) or None,
+                                stop_token_ids=[*ro._slot_tokens, *(stop_token_ids or [])], logprobs=0,
+                                detokenize=bool(stop), output_kind=RequestOutputKind.FINAL_ONLY)
         self.count += 1
         rid = f"agent-{self.count}"
         with ro._engine_rng_scope():
