@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -41,6 +42,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--nproc", type=int, default=2)
     p.add_argument("--hidden", type=int, default=128, help="the model's hidden size (128: the tool demo's)")
     p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--max-tokens", type=int, default=3, help="tokens per model turn (3: the tool demo's)")
     p.add_argument("--variants", default=",".join(VARIANTS), help="endpoint variants, workers/batching")
     p.add_argument("--timeout-s", type=float, default=3600)
     return p.parse_args(argv)
@@ -58,20 +60,27 @@ def make_model(root: str, hidden: int, layers: int) -> str:
     return out
 
 
-def configs(model: str, data: str, variants: list[str]) -> dict:
+def configs(model: str, data: str, variants: list[str], max_tokens: int) -> dict:
     """name -> the trainer's config of that side (parsed as a run's would be)."""
     from rlcore.config.cli import parse_config
 
     common = ["--model.path", model, "--data.train_files", f'["{data}"]', "--data.val_files", f'["{data}"]',
-              "--trainer.output_dir", os.path.join(os.path.dirname(data), "out"), "--parallel.device", "cpu"]
+              "--trainer.output_dir", os.path.join(os.path.dirname(data), "out"), "--parallel.device", "cpu",
+              "--rollout.max_response_length", str(max_tokens), "--rollout.max_model_len", str(_context(max_tokens))]
     out = {"builtin": parse_config(["--config", "configs/demo_tool_cpu.yaml", *common,
-                                    "--rollout.multi_turn.stop_on", "[]"])}
+                                    "--rollout.multi_turn.stop_on", "[]",
+                                    "--rollout.multi_turn.max_total_tokens", str(3 * (max_tokens + 8))])}
     for v in variants:
         workers, batching = v.split("/")
         out[v] = parse_config(["--config", "configs/demo_agent_cpu.yaml", *common,
                                "--rollout.agent.kwargs", '{"compact_every": 0, "max_turns": 3, "call_bonus": 0.2}',
                                "--rollout.agent.workers", workers, "--rollout.agent.batching", batching])
     return out
+
+
+def _context(max_tokens: int) -> int:
+    """The context both sides need for 3 turns of ``max_tokens``: the prompt, the turns, the tool answers."""
+    return 64 if max_tokens <= 3 else 32 * -(-(16 + 3 * (max_tokens + 8)) // 32)
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -86,16 +95,19 @@ def worker(args: argparse.Namespace) -> None:
     root = os.environ["BENCH_ROOT"]
     model, data = os.path.join(root, f"tool_{args.hidden}x{args.layers}"), os.path.join(root, "data", "tool_train.jsonl")
     variants = [v for v in args.variants.split(",") if v]
-    cfgs = configs(model, data, variants)
+    cfgs = configs(model, data, variants, args.max_tokens)
     tok = AutoTokenizer.from_pretrained(model)
-    ro = ColocateRollout(model, info, tp_size=1, seed=0, kv_cache_gb=0.25, max_model_len=64)
+    ro = ColocateRollout(model, info, tp_size=1, seed=0, kv_cache_gb=0.25, max_model_len=_context(args.max_tokens))
     agents = {name: agent_wing.build_agent(cfg, tok, ro) for name, cfg in cfgs.items()}
+    engine = _time_engine(ro, agents)
     prompts = _prompts(data, args.prompts, tok)
     times: dict[str, list[float]] = {name: [] for name in agents}
     turns: dict[str, list[float]] = {name: [] for name in agents}
+    in_engine: dict[str, list[float]] = {name: [] for name in agents}
     for call in range(args.calls + 1):
         for name, ag in agents.items():
             barrier()
+            engine.update(s=0.0, calls=0)
             start = time.perf_counter()
             batch = multi_turn_batch(ag, ro, prompts, cfgs[name].rollout, seed=1000 + call)
             seconds = time.perf_counter() - start
@@ -103,13 +115,15 @@ def worker(args: argparse.Namespace) -> None:
             per = seconds / len(batch)
             mean_turns = sum(c.turns for c in batch.conversations) / len(batch)
             bc.say(info.rank, f"call {call}{' (warm-up)' if call == 0 else ''} {name:20s} {seconds:6.2f} s "
-                              f"{per * 1e3:7.2f} ms/sample  {mean_turns:.2f} model turns/sample")
+                              f"{per * 1e3:7.2f} ms/sample  {mean_turns:.2f} model turns/sample  engine "
+                              f"{engine['s']:5.2f} s in {engine['calls']} calls")
             if call > 0:
                 times[name].append(per)
                 turns[name].append(mean_turns)
+                in_engine[name].append(engine["s"] / len(batch))
     for ag in agents.values():
         getattr(ag, "close", lambda: None)()
-    _report(info.rank, times, turns)
+    _report(info.rank, times, turns, in_engine)
 
 
 def _prompts(data: str, count: int, tok) -> list:
@@ -119,13 +133,37 @@ def _prompts(data: str, count: int, tok) -> list:
     return [Prompt(ids=tok(r["prompt"])["input_ids"], answer=r["answer"], text=r["prompt"], row=r) for r in rows]
 
 
-def _report(rank: int, times: dict, turns: dict) -> None:
+def _time_engine(ro, agents: dict) -> dict:
+    """Seconds inside the engine per call: the built-in loop's generate calls, the endpoint's scheduler
+    steps (the rest of a call is the agents, the HTTP side, and waiting for them)."""
+    totals = {"s": 0.0, "calls": 0}
+
+    def timed(fn):
+        def inner(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                totals["s"] += time.perf_counter() - start
+                totals["calls"] += 1
+        return inner
+
+    ro.generate = timed(ro.generate)
+    for ag in agents.values():
+        steps = getattr(ag, "steps", None)
+        if steps is not None:
+            steps.step = timed(steps.step)
+    return totals
+
+
+def _report(rank: int, times: dict, turns: dict, in_engine: dict) -> None:
     base = bc.median(times["builtin"])
     result = {"builtin_ms_per_sample": base * 1e3}
-    bc.say(rank, f"{'side':20s} {'ms/sample':>10s} {'ratio':>6s} {'turns':>6s}")
+    bc.say(rank, f"{'side':20s} {'ms/sample':>10s} {'ratio':>6s} {'turns':>6s} {'engine ms/sample':>17s}")
     for name, xs in times.items():
         m = bc.median(xs)
-        bc.say(rank, f"{name:20s} {m * 1e3:10.2f} {m / base:6.2f} {bc.median(turns[name]):6.2f}")
+        bc.say(rank, f"{name:20s} {m * 1e3:10.2f} {m / base:6.2f} {bc.median(turns[name]):6.2f} "
+                     f"{bc.median(in_engine[name]) * 1e3:17.2f}")
         if name != "builtin":
             result[f"{name}_ms_per_sample"] = m * 1e3
             result[f"{name}_ratio"] = m / base
@@ -140,10 +178,15 @@ def main(argv: list[str]) -> None:
     args = parse_args(argv)
     from rlcore.demo.tool import make_tool_data
 
+    made = "BENCH_ROOT" not in os.environ  # a folder of its own: removed at the end
     root = os.environ.setdefault("BENCH_ROOT", tempfile.mkdtemp(prefix="bench_agent_"))
-    make_model(root, args.hidden, args.layers)
-    make_tool_data(os.path.join(root, "data"), n_train=max(args.prompts, 64), n_val=8)
-    result = bc.run_or_relaunch(__file__, argv, parse_args, worker)
+    try:
+        make_model(root, args.hidden, args.layers)
+        make_tool_data(os.path.join(root, "data"), n_train=max(args.prompts, 64), n_val=8)
+        result = bc.run_or_relaunch(__file__, argv, parse_args, worker)
+    finally:
+        if made:
+            shutil.rmtree(root, ignore_errors=True)
     print(json.dumps(result), flush=True)
 
 

@@ -107,3 +107,15 @@ def test_a_failing_agent_stops_the_run_with_exit_code_5(assets):
     assert rank_exit_codes(out) == {0: 5, 1: 5}, out[-4000:]
     assert "32 of 32 episodes failed (raised 32), more than rollout.agent.max_failure_frac=0.5" in out, out[-4000:]
     assert "KeyError: 'mode'" in out  # the agent's own traceback: its rows have no "mode"
+
+
+def test_bench_agent_runs_at_a_tiny_size():
+    """scripts/bench_agent.py as a user starts it (its figures are read, not tested): its last line holds
+    each side's milliseconds per sample and each endpoint variant's ratio to the built-in loop."""
+    from test_benchmarks import run_bench
+
+    r = run_bench("bench_agent.py", "--calls", "1", "--prompts", "2", "--n", "4", "--variants",
+                  "process/continuous,thread/turns")
+    assert set(r) == {"builtin_ms_per_sample", "process/continuous_ms_per_sample", "process/continuous_ratio",
+                      "thread/turns_ms_per_sample", "thread/turns_ratio"}
+    assert all(v > 0 for v in r.values())

@@ -335,6 +335,11 @@ def test_the_http_side_answers_the_openai_client(endpoint):
     assert e.value.status_code == 410
     other = openai.OpenAI(base_url=ep.base_url, api_key="key-b", max_retries=0)
     assert other.completions.create(model="any", prompt="secret").choices[0].finish_reason == "stop"
+    ep.close()  # the clients' pools keep their connections: closing ends their threads too
+    deadline = time.monotonic() + 10
+    while any("process_request" in t.name for t in threading.enumerate()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not [t.name for t in threading.enumerate() if "process_request" in t.name]
 
 
 def test_the_endpoint_listens_on_loopback_only(endpoint):

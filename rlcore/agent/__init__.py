@@ -122,7 +122,9 @@ def build_endpoint_agent(cfg, tokenizer, rollout):
 def describe(agent) -> str:
     from rlcore.agent import sandbox
 
-    if hasattr(agent, "service"):  # rlcore.agent.serve.EndpointAgent
+    from rlcore.agent.serve import EndpointAgent
+
+    if isinstance(agent, EndpointAgent):
         c = agent.cfg
         return (f"agent: {c.entry} in {c.workers} workers, {c.timeout_s:g} s per episode, {c.batching} batching, "
                 f"segments train with the {c.segment_advantage} advantage; an OpenAI endpoint per rank on "

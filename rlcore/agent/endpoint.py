@@ -41,6 +41,31 @@ class _Server(ThreadingHTTPServer):
     allow_reuse_address = True
     request_queue_size = 1024  # every episode of the call may connect at once (the default backlog is 5)
 
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.open: set[socket.socket] = set()  # connections, kept alive by their clients' pools
+        self.open_lock = threading.Lock()
+
+    def process_request(self, request, client_address):
+        with self.open_lock:
+            self.open.add(request)
+        super().process_request(request, client_address)
+
+    def shutdown_request(self, request):
+        with self.open_lock:
+            self.open.discard(request)
+        super().shutdown_request(request)
+
+    def close_connections(self) -> None:
+        """End every open connection: its thread, blocked reading the client's next request, returns
+        (a client's pool would otherwise keep one thread per episode alive after the call)."""
+        with self.open_lock:
+            for conn in list(self.open):
+                try:
+                    conn.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+
     def handle_error(self, request, client_address):
         """A client gone mid-connection (its episode ended, its process was killed) is no error here."""
         import sys
@@ -69,6 +94,7 @@ class Endpoint:
         self.keys = {}
         self.server.shutdown()
         self.server.server_close()
+        self.server.close_connections()
 
     # ------------------------------------------------------------------ one request
 

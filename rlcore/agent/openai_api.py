@@ -22,8 +22,10 @@ from __future__ import annotations
 
 import json
 import logging
+import queue
 import threading
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 log = logging.getLogger("rlcore.agent")
@@ -149,19 +151,20 @@ class OpenAIService:
         self.max_model_len, self.max_tokens, self.sampling = max_model_len, max_tokens, dict(sampling)
         self.eos = tokenizer.eos_token_id
         self._renderers: dict[str, object] = {}
-        self._lock = threading.Lock()  # the renderer cache and the parsers (their state is per call)
+        self._lock = threading.Lock()  # making a renderer
         self._logged: set[str] = set()
-        self._tool_parser = self._reasoning_parser = None
+        self._tool_parsers = self._reasoning_parsers = None  # pools: a vLLM parser keeps state per call
         if tool_parser:
             from vllm.tool_parsers import ToolParserManager
 
             cls = ToolParserManager.get_tool_parser(tool_parser)
             logging.getLogger(cls.__module__).setLevel(logging.CRITICAL)  # a model's bad call is not an error here
-            self._tool_parser = cls(tokenizer)
+            self._tool_parsers = _Pool(lambda: cls(tokenizer))
         if reasoning_parser:
             from vllm.reasoning import ReasoningParserManager
 
-            self._reasoning_parser = ReasoningParserManager.get_reasoning_parser(reasoning_parser)(tokenizer)
+            rcls = ReasoningParserManager.get_reasoning_parser(reasoning_parser)
+            self._reasoning_parsers = _Pool(lambda: rcls(tokenizer))
 
     # ------------------------------------------------------------------ requests
 
@@ -276,6 +279,8 @@ class OpenAIService:
         return max(1, min(asked, self.max_tokens, room))
 
     def _renderer(self, key: str, tools, variables):
+        if key in self._renderers:
+            return self._renderers[key]
         with self._lock:
             if key not in self._renderers:
                 from rlcore.agent.chat import ChatRenderer, TemplateError
@@ -318,17 +323,17 @@ class OpenAIService:
     def chat_response(self, job: Job) -> dict:
         ids, logprobs, finish, cached = job.sample
         text = self.cut(job, self.turn_text(ids))
-        reasoning, content = None, text
-        with self._lock:
-            if self._reasoning_parser is not None:
-                reasoning, content = self._reasoning_parser.extract_reasoning(text, job.request)
-                content = content or ""
-            calls = []
-            if self._tool_parser is not None and job.request.tools and job.request.tool_choice != "none":
-                info = self._tool_parser.extract_tool_calls(content, job.request)
-                if info.tools_called:
-                    calls = [(c.function.name, c.function.arguments) for c in info.tool_calls]
-                    content = info.content or ""
+        reasoning, content, calls = None, text, []
+        if self._reasoning_parsers is not None:
+            with self._reasoning_parsers.take() as parser:
+                reasoning, content = parser.extract_reasoning(text, job.request)
+            content = content or ""
+        if self._tool_parsers is not None and job.request.tools and job.request.tool_choice != "none":
+            with self._tool_parsers.take() as parser:
+                info = parser.extract_tool_calls(content, job.request)
+            if info.tools_called:
+                calls = [(c.function.name, c.function.arguments) for c in info.tool_calls]
+                content = info.content or ""
         ep = job.episode
         message = {"role": "assistant", "content": content or None}
         if calls:
@@ -370,6 +375,24 @@ class OpenAIService:
     def _usage(job: Job, ids: list[int], cached: int) -> dict:
         return {"prompt_tokens": len(job.prompt_ids), "completion_tokens": len(ids),
                 "total_tokens": len(job.prompt_ids) + len(ids), "prompt_tokens_details": {"cached_tokens": cached}}
+
+
+class _Pool:
+    """Instances made on demand, one per concurrent user, reused after."""
+
+    def __init__(self, make):
+        self.make, self.free = make, queue.SimpleQueue()
+
+    @contextmanager
+    def take(self):
+        try:
+            obj = self.free.get_nowait()
+        except queue.Empty:
+            obj = self.make()
+        try:
+            yield obj
+        finally:
+            self.free.put(obj)
 
 
 def stream_chunks(response: dict) -> list[dict]:

@@ -49,6 +49,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from rlcore.agent.serve import EndpointAgent
 from rlcore.algo import batch as rollout_batch
 from rlcore.dist import all_reduce_max, all_reduce_sum
 from rlcore.task.prompts import Prompt, generation_seed
@@ -116,7 +117,7 @@ class PartialRollouts:
                 short, moving = all_reduce_max([float(target - min(ready, target)), float(unfinished)])
             if short == 0 or not moving:  # every rank has enough, or no rank can get more (rounds used up)
                 break
-            if hasattr(self.agent, "service"):  # agent episodes: run whole, cancelled at the stop rule
+            if isinstance(self.agent, EndpointAgent):  # agent episodes: run whole, cancelled at the stop rule
                 self._run_episodes(sampler, step, chunks, version, target)
             else:
                 self._generate_chunk(sampler, step, chunks, version)
@@ -267,7 +268,7 @@ class PartialRollouts:
                 env_mask=[list(c.env_mask) for _, c in flat], final_ids=[c.final_text_ids() for _, c in flat],
                 env_rewards=[c.env_reward for _, c in flat], conversations=[c for _, c in flat],
                 rows=[g.prompt.row for g, _ in flat], staleness=stale,
-                segments=[c.all_segments() for _, c in flat] if hasattr(self.agent, "service") else None)
+                segments=[c.all_segments() for _, c in flat] if isinstance(self.agent, EndpointAgent) else None)
         return rollout_batch.RolloutBatch(
             prompt_ids=[g.prompt.ids for g, _ in flat], response_ids=[list(s.ids) for _, s in flat],
             rollout_logp=[list(s.logprobs) for _, s in flat], answers=[g.prompt.answer for g, _ in flat],
@@ -301,7 +302,7 @@ class PartialRollouts:
         from rlcore.agent.episode import Episode
         from rlcore.agent.loop import Conversation
 
-        if hasattr(self.agent, "service"):  # agent episodes (rollout.agent)
+        if isinstance(self.agent, EndpointAgent):  # agent episodes (rollout.agent)
             make = Episode.from_plain
         else:
             kind = Seq if self.agent is None else Conversation

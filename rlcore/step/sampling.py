@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from rlcore.agent.serve import EndpointAgent
 from rlcore.algo import batch as rollout_batch
 from rlcore.config import AlgorithmConfig, RolloutConfig
 from rlcore.dist import all_reduce_max, all_reduce_sum
@@ -290,7 +291,7 @@ def multi_turn_batch(agent, rollout, prompts: list, r: RolloutConfig, seed: int,
         finish_reasons=[c.finish for _, c in flat], group_size=n, env_mask=[c.env_mask for _, c in flat],
         final_ids=[c.final_text_ids() for _, c in flat], env_rewards=[c.env_reward for _, c in flat],
         conversations=[c for _, c in flat], rows=[p.row for p, _ in flat],
-        segments=[c.all_segments() for _, c in flat] if hasattr(agent, "service") else None)  # agent episodes
+        segments=[c.all_segments() for _, c in flat] if isinstance(agent, EndpointAgent) else None)  # agent episodes
 
 
 def shard_for_training(rollout, batch: rollout_batch.RolloutBatch, adv: torch.Tensor, scores: torch.Tensor):
