@@ -7,7 +7,7 @@ compacts its history every other request (episodes train as several segments).
       steps, validation through the same agent at the end.
   B   the same run killed with kill -9 once step_2 is saved and step 3 is logged, then resumed: the
       same metrics rows as A (the resumed step's episodes draw what the first run's drew).
-  C   partial rollouts: groups still running at the stop rule are cancelled and run again later.
+  C   partial rollouts (TP 2): groups still running at the stop rule are cancelled and run again later.
   D   an agent that always raises: every rank stops with exit code 5 and says why, after step 0.
 """
 
@@ -88,6 +88,7 @@ def test_partial_rollouts_cancel_running_episodes_and_run_their_groups_again(ass
     root, model, data = assets
     out = str(root / "partial")
     run_torchrun(TRAIN, 2, *args(model, data, out, "--rollout.partial.enable", "true",
+                                 "--rollout.tensor_parallel_size", "2",  # the stop rule on the follower too
                                  "--rollout.partial.oversample", "2", "--trainer.total_steps", "3",
                                  "--trainer.val_every", "0"))
     rows = [r for r in read_rows(out) if "rollout/suspended_groups" in r]

@@ -255,6 +255,35 @@ def test_a_history_that_echoes_the_reply_extends_the_sampled_ids(service):
     assert [len(s.response_ids) for s in ep.segments] == [2 + len(job2.delta) + 1]
 
 
+def test_an_agent_that_strips_the_reasoning_starts_a_segment(tmp_path):
+    """Qwen3's template and reasoning parser: a reply's thinking comes back in ``reasoning``; a history
+    that echoes it extends the sampled ids, one that drops it (stripped thinking) is rendered anew."""
+    from transformers import AutoTokenizer
+
+    from rlcore.agent.episode import Episode
+    from rlcore.agent.openai_api import OpenAIService
+    from rlcore.demo.tool import make_chatml_tool_model
+
+    folder = make_chatml_tool_model(str(tmp_path / "qwen3"), os.path.join(REPO, "configs", "chat_templates",
+                                                                           "qwen3.jinja"))
+    tok = AutoTokenizer.from_pretrained(folder)
+    service = OpenAIService(tok, tool_parser="hermes", reasoning_parser="qwen3", chat_template=None,
+                            model_name="policy", max_model_len=512, max_tokens=32,
+                            sampling={"temperature": 1.0, "top_p": 1.0, "top_k": -1})
+    first = [{"role": "user", "content": "What is 12 + 7 ?"}]
+    sampled = tok("<think>\n12 + 7 = 19\n</think>\n\n19", add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+    for keep_reasoning, extends in ((True, True), (False, False)):
+        ep = Episode(0, [1])
+        job = service.chat_job(ep, service.parse("chat", {"messages": first}))
+        message = _serve(service, job, sampled)["choices"][0]["message"]
+        assert message["reasoning"].strip() == "12 + 7 = 19" and message["content"].strip() == "19"
+        echoed = {k: v for k, v in message.items() if keep_reasoning or k not in ("reasoning", "reasoning_content")}
+        nxt = service.chat_job(ep, service.parse("chat", {"messages": first + [echoed, {"role": "user", "content": "+ 1 ?"}]}))
+        assert (nxt.delta is not None) == extends
+        if extends:
+            assert nxt.prompt_ids[: len(job.prompt_ids) + len(sampled)] == job.prompt_ids + sampled
+
+
 def test_stop_strings_cut_the_text_and_the_next_request_starts_a_segment(service):
     from rlcore.agent.episode import Episode
 
@@ -340,6 +369,33 @@ def test_the_http_side_answers_the_openai_client(endpoint):
     while any("process_request" in t.name for t in threading.enumerate()) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not [t.name for t in threading.enumerate() if "process_request" in t.name]
+
+
+def test_the_agents_own_code_runs_in_the_sandbox(service):
+    """rollout.agent.sandbox: POST {sandbox_url}/run_code in SandboxFusion's shape, run by the python
+    tool's sandbox with its limits (rlcore.agent.sandbox)."""
+    import functools
+
+    from rlcore.agent import sandbox
+    from rlcore.agent.endpoint import Endpoint
+    from rlcore.agent.episode import Episode
+
+    ep = Endpoint(service, lambda job: None, lambda e: None, sandbox=functools.partial(
+        sandbox.run_python, limits=sandbox.Limits(timeout_s=10.0, cpu_s=5)))
+    ep.keys = {"k": Episode(0, [1])}
+    try:
+        def run_code(code):
+            req = urllib.request.Request(ep.base_url[: -len("/v1")] + "/run_code", method="POST",
+                                         data=json.dumps({"code": code, "language": "python"}).encode(),
+                                         headers={"Authorization": "Bearer k"})
+            return json.loads(urllib.request.urlopen(req, timeout=60).read())
+
+        ok = run_code("print(6 * 7)")
+        assert ok["status"] == "Success" and ok["run_result"]["stdout"].strip() == "42"
+        bad = run_code("raise ValueError('no')")
+        assert bad["status"] == "Failed" and "ValueError: no" in bad["run_result"]["stderr"]
+    finally:
+        ep.close()
 
 
 def test_the_endpoint_listens_on_loopback_only(endpoint):
