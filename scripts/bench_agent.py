@@ -5,11 +5,12 @@
 Generation seconds per trained sample (one conversation / one episode), on every rank at once as in
 training, with the same model, prompts, tools and turns on both sides:
 
-  builtin    rollout.multi_turn with the tool demo's SecretEnv (configs/demo_tool_cpu.yaml; a model turn
-             ends at its EOS or after its 3 tokens, as the endpoint's completions do: no stop_on)
+  builtin    rollout.multi_turn with the tool demo's SecretEnv (configs/demo_tool_cpu.yaml: a model turn
+             ends at its call token (stop_on), its EOS or after its tokens)
   endpoint   rollout.agent with the demo's agent (rlcore/demo/agent.py: the official openai client, the
-             lookup tool, at most 3 turns, its history kept append-only) in each variant of
-             rollout.agent.workers (process, thread) x rollout.agent.batching (continuous, turns)
+             lookup tool, a reply ending at its call (a stop string), at most 3 turns, its history kept
+             append-only) in each variant of rollout.agent.workers (process, thread) x
+             rollout.agent.batching (continuous, turns)
 
 The variants take turns call by call (builtin, then each endpoint variant, then builtin again, ...),
 every call with its own seed, the same for all variants, so load drifting on a shared host hits them
@@ -68,7 +69,6 @@ def configs(model: str, data: str, variants: list[str], max_tokens: int) -> dict
               "--trainer.output_dir", os.path.join(os.path.dirname(data), "out"), "--parallel.device", "cpu",
               "--rollout.max_response_length", str(max_tokens), "--rollout.max_model_len", str(_context(max_tokens))]
     out = {"builtin": parse_config(["--config", "configs/demo_tool_cpu.yaml", *common,
-                                    "--rollout.multi_turn.stop_on", "[]",
                                     "--rollout.multi_turn.max_total_tokens", str(3 * (max_tokens + 8))])}
     for v in variants:
         workers, batching = v.split("/")

@@ -1,26 +1,30 @@
 """The agent workers' zygote: a fresh interpreter (started by path, not forked from the trainer, which
-holds a vLLM engine and torch's threads) that imports the user's agent once and forks one child per
-episode. Standard library only: it imports nothing of rlcore, so a user's module starts fast.
+holds a vLLM engine and torch's threads) that imports the user's agent once and forks the worker
+processes that run its episodes. Standard library only: it imports nothing of rlcore, so a user's
+module starts fast.
 
     python zygote.py        # by rlcore.agent.workers.ProcessRunner; JSON lines both ways
 
 stdin, first line: ``{"entry": "path.py:fn" | "pkg.module:fn", "sys_path": [...], "preload": [...],
 "kwargs": {...}}``; the answer is ``{"ready": true}`` or ``{"error": "..."}``. Then commands:
-``{"op": "run", "id": k, "call": {...}}`` forks a child that runs ``fn(**call, **kwargs)`` (an
-``async def`` through ``asyncio.run``) and ``{"op": "kill", "id": k}`` kills the child's process
-group. stdout: one ``{"id": k, "ok": bool, "reward": float | null, "error": str | null}`` per run,
-whatever the child did (returned, raised, exited, was killed, crashed). On stdin's end (the trainer
-exited or died) every child is killed and the zygote exits.
+``{"op": "run", "id": k, "call": {...}}`` runs ``fn(**call, **kwargs)`` (an ``async def`` through
+``asyncio.run``) in an idle worker, or a newly forked one, and ``{"op": "kill", "id": k}`` kills the
+process group of the worker running episode k. stdout: one ``{"id": k, "ok": bool, "reward": float |
+null, "error": str | null}`` per run, whatever the episode did (returned, raised, ended its process,
+was killed, crashed). On stdin's end (the trainer exited or died) every worker is killed and the
+zygote exits.
 
-A child runs in its own session (its subprocesses die with it on a kill), dies with the zygote
-(PR_SET_PDEATHSIG), has stdin closed and its stdout sent to stderr (the protocol's pipe is not its).
+A worker runs one episode at a time and then the next one it is given (a killed or dead worker is not
+replaced until an episode needs one); it runs in its own session (the subprocesses an episode starts
+die with it on a kill), dies with the zygote (PR_SET_PDEATHSIG), has stdin closed and its stdout sent
+to stderr (the protocol's pipes are not its).
 
 Before the first fork the zygote warms the ``openai`` client (one chat and one text completion against
 a canned local server, then closed: the SDK builds its request and response machinery lazily, about
-30-60 ms of CPU that every child would otherwise pay again) and freezes its heap (``gc.freeze``: a
-child's collections then leave the parent's objects, and their copy-on-write pages, alone). Measured
-here, a child's CPU for a two-request episode: 96 -> 37 ms with its client made in the episode (25 ms of
-that is the client's TLS context), 45 -> 13 ms with a module-level client (rlcore/demo/agent.py).
+30-60 ms of CPU that every worker would otherwise pay again) and freezes its heap (``gc.freeze``: a
+worker's collections then leave the parent's objects, and their copy-on-write pages, alone). Measured
+here, a fresh process's CPU for a two-request episode: 96 -> 37 ms with its client made in the episode
+(25 ms of that is the client's TLS context), 45 -> 13 ms with a module-level client (rlcore/demo/agent.py).
 """
 
 from __future__ import annotations
@@ -36,7 +40,7 @@ import sys
 import traceback
 
 _PR_SET_PDEATHSIG = 1
-CRASHED = "the agent's process"  # how the report of a child that ended without a result begins
+CRASHED = "the agent's process"  # how the report of an episode whose worker died begins
 
 
 def load_entry(ref: str):
@@ -95,7 +99,8 @@ def run_episode(fn, kwargs: dict) -> dict:
         return {"ok": False, "reward": None, "error": "".join(lines)[-2000:]}
 
 
-def _child(fn, call: dict, extra: dict, out_fd: int) -> None:
+def _worker(fn, extra: dict, cmd_fd: int, out_fd: int) -> None:
+    """A worker process: episodes one after another, each a JSON line in, its result a line out."""
     os.setsid()
     try:
         import ctypes
@@ -106,103 +111,125 @@ def _child(fn, call: dict, extra: dict, out_fd: int) -> None:
     devnull = os.open(os.devnull, os.O_RDONLY)
     os.dup2(devnull, 0)
     os.dup2(2, 1)
-    result = run_episode(fn, call_kwargs(fn, {**call, **extra}))
-    data = json.dumps(result, default=str).encode()
-    while data:
-        data = data[os.write(out_fd, data):]
-    sys.stdout.flush()
-    sys.stderr.flush()
+    commands = os.fdopen(cmd_fd, "rb")
+    for line in commands:
+        cmd = json.loads(line)
+        result = run_episode(fn, call_kwargs(fn, {**cmd["call"], **extra}))
+        data = (json.dumps({"id": cmd["id"], **result}, default=str) + "\n").encode()
+        while data:
+            data = data[os.write(out_fd, data):]
+        sys.stdout.flush()
+        sys.stderr.flush()
     os._exit(0)
 
 
 class Zygote:
+    """Worker processes forked from this one, each running one episode at a time and reused for the
+    next: a fork and an exit cost about 4 ms of CPU for this process's 60 MB (page tables, and the
+    pages a new process touches are copied), which an episode of a few requests would pay again."""
+
     def __init__(self, fn, extra: dict):
         self.fn, self.extra = fn, extra
-        self.children: dict[int, dict] = {}  # id -> {"pid", "fd", "buf", "exit"}
+        self.workers: dict[int, dict] = {}  # pid -> {"cmd", "out", "buf", "episode"}
+        self.idle: list[int] = []
+        self.running: dict[int, int] = {}  # episode id -> worker pid
 
     def emit(self, line: dict) -> None:
         sys.stdout.write(json.dumps(line, default=str) + "\n")
         sys.stdout.flush()
 
-    def start(self, eid: int, call: dict) -> None:
-        r, w = os.pipe()
+    def fork_worker(self) -> int:
+        cmd_r, cmd_w = os.pipe()
+        out_r, out_w = os.pipe()
         pid = os.fork()
         if pid == 0:
-            os.close(r)
-            sys.stdin.close()
-            self._child_entry(call, w)
-        os.close(w)
-        os.set_blocking(r, False)
-        self.children[eid] = {"pid": pid, "fd": r, "buf": b"", "exit": None, "eof": False}
+            try:
+                os.close(cmd_w)
+                os.close(out_r)
+                sys.stdin.close()
+                for w in self.workers.values():  # the other workers' pipes are not this one's
+                    os.close(w["cmd"])
+                    os.close(w["out"])
+                _worker(self.fn, self.extra, cmd_r, out_w)
+            finally:
+                os._exit(70)
+        os.close(cmd_r)
+        os.close(out_w)
+        os.set_blocking(out_r, False)
+        self.workers[pid] = {"cmd": cmd_w, "out": out_r, "buf": b"", "episode": None}
+        return pid
 
-    def _child_entry(self, call: dict, w: int) -> None:
-        try:
-            _child(self.fn, call, self.extra, w)
-        finally:
-            os._exit(70)
+    def start(self, eid: int, call: dict) -> None:
+        pid = self.idle.pop() if self.idle else self.fork_worker()
+        worker = self.workers[pid]
+        worker["episode"], self.running[eid] = eid, pid
+        data = (json.dumps({"id": eid, "call": call}, default=str) + "\n").encode()
+        while data:
+            data = data[os.write(worker["cmd"], data):]
 
     def kill(self, eid: int) -> None:
-        child = self.children.get(eid)
-        if child is not None:
+        """The episode's worker and everything it started (its session) die; reap() reports it."""
+        pid = self.running.get(eid)
+        if pid is not None:
             try:
-                os.killpg(child["pid"], signal.SIGKILL)
+                os.killpg(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
 
-    def read_child(self, eid: int) -> None:
-        """What the child's pipe holds now (its result is written before it exits)."""
-        child = self.children[eid]
-        while not child["eof"]:
+    def read_worker(self, pid: int) -> None:
+        """The results the worker's pipe holds now: each ends its episode; the worker is idle again."""
+        worker = self.workers[pid]
+        while True:
             try:
-                chunk = os.read(child["fd"], 1 << 16)
+                chunk = os.read(worker["out"], 1 << 16)
             except BlockingIOError:
-                return
-            if chunk:
-                child["buf"] += chunk
-            else:
-                child["eof"] = True
+                break
+            if not chunk:
+                break
+            worker["buf"] += chunk
+        while b"\n" in worker["buf"]:
+            line, worker["buf"] = worker["buf"].split(b"\n", 1)
+            result = json.loads(line)
+            if self.running.pop(result["id"], None) == pid:
+                self.emit(result)
+            worker["episode"] = None
+            self.idle.append(pid)
 
     def reap(self) -> None:
-        """Children that exited: their result (a process the child left behind may hold the pipe
-        open, so the exit, not the pipe's end, is what finishes an episode)."""
-        for eid, child in list(self.children.items()):
-            pid, status = os.waitpid(child["pid"], os.WNOHANG)
-            if not pid:
+        """Workers that died (killed at an episode's time limit, or their agent ended the process):
+        the episode each was running ends with how."""
+        for pid in list(self.workers):
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if not done:
                 continue
-            child["exit"] = status
-            self.read_child(eid)
-            os.close(child["fd"])
-            self.emit({"id": eid, **self._result(child)})
-            del self.children[eid]
-
-    @staticmethod
-    def _result(child: dict) -> dict:
-        try:
-            return json.loads(child["buf"])
-        except ValueError:
-            status = child["exit"]
-            how = (f"killed by signal {os.WTERMSIG(status)}" if os.WIFSIGNALED(status)
-                   else f"exited with code {os.WEXITSTATUS(status)}")
-            return {"ok": False, "reward": None, "error": f"{CRASHED} {how} before it returned"}
+            self.read_worker(pid)
+            worker = self.workers.pop(pid)
+            os.close(worker["cmd"])
+            os.close(worker["out"])
+            self.idle = [p for p in self.idle if p != pid]
+            eid = worker["episode"]
+            if eid is not None and self.running.pop(eid, None) == pid:
+                how = (f"killed by signal {os.WTERMSIG(status)}" if os.WIFSIGNALED(status)
+                       else f"exited with code {os.WEXITSTATUS(status)}")
+                self.emit({"id": eid, "ok": False, "reward": None, "error": f"{CRASHED} {how} before it returned"})
 
     def serve(self) -> None:
         stdin = sys.stdin.fileno()
         pending = b""
         while True:
-            fds = [stdin] + [c["fd"] for c in self.children.values() if not c["eof"]]
-            ready, _, _ = select.select(fds, [], [], 0.02)
+            by_fd = {w["out"]: pid for pid, w in self.workers.items()}
+            ready, _, _ = select.select([stdin, *by_fd], [], [], 0.02)
             for fd in ready:
-                if fd == stdin:
-                    chunk = os.read(stdin, 1 << 16)
-                    if not chunk:
-                        return self.shutdown()
-                    pending += chunk
-                    while b"\n" in pending:
-                        line, pending = pending.split(b"\n", 1)
-                        self.command(json.loads(line))
-                else:
-                    eid = next(k for k, c in self.children.items() if c["fd"] == fd and not c["eof"])
-                    self.read_child(eid)
+                if fd != stdin:
+                    self.read_worker(by_fd[fd])
+                    continue
+                chunk = os.read(stdin, 1 << 16)
+                if not chunk:
+                    return self.shutdown()
+                pending += chunk
+                while b"\n" in pending:
+                    line, pending = pending.split(b"\n", 1)
+                    self.command(json.loads(line))
             self.reap()
 
     def command(self, cmd: dict) -> None:
@@ -212,8 +239,11 @@ class Zygote:
             self.kill(cmd["id"])
 
     def shutdown(self) -> None:
-        for eid in list(self.children):
-            self.kill(eid)
+        for pid in list(self.workers):
+            try:
+                os.killpg(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
         os._exit(0)
 
 

@@ -2,7 +2,8 @@
 a program of its own against the rank's OpenAI-compatible endpoint with the official ``openai`` client,
 as any agent harness would. It imports only ``openai``: the trainer runs it in its worker processes.
 
-Each episode: the question goes to the model with the ``lookup`` tool; a reply that calls ``lookup``
+Each episode: the question goes to the model with the ``lookup`` tool (a reply ends at its call, as the
+tool demo's turns do); a reply that calls ``lookup``
 gets the row's secret digit as the tool's answer and the model is asked again; a reply without a call
 is the answer, worth 1 when its first word is the secret, plus ``call_bonus`` if the episode called
 the tool (the bonus makes calls common enough early for the model to learn to read the answer, as in
@@ -40,7 +41,10 @@ def run(row: dict, base_url: str, api_key: str, max_turns: int = 4, call_bonus: 
     for turn in range(max_turns):
         if compact_every and turn % compact_every == compact_every - 1:
             messages = compact(messages)
-        reply = client.chat.completions.create(model="policy", messages=messages, tools=[LOOKUP]).choices[0].message
+        # A reply ends at its call: the stop string, kept in the text for the endpoint's tool parser (vLLM's
+        # include_stop_str_in_output), as the tool demo's stop_on ends a turn at its call token.
+        reply = client.chat.completions.create(model="policy", messages=messages, tools=[LOOKUP], stop=["</tool_call>"],
+                                               extra_body={"include_stop_str_in_output": True}).choices[0].message
         if not reply.tool_calls:
             words = (reply.content or "").split()
             return float(bool(words) and words[0] == secret) + call_bonus * called
