@@ -200,10 +200,11 @@ class OpenAIService:
                                       f"with the run's {name}={self.sampling[name]}")
         for name, default in _IGNORED:
             asked = getattr(req, name, default)
-            if asked not in (default, None) and not (name == "response_format" and getattr(asked, "type", "") == "text"):
-                self._note_once(name, f"rollout.agent: a request set {name}={str(asked)[:80]}; the endpoint ignores it "
-                                      "(it would sample from another distribution than the policy's, or the seed "
-                                      "is the run's)")
+            if asked in (default, None, [], {}) or (name == "response_format" and getattr(asked, "type", "") == "text"):
+                continue
+            self._note_once(name, f"rollout.agent: a request set {name}={str(asked)[:80]}; the endpoint ignores it "
+                                  "(it would sample from another distribution than the policy's, or the seed is "
+                                  "the run's)")
         choice = getattr(req, "tool_choice", None)
         if choice is not None and choice not in ("auto", "none"):
             self._note_once("tool_choice", f"rollout.agent: tool_choice={str(choice)[:80]} is served as auto (the "
