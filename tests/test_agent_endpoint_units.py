@@ -334,7 +334,7 @@ def endpoint(service):
         job.sample = ([1], [-0.5], "stop", 0)
         job.event.set()
 
-    ep = Endpoint(service, submit, failed.append)
+    ep = Endpoint(service, submit, failed.append, max_requests=2)
     ep.keys = {"key-a": Episode(0, [1]), "key-b": Episode(1, [1])}
     yield ep, failed
     ep.close()
@@ -363,7 +363,11 @@ def test_the_http_side_answers_the_openai_client(endpoint):
         client.chat.completions.create(model="any", messages=[{"role": "user", "content": "?"}])
     assert e.value.status_code == 410
     other = openai.OpenAI(base_url=ep.base_url, api_key="key-b", max_retries=0)
-    assert other.completions.create(model="any", prompt="secret").choices[0].finish_reason == "stop"
+    for _ in range(2):
+        assert other.completions.create(model="any", prompt="secret").choices[0].finish_reason == "stop"
+    with pytest.raises(openai.BadRequestError, match="its 2 requests"):  # rollout.agent.max_requests
+        other.completions.create(model="any", prompt="secret")
+    assert ep.keys["key-b"].closed and ep.keys["key-b"].finish is None  # scored as it stands once run() returns
     ep.close()  # the clients' pools keep their connections: closing ends their threads too
     deadline = time.monotonic() + 10
     while any("process_request" in t.name for t in threading.enumerate()) and time.monotonic() < deadline:

@@ -78,8 +78,9 @@ class Endpoint:
     """The HTTP side. ``submit(job)`` hands a Job to the serving loop; ``on_fail(episode)`` tells it
     an episode failed here (a malformed request: its worker is stopped)."""
 
-    def __init__(self, service, submit, on_fail, port: int = 0, sandbox=None):
+    def __init__(self, service, submit, on_fail, port: int = 0, sandbox=None, max_requests: int | None = None):
         self.service, self.submit, self.on_fail, self.sandbox = service, submit, on_fail, sandbox
+        self.max_requests = max_requests  # per episode (rollout.agent.max_requests)
         self.keys: dict[str, object] = {}
         self.server = _Server(("127.0.0.1", port), _handler(self))
         self.thread = threading.Thread(target=self.server.serve_forever, kwargs={"poll_interval": 0.05},
@@ -132,6 +133,11 @@ class Endpoint:
                 if not isinstance(data, dict):
                     raise ApiError(400, "the body must be a JSON object", ends="malformed")
                 req = self.service.parse(kind, data)
+                if self.max_requests is not None and episode.asked >= self.max_requests:
+                    raise ApiError(400, f"this episode has made its {self.max_requests} requests "
+                                   "(rollout.agent.max_requests): it is scored as it stands", "request_limit",
+                                   ends="length")
+                episode.asked += 1
                 return (self.service.chat_job if kind == "chat" else self.service.text_job)(episode, req)
             except ApiError as e:
                 self._ended_by(episode, e)

@@ -59,6 +59,7 @@ class Episode:
     history: object = None
     closed: bool = False
     over_budget: bool = False
+    asked: int = 0  # requests received (rollout.agent.max_requests counts them)
     admitted: int = 0  # requests admitted into the engine (request k's seed key ends in /k)
     cancelled: bool = False  # partial rollouts: stopped by the step's stop rule, to run again
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
@@ -154,7 +155,7 @@ class Episode:
 
     def plain(self) -> dict:
         """The recorded data (to share with TP peers, to checkpoint with partial rollouts)."""
-        skip = {"history", "closed", "over_budget", "admitted", "cancelled", "lock"}
+        skip = {"history", "closed", "over_budget", "asked", "admitted", "cancelled", "lock"}
         out = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in skip}
         out["segments"] = [vars(s).copy() for s in self.segments]
         return out

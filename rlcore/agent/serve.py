@@ -60,6 +60,7 @@ class EndpointAgent:
         self.stats: dict = {}
         self.last_metrics: dict = {}
         self.calls = 0  # run() calls served by this rank
+        self.serving = False  # a call's loop is taking requests
         self.told: dict = {}  # TP > 1: the leader's engine calls of this loop iteration (_tell_group)
 
     # ------------------------------------------------------------------ the call
@@ -97,7 +98,7 @@ class EndpointAgent:
         self.calls += 1
         base = self.calls * _CALL_IDS  # the workers' ids: this call's (a late report of an earlier call is dropped)
         endpoint = Endpoint(self.service, self._submit, lambda ep: runner.kill(base + ep.index), self.cfg.port,
-                            self.sandbox)
+                            self.sandbox, self.cfg.max_requests)
         keys = {secrets.token_urlsafe(18): ep for ep in episodes}
         endpoint.keys = keys
         calls = {ep.index: {"row": row, "base_url": endpoint.base_url, "api_key": key, "model": self.service.model_name,
@@ -105,9 +106,11 @@ class EndpointAgent:
         if self.sandbox is not None:
             calls = {k: {**c, "sandbox_url": endpoint.base_url[: -len("/v1")]} for k, c in calls.items()}
         loop = _Loop(self, episodes, calls, runner, seed, base, n, stop)
+        self.serving = True
         try:
             loop.run()
         finally:
+            self.serving = False
             endpoint.close()
             loop.release()
 
@@ -120,6 +123,9 @@ class EndpointAgent:
         return [Episode.from_plain(d) for d in mine]
 
     def _submit(self, job) -> None:
+        if not self.serving:  # a request that raced the call's end: answered, not left waiting
+            _Loop.release_job(job)
+            return
         self.jobs.append(job)
         self.wake.set()
 
