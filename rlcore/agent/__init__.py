@@ -111,6 +111,10 @@ def build_endpoint_agent(cfg, tokenizer, rollout):
     agent = EndpointAgent(dataclasses.replace(ag, port=port), service, rollout,
                           runner_factory=lambda wake: make_runner(ag.workers, ag.entry, ag.kwargs, wake),
                           leader=rollout.tp_rank == 0, tp_size=rollout.tp_size, sandbox=code)
+    weight = (cfg.reward.components or {}).get("env")
+    agent.reward_note = (f"the number run() returns is the env reward component (weight {weight:g})" if weight else
+                         "reward.components has no env: a number run() returns is not used (the components score "
+                         "each episode's last completion)")
     if agent.leader:
         try:
             agent.start_workers()
@@ -128,7 +132,7 @@ def describe(agent) -> str:
         c = agent.cfg
         return (f"agent: {c.entry} in {c.workers} workers, {c.timeout_s:g} s per episode, {c.batching} batching, "
                 f"segments train with the {c.segment_advantage} advantage; an OpenAI endpoint per rank on "
-                f"127.0.0.1 during generation")
+                f"127.0.0.1 during generation; {agent.reward_note}")
 
     names = ", ".join(agent.runner.tools) or "none"
     text = (f"multi-turn: {agent.max_turns} turns, {agent.max_total_tokens} tokens per conversation, tools: {names}"

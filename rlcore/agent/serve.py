@@ -61,6 +61,7 @@ class EndpointAgent:
         self.last_metrics: dict = {}
         self.calls = 0  # run() calls served by this rank
         self.serving = False  # a call's loop is taking requests
+        self.reward_note = ""  # how the run's reward uses what run() returns (the start-up line)
         self.told: dict = {}  # TP > 1: the leader's engine calls of this loop iteration (_tell_group)
 
     # ------------------------------------------------------------------ the call
