@@ -18,33 +18,23 @@ import gc
 
 gc.disable()  # a short-lived worker: no automatic collections over the imports' heap (rlcore.heap)
 
-import json
 import os
 import sys
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from rollout_common import hf_logprobs, load_hf  # noqa: E402
+from rollout_common import hf_logprobs, load_hf, run_kinds  # noqa: E402
 
 from rlcore.agent.config import AgentConfig  # noqa: E402
 from rlcore.agent.openai_api import OpenAIService  # noqa: E402
 from rlcore.agent.serve import EndpointAgent  # noqa: E402
 from rlcore.agent.workers import make_runner  # noqa: E402
 from rlcore.colocate_rollout import ColocateRollout  # noqa: E402
-from rlcore.dist import init_distributed  # noqa: E402
 
 ENTRY = os.path.join(os.path.dirname(os.path.abspath(__file__)), "agents.py") + ":run"
 NORMAL = ["append", "compact", "strip", "text"]
 FAILING = ["raise", "hang", "crash", "malformed", "wrong_key", "outside"]
-
-
-def main() -> None:
-    out_path, runs = sys.argv[1], [a.split("=", 1) for a in sys.argv[2:]]
-    info = init_distributed("cpu", 600)
-    results = {kind: run_kind(info, kind, model_dir) for kind, model_dir in runs}
-    with open(out_path, "w") as f:
-        json.dump(results, f)
 
 
 class Recorder:
@@ -144,4 +134,4 @@ def run_kind(info, kind: str, model_dir: str) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    run_kinds(run_kind, sys.argv[1:])
