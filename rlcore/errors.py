@@ -32,6 +32,7 @@ class Exit(IntEnum):
     CONFIG = 2  # bad configuration or input data, reported before any model loads (or at the bad row)
     NON_FINITE = 3  # trainer.max_consecutive_skips steps in a row had a non-finite loss or gradient norm
     SYNC_MISMATCH = 4  # rollout.check_sync=strict: after a weight sync vLLM scored the probe unlike the trainer
+    AGENT_FAILURES = 5  # rollout.agent: more than max_failure_frac of a step's episodes failed (the agent is broken)
     STORAGE = 74  # a write of the run failed (disk full, quota, read-only, gone, I/O error) or a checkpoint has no
     # room: one message says what failed and what is intact; resume with checkpoint.resume=auto (sysexits' EX_IOERR)
     PREEMPTED = 75  # stopped by SIGTERM/SIGUSR1 after writing a checkpoint: resume with checkpoint.resume=auto

@@ -29,8 +29,11 @@ class ChatRenderer:
     """The policy's chat template with the run's tool schemas."""
 
     def __init__(self, tokenizer, tools: list[dict] | None = None, chat_template: str | None = None,
-                 first_turn_prefix: str = ""):
+                 first_turn_prefix: str = "", template_kwargs: dict | None = None):
+        """``template_kwargs``: more variables for the template (a request's chat_template_kwargs,
+        e.g. enable_thinking), as transformers' apply_chat_template takes them."""
         self.tokenizer, self.tools, self.first_turn_prefix = tokenizer, tools or None, first_turn_prefix
+        self.template_kwargs = dict(template_kwargs or {})
         self.template = chat_template or getattr(tokenizer, "chat_template", None)
         if not self.template:
             raise TemplateError("the tokenizer has no chat template; multi-turn rollouts render tool messages "
@@ -39,9 +42,10 @@ class ChatRenderer:
         self.turn_end = self._turn_end()
         self._before = self.render(_PLACEHOLDER, False)  # the fixed start every delta is cut from
 
-    def render(self, messages: list[dict], generation_prompt: bool) -> str:
+    def render(self, messages: list[dict], generation_prompt: bool, continue_final: bool = False) -> str:
         return self.tokenizer.apply_chat_template(messages, tools=self.tools, chat_template=self.template,
-                                                  tokenize=False, add_generation_prompt=generation_prompt)
+                                                  tokenize=False, add_generation_prompt=generation_prompt,
+                                                  continue_final_message=continue_final, **self.template_kwargs)
 
     def prompt_text(self, messages: list[dict]) -> str:
         """The first prompt: the row's messages, the tools' system block, the generation prompt (and

@@ -1,12 +1,13 @@
 """Config of multi-turn, tool-using rollouts: ``rollout.multi_turn``, ``rollout.tool_parser``,
-``tools`` and ``env``; and the checks that run before any model loads."""
+``tools`` and ``env``; of black-box agents on the endpoint: ``rollout.agent``; and the checks that
+run before any model loads."""
 
 from __future__ import annotations
 
 import functools
 import json
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Literal, Optional
 
 from rlcore.errors import ConfigError, check, check_positive
 
@@ -106,6 +107,61 @@ class MultiTurnConfig:
 
 
 @dataclass
+class AgentConfig:
+    """Your own agent program against an OpenAI-compatible endpoint on each rank (docs/agents.md)."""
+
+    entry: Optional[str] = None
+    """"path/to/agent.py:run" or "package.module:run": called once per sample as
+    run(row=..., base_url=..., api_key=...) (also model, seed, sandbox_url and kwargs, where it takes
+    them), it talks to the rank's endpoint with any OpenAI client and returns its reward (a number),
+    or None for the reward components to score its last completion. null = off."""
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    """More keyword arguments of run() (JSON values)."""
+    workers: Literal["process", "thread"] = "process"
+    """process: each episode in its own process, forked from a fresh interpreter that imported the
+    agent once (killed at its time limit); thread: in the trainer's threads (a hung one cannot be
+    killed; for debugging)."""
+    timeout_s: float = 600.0
+    """Wall-clock limit of one episode: past it the episode fails (reward 0) and its process is killed."""
+    concurrency: Optional[int] = None
+    """Episodes running at once per rank (null: all of the call's)."""
+    max_requests: int = 64
+    """Completions one episode may ask for; a request past it is refused and the episode scored as it
+    stands (finish "length")."""
+    batching: Literal["continuous", "turns"] = "continuous"
+    """continuous: a request joins the running batch when it arrives; turns: requests wait until every
+    running episode has one, then go in together (the built-in loop's batches)."""
+    segment_advantage: Literal["shared", "last"] = "shared"
+    """An episode whose history is not append-only trains several segments: shared = each with the
+    episode's advantage (slime's list[Sample], SkyRL's step-wise); last = only its last segment."""
+    max_failure_frac: float = 0.5
+    """Stop the run (exit code 5) when more than this share of a step's episodes fail (raise, hang past
+    timeout_s, crash, send a malformed request)."""
+    reasoning_parser: Optional[str] = None
+    """vLLM's reasoning parser for the responses' reasoning field (e.g. qwen3, deepseek_r1); null = none:
+    thinking stays in the content."""
+    chat_template: Optional[str] = None
+    """A Jinja chat template file for the requests' messages; null = the tokenizer's own."""
+    model_name: str = "policy"
+    """The model name /v1/models lists (a request may name any: the policy answers)."""
+    port: int = 0
+    """The endpoint's loopback port; 0 = a free one per rank and call (the base_url run() gets has it)."""
+    sandbox: bool = False
+    """Serve the agent's own code execution at {sandbox_url}/run_code (SandboxFusion's shape) in
+    rollout.multi_turn's sandbox and limits (tool_timeout_s, tool_memory_mb, tools_sandbox)."""
+
+    def __post_init__(self):
+        check_positive("rollout.agent", self, "timeout_s", "concurrency", "max_requests")
+        check(0.0 <= self.max_failure_frac <= 1.0, "rollout.agent.max_failure_frac", self.max_failure_frac,
+              "a share between 0 and 1 (1 = never stop)")
+        check(0 <= self.port < 65536, "rollout.agent.port", self.port, "a TCP port, or 0 for a free one")
+
+    @property
+    def enable(self) -> bool:
+        return self.entry is not None
+
+
+@dataclass
 class EnvConfig:
     """A user environment for tasks that are not plain tools (with rollout.multi_turn.enable)."""
 
@@ -166,9 +222,13 @@ def _check_sandbox(mt) -> None:
 
 def check_agent(cfg) -> None:
     """Before any model loads: the parser exists, every tool imports and matches its schema, the
-    environment class imports, the context holds prompt + conversation, the env reward is wired."""
+    environment class imports, the context holds prompt + conversation, the env reward is wired;
+    or, with rollout.agent.entry, check_endpoint_agent."""
     mt = cfg.rollout.multi_turn
     uses = bool(cfg.tools) or cfg.env.cls is not None
+    if cfg.rollout.agent.enable:
+        check_endpoint_agent(cfg)
+        return
     if not mt.enable:
         if uses:
             raise ConfigError(f"tools={cfg.tools!r} / env.cls={cfg.env.cls!r} are set but rollout.multi_turn.enable="
@@ -209,3 +269,77 @@ def check_agent(cfg) -> None:
 
         check(os.path.isfile(mt.chat_template), "rollout.multi_turn.chat_template", mt.chat_template,
               "no such file; give a Jinja template file, or null for the tokenizer's own")
+
+
+def check_entry(ref: str) -> str | None:
+    """Why ``path.py:fn`` / ``package.module:fn`` cannot be the agent, or None; read, not imported
+    (the agent's module runs in its workers, rlcore/agent/zygote.py)."""
+    import ast
+    import importlib.util
+    import os
+
+    where, _, name = ref.rpartition(":")
+    if not where or not name.isidentifier():
+        return "give path/to/agent.py:function or package.module:function"
+    if where.endswith(".py"):
+        if not os.path.isfile(where):
+            return f"no such file {where!r} (relative paths are from the directory the trainer starts in)"
+        tree = ast.parse(open(where).read(), where)
+        defined = {n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
+        assigned = {t.id for n in tree.body if isinstance(n, ast.Assign) for t in n.targets if isinstance(t, ast.Name)}
+        imported = {a.asname or a.name for n in tree.body if isinstance(n, ast.ImportFrom) for a in n.names}
+        return None if name in defined | assigned | imported else f"{where} defines no function {name!r}"
+    try:
+        found = importlib.util.find_spec(where) is not None
+    except (ImportError, ValueError):
+        found = False
+    return None if found else f"no module {where!r} on the path"
+
+
+def _model_has_template(model_path: str) -> bool:
+    import os
+
+    if os.path.isfile(os.path.join(model_path, "chat_template.jinja")):
+        return True
+    try:
+        with open(os.path.join(model_path, "tokenizer_config.json")) as f:
+            return bool(json.load(f).get("chat_template"))
+    except (OSError, ValueError):
+        return False
+
+
+def check_endpoint_agent(cfg) -> None:
+    """rollout.agent against the rest of the config, before any model loads."""
+    import os
+
+    ag, r = cfg.rollout.agent, cfg.rollout
+    if r.multi_turn.enable or cfg.tools or cfg.env.cls is not None:
+        raise ConfigError(f"rollout.agent.entry={ag.entry!r} runs your agent, which calls its own tools; "
+                          "rollout.multi_turn / tools / env.cls are the built-in loop's: use one of the two")
+    check((why := check_entry(ag.entry)) is None, "rollout.agent.entry", ag.entry, why or "")
+    from rlcore.agent.chat import known_parsers
+
+    check(r.tool_parser in known_parsers(), "rollout.tool_parser", r.tool_parser,
+          f"choose one of vLLM's tool parsers: {', '.join(known_parsers())}")
+    if ag.reasoning_parser is not None:
+        from vllm.reasoning import ReasoningParserManager
+
+        names = sorted(ReasoningParserManager.list_registered())
+        check(ag.reasoning_parser in names, "rollout.agent.reasoning_parser", ag.reasoning_parser,
+              f"choose one of vLLM's reasoning parsers: {', '.join(names)}, or null")
+    if ag.chat_template is not None:
+        check(os.path.isfile(ag.chat_template), "rollout.agent.chat_template", ag.chat_template,
+              "no such file; give a Jinja template file, or null for the tokenizer's own")
+    elif not _model_has_template(cfg.model.path):
+        raise ConfigError(f"rollout.agent.chat_template=None and model.path={cfg.model.path!r} has no chat template "
+                          "(tokenizer_config.json, chat_template.jinja): give one, e.g. configs/chat_templates/qwen3.jinja")
+    refused = {"data.image_key": cfg.data.image_key, "distill.teacher": cfg.distill.teacher,
+               "algorithm.routing_replay": cfg.algorithm.routing_replay if cfg.algorithm.routing_replay == "r3" else None}
+    for key, value in refused.items():
+        if value:
+            raise ConfigError(f"rollout.agent.entry with {key}={value!r}: agent episodes are text-only, their "
+                              f"segments are not scored by a teacher and carry no routed experts; turn one of them off")
+    if cfg.algorithm.adv_estimator == "reinforce_pp" and cfg.algorithm.gamma != 1.0 and ag.segment_advantage == "shared":
+        raise ConfigError(f"algorithm.gamma={cfg.algorithm.gamma} discounts within one sequence, but an agent episode "
+                          "may train several segments that share one advantage: set algorithm.gamma: 1.0, or "
+                          "rollout.agent.segment_advantage: last")

@@ -71,6 +71,12 @@ class RolloutBatch:
     # Partial rollouts (rlcore.step.partial): per response token, how many policy updates separate the
     # policy that sampled it from the one training on it (0: sampled this step). None: all 0.
     staleness: list[list[int]] | None = None
+    # Agent episodes (rlcore.agent.serve): each sample's token-exact segments (rlcore.agent.episode.Segment;
+    # the row itself is the last one) until rlcore.step.segments makes them rows; then, per row, its
+    # segment's place counted from its episode's last (0: the last, which counts for the episode's
+    # reward and length metrics; -1: a padding row). None: not an agent batch.
+    segments: list[list] | None = None
+    seg_index: list[int] | None = None
 
     def __post_init__(self):
         if self.keep is None:
@@ -147,7 +153,7 @@ def informative_groups(scores: torch.Tensor, group_size: int) -> list[int]:
 # RolloutBatch's per-sample lists, carried by select() and concat() (uids/gids are renumbered by concat)
 _PER_SAMPLE = ("prompt_ids", "response_ids", "rollout_logp", "answers", "finish_reasons", "keep", "vision", "uids",
                "gids", "env_mask", "final_ids", "env_rewards", "conversations", "routed_experts", "rows", "teacher_topk",
-               "engine_prompt_ids", "images", "staleness")
+               "engine_prompt_ids", "images", "staleness", "segments", "seg_index")
 
 
 def concat(batches: list[RolloutBatch]) -> RolloutBatch:
@@ -167,11 +173,17 @@ def rollout_metrics(batch: RolloutBatch, scores: torch.Tensor, adv: torch.Tensor
     mask = batch.response_mask()
     # Generated tokens: multi-turn conversations also hold tool answers (prefilled, not generated).
     lens = [len(r) for r in batch.response_ids] if batch.env_mask is None else [sum(m) for m in batch.env_mask]
+    # Agent episodes trained as segments: the reward and per-sample counts once per episode (its last
+    # segment), the tokens of every segment, padding rows nowhere.
+    place = batch.seg_index or [0] * len(batch)
+    last, real = [k == 0 for k in place], [k >= 0 for k in place]
+    once = scores[torch.tensor(last, dtype=torch.bool)]  # (episodes,) every sample when not an agent batch
     g = all_rank_sums({
-        "s": scores.sum().item(), "s2": (scores ** 2).sum().item(), "cnt": len(scores), "ntok": sum(lens),
-        "nall": float(sum(len(r) for r in batch.response_ids)),
-        "trunc": float(sum(f == "length" for f in batch.finish_reasons)), "ntok_loss": mask.sum().item(),
-        "a1": (adv * mask).sum().item(), "a2": (adv ** 2 * mask).sum().item()})
+        "s": once.sum().item(), "s2": (once ** 2).sum().item(), "cnt": len(once),
+        "ntok": sum(n for n, r in zip(lens, real) if r),
+        "nall": float(sum(len(x) for x, r in zip(batch.response_ids, real) if r)),
+        "trunc": float(sum(f == "length" for f, e in zip(batch.finish_reasons, last) if e)),
+        "ntok_loss": mask.sum().item(), "a1": (adv * mask).sum().item(), "a2": (adv ** 2 * mask).sum().item()})
     out = dict(metrics)
     per_replica = ("reward/", "rollout/filtered", "rollout/zero_variance")
     out.update(all_rank_means({k: v for k, v in metrics.items() if k.startswith(per_replica)}, world_size))

@@ -179,8 +179,9 @@ def resolve(cfg: Config, device_type: str) -> Config:
     check_partial(cfg)
     check_engine_keys(cfg, device_type)  # rollout.enable_chunked_prefill / enable_expert_parallel / engine_kwargs
     mt = cfg.rollout.multi_turn  # a sample packs its prompt and its response (a multi-turn conversation's whole tail)
-    check_log_prob_tokens(cfg.algorithm, cfg.data.max_prompt_length
-                          + (mt.max_total_tokens if mt.enable else cfg.rollout.max_response_length))
+    check_log_prob_tokens(cfg.algorithm, cfg.rollout.max_model_len if cfg.rollout.agent.enable  # an agent's segment
+                          else cfg.data.max_prompt_length + (mt.max_total_tokens if mt.enable
+                                                             else cfg.rollout.max_response_length))
     if cfg.algorithm.use_rollout_logprobs and cfg.rollout_correction.options() is not None:
         raise ConfigError("rollout_correction.is_level/rs compare the trainer's old log-probs with vLLM's, but "
                           "algorithm.use_rollout_logprobs=true replaces the former with the latter (every ratio 1): "

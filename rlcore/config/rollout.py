@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal, Optional
 
-from rlcore.agent.config import MultiTurnConfig
+from rlcore.agent.config import AgentConfig, MultiTurnConfig
 from rlcore.errors import check, check_positive
 from rlcore.rollout.engine_keys import check_keys as check_engine_kwargs_keys
 
@@ -121,11 +121,14 @@ class RolloutConfig:
     1e-3 float32, 0.1 bfloat16, 0.05 float16."""
     multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
     """Multi-turn, tool-using conversations (rlcore/agent/)."""
+    agent: AgentConfig = field(default_factory=AgentConfig)
+    """Your own agent program against an OpenAI-compatible endpoint per rank (docs/agents.md)."""
     partial: PartialConfig = field(default_factory=PartialConfig)
     """Partial rollouts with an early stop (rlcore/step/partial.py)."""
     tool_parser: str = "hermes"
     """vLLM tool parser that reads the model's calls (vllm.tool_parsers: hermes for Qwen2.5/Qwen3
-    <tool_call> JSON, llama3_json, pythonic, ...); used with multi_turn.enable."""
+    <tool_call> JSON, llama3_json, pythonic, ...); used with multi_turn.enable and by the agent endpoint
+    (rollout.agent) for the responses' tool_calls."""
     check_sync_every: Optional[int] = None
     """Check the first sync and every N-th after it. Each check costs one trainer forward of the
     probe (an FSDP all-gather of the weights, as much as the sync's own gather: 20 ms beside the

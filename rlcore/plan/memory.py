@@ -491,7 +491,8 @@ def plan_from_config(cfg, world_size: int, device_gb: float, device_type: str = 
         log_prob_micro_batch_size=a.log_prob_micro_batch_size,
         log_prob_micro_batch_tokens=a.log_prob_micro_batch_tokens,
         prompt_len=cfg.data.max_prompt_length, max_model_len=r.max_model_len,
-        response_len=r.multi_turn.max_total_tokens if r.multi_turn.enable else r.max_response_length,
+        response_len=(r.max_model_len - cfg.data.max_prompt_length if r.agent.enable  # an agent's segment: the context
+                      else r.multi_turn.max_total_tokens if r.multi_turn.enable else r.max_response_length),
         gradient_checkpointing=cfg.model.gradient_checkpointing, prompts_per_step=cfg.trainer.prompts_per_step,
         n=r.n, max_num_batched_tokens=r.max_num_batched_tokens, max_num_seqs=r.max_num_seqs,
         graphs=not r.enforce_eager, ep=cfg.parallel.ep_size, freeze_vision=cfg.model.freeze_vision_tower,

@@ -22,6 +22,7 @@ import torch.distributed as dist
 from rlcore.algo import balance as partition
 from rlcore.algo.batch import RolloutBatch
 from rlcore.dist import _comm_device, all_gather_objects
+from rlcore.step import segments
 from rlcore.step.sampling import shard_for_training
 
 # Every per-sample field the train phase and the step's metrics read moves; uids and gids (indices
@@ -33,9 +34,14 @@ _FIELDS = tuple(f.name for f in dataclasses.fields(RolloutBatch) if f.name not i
 
 
 def for_training(rollout, batch: RolloutBatch, adv: torch.Tensor, scores: torch.Tensor, cfg, metrics: dict):
-    """This rank's training samples, advantages (N, T) and scores (N,): its TP slice, balanced
-    over the data-parallel parts when ``cfg.trainer.balance_batch``; ``metrics`` gets perf/rank_tokens_*."""
+    """This rank's training samples, advantages (N, T) and scores (N,): its TP slice, agent episodes'
+    segments as rows (rlcore.step.segments), balanced over the data-parallel parts when
+    ``cfg.trainer.balance_batch``; ``metrics`` gets perf/rank_tokens_* and agent/train_rows."""
     batch, adv, scores = shard_for_training(rollout, batch, adv, scores)
+    if batch.segments is not None:
+        batch, adv, scores, rows = segments.expand(batch, adv, scores, cfg.rollout.agent.segment_advantage,
+                                                   cfg.algorithm.mini_batches)
+        metrics.update(rows)
     if not cfg.trainer.balance_batch:
         return batch, adv, scores
     batch, adv, scores, stats = balance(batch, adv, scores, cfg.algorithm.mini_batches, cfg.parallel.ulysses_size)

@@ -34,6 +34,14 @@ Multi-turn conversations (``rollout.multi_turn``, plain tools) are suspended bet
 inside one: a chunk continues each conversation's current turn; a turn that ends is parsed and its
 tool calls run, as rlcore.agent.loop does, and the next chunk starts the next turn. Images, routing
 replay and environments (env.cls: state a checkpoint cannot carry) are refused by the config check.
+
+Agent episodes (``rollout.agent``) are never suspended: an episode's state is the agent program's, in
+its own process, which neither a weight update nor a checkpoint can carry. The step runs its groups'
+episodes with the stop rule checked on every loop of the endpoint's serving (rlcore.agent.serve); when
+it fires, the episodes still running are cancelled (their processes killed, their requests aborted)
+and their groups wait in the pool to be run again, whole, from the start, in a later step: no token
+of an agent episode is ever trained under a policy other than the one that sampled it. Finished
+groups beyond the step's target wait in the pool as other finished groups do (one version stale).
 """
 
 from __future__ import annotations
@@ -41,6 +49,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from rlcore.agent.serve import EndpointAgent
 from rlcore.algo import batch as rollout_batch
 from rlcore.dist import all_reduce_max, all_reduce_sum
 from rlcore.task.prompts import Prompt, generation_seed
@@ -108,7 +117,10 @@ class PartialRollouts:
                 short, moving = all_reduce_max([float(target - min(ready, target)), float(unfinished)])
             if short == 0 or not moving:  # every rank has enough, or no rank can get more (rounds used up)
                 break
-            self._generate_chunk(sampler, step, chunks, version)
+            if isinstance(self.agent, EndpointAgent):  # agent episodes: run whole, cancelled at the stop rule
+                self._run_episodes(sampler, step, chunks, version, target)
+            else:
+                self._generate_chunk(sampler, step, chunks, version)
             chunks += 1
         if self.agent is not None:
             sampler.timer.add("tool", self.agent.stats["tool_s"])  # inside timing/generate_s
@@ -197,6 +209,30 @@ class PartialRollouts:
             elif len(s.ids) >= self.max_len:
                 s.finish = "length"
 
+    def _run_episodes(self, sampler, step: int, chunk: int, version: int, target: int) -> None:
+        """Agent episodes of the pool's unfinished groups, run until every rank has ``target`` finished
+        groups (or none can get more): the rest are cancelled and stay in the pool to run again."""
+        todo = [g for g in self.pool if not g.done]
+        before = sum(g.done for g in self.pool)
+
+        def stop(done: int, running: bool) -> bool:  # every rank, once per serving loop (collective)
+            short, moving = all_reduce_max([float(target - min(before + done, target)), float(running)])
+            return short == 0 or not moving
+
+        r = sampler.cfg
+        if sampler.switch is not None:
+            sampler.switch.ensure_generation()
+        with sampler.timer("generate"):
+            groups = self.agent.run(sampler.rollout, [g.prompt.ids for g in todo], [g.prompt.row for g in todo],
+                                    n=self.n, seed=generation_seed(sampler.seed, step, chunk),
+                                    sampling={"temperature": r.temperature, "top_p": r.top_p, "top_k": r.top_k},
+                                    per_turn_tokens=r.max_response_length, stop=stop)
+        for g, episodes in zip(todo, groups):
+            if all(e.finish is not None for e in episodes):  # else its placeholders stay: run again later
+                for e in episodes:
+                    e.version = version
+                g.seqs = episodes
+
     def _continue_turns(self, convs: list, samples: list, version: int) -> None:
         """Each conversation's turn grows by its chunk; a turn that ended (end of turn, or its
         per-turn or total token budget) is closed as rlcore.agent.loop does it, and the tools of
@@ -224,14 +260,15 @@ class PartialRollouts:
     def _batch(self, groups: list[Group], version: int) -> rollout_batch.RolloutBatch:
         flat = [(g, s) for g in groups for s in g.seqs]
         stale = [[version - v for v in s.versions] for _, s in flat]
-        if self.agent is not None:  # conversations, as rlcore.step.sampling.multi_turn_batch builds them
+        if self.agent is not None:  # conversations (agent episodes), as rlcore.step.sampling.multi_turn_batch builds them
             return rollout_batch.RolloutBatch(
                 prompt_ids=[c.prompt_ids for _, c in flat], response_ids=[list(c.response_ids) for _, c in flat],
                 rollout_logp=[list(c.logprobs) for _, c in flat], answers=[g.prompt.answer for g, _ in flat],
                 finish_reasons=[c.finish for _, c in flat], group_size=self.n,
                 env_mask=[list(c.env_mask) for _, c in flat], final_ids=[c.final_text_ids() for _, c in flat],
                 env_rewards=[c.env_reward for _, c in flat], conversations=[c for _, c in flat],
-                rows=[g.prompt.row for g, _ in flat], staleness=stale)
+                rows=[g.prompt.row for g, _ in flat], staleness=stale,
+                segments=[c.all_segments() for _, c in flat] if isinstance(self.agent, EndpointAgent) else None)
         return rollout_batch.RolloutBatch(
             prompt_ids=[g.prompt.ids for g, _ in flat], response_ids=[list(s.ids) for _, s in flat],
             rollout_logp=[list(s.logprobs) for _, s in flat], answers=[g.prompt.answer for g, _ in flat],
@@ -262,13 +299,21 @@ class PartialRollouts:
                  "seqs": [_plain(s) for s in g.seqs]} for g in self.pool]
 
     def load_state_dict(self, pool: list[dict]) -> None:
+        from rlcore.agent.episode import Episode
         from rlcore.agent.loop import Conversation
 
-        kind = Seq if self.agent is None else Conversation
-        self.pool = [Group(Prompt(**g["prompt"]), g["start"], [kind(**s) for s in g["seqs"]], g.get("informative"))
+        if isinstance(self.agent, EndpointAgent):  # agent episodes (rollout.agent)
+            make = Episode.from_plain
+        else:
+            kind = Seq if self.agent is None else Conversation
+            make = lambda s: kind(**s)  # noqa: E731
+        self.pool = [Group(Prompt(**g["prompt"]), g["start"], [make(s) for s in g["seqs"]], g.get("informative"))
                      for g in pool]
 
 
 def _plain(seq) -> dict:
-    """A Seq's or a Conversation's fields, each list copied (their items are not mutated after)."""
+    """A Seq's, a Conversation's or an agent Episode's fields, each list copied (their items are not
+    mutated after)."""
+    if hasattr(seq, "plain"):
+        return seq.plain()
     return {k: list(v) if isinstance(v, list) else v for k, v in vars(seq).items() if k != "env"}

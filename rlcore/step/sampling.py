@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from rlcore.agent.serve import EndpointAgent
 from rlcore.algo import batch as rollout_batch
 from rlcore.config import AlgorithmConfig, RolloutConfig
 from rlcore.dist import all_reduce_max, all_reduce_sum
@@ -225,8 +226,11 @@ class StepSampler:
         with self.timer("reward"):
             texts = self.tokenizer.batch_decode(batch.final_ids or batch.response_ids, skip_special_tokens=True)
             values, metrics = self.scorer.score(texts, batch.answers, batch.env_rewards, rows=batch.rows)
+            if batch.conversations is not None:  # an agent episode that failed scores 0 (rlcore.agent.serve)
+                values = [0.0 if getattr(c, "failed", False) else v for c, v in zip(batch.conversations, values)]
             if batch.conversations is not None and collective:
                 metrics.update(agent_metrics(batch.conversations, self.rollout.tp_size))
+                metrics.update(getattr(self.agent, "last_metrics", {}))  # agent/*: the endpoint's episodes
             shaped, shape_metrics = rollout_batch.shape_rewards(torch.tensor(values, dtype=torch.float32), batch,
                                                        self.algo, response_budget(self.cfg))
         return shaped, {**metrics, **shape_metrics}
@@ -269,7 +273,10 @@ def agent_metrics(conversations: list, tp_size: int = 1) -> dict[str, float]:
 
 
 def response_budget(cfg: RolloutConfig) -> int:
-    """Tokens after the prompt a sample may have: one response, or a whole conversation."""
+    """Tokens after the prompt a sample may have: one response, a whole conversation, or an agent
+    episode's segment (its context)."""
+    if cfg.agent.enable:
+        return cfg.max_model_len
     return cfg.multi_turn.max_total_tokens if cfg.multi_turn.enable else cfg.max_response_length
 
 
@@ -291,7 +298,8 @@ def multi_turn_batch(agent, rollout, prompts: list, r: RolloutConfig, seed: int,
         rollout_logp=[c.logprobs for _, c in flat], answers=[p.answer for p, _ in flat],
         finish_reasons=[c.finish for _, c in flat], group_size=n, env_mask=[c.env_mask for _, c in flat],
         final_ids=[c.final_text_ids() for _, c in flat], env_rewards=[c.env_reward for _, c in flat],
-        conversations=[c for _, c in flat], rows=[p.row for p, _ in flat])
+        conversations=[c for _, c in flat], rows=[p.row for p, _ in flat],
+        segments=[c.all_segments() for _, c in flat] if isinstance(agent, EndpointAgent) else None)  # agent episodes
 
 
 def shard_for_training(rollout, batch: rollout_batch.RolloutBatch, adv: torch.Tensor, scores: torch.Tensor):

@@ -76,6 +76,8 @@ def _converse_and_score(agent, rollout, tokenizer, scorer, prompts, *, n: int, t
     rows = [p.row for p in prompts for _ in range(n)]
     rewards, correct, metrics = (scorer.score_samples(texts, answers, [c.env_reward for c in convs], rows=rows)
                                  if texts else ([], [], {}))
+    failed = [getattr(c, "failed", False) for c in convs]  # an agent episode that failed scores 0
+    rewards, correct = [0.0 if f else r for f, r in zip(failed, rewards)], [c and not f for f, c in zip(failed, correct)]
     return _Scored(texts, [sum(c.env_mask) for c in convs], rewards, correct, metrics.get("reward/errors", 0.0),
                    [tokenizer.decode(c.response_ids, skip_special_tokens=False) for c in convs],
                    [c.tool_calls for c in convs], judged=scorer.judge_outputs() if texts else None)

@@ -21,14 +21,13 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from rollout_common import hf_logprobs, load_hf  # noqa: E402
+from rollout_common import hf_logprobs, load_hf, run_kinds  # noqa: E402
 
 from rlcore.agent.chat import ChatRenderer, ToolCallParser  # noqa: E402
 from rlcore.agent.loop import Agent  # noqa: E402
 from rlcore.agent.sandbox import Limits  # noqa: E402
 from rlcore.agent.tools import ToolRunner, load_tools  # noqa: E402
 from rlcore.demo.tool import CALL, SecretEnv  # noqa: E402
-from rlcore.dist import init_distributed  # noqa: E402
 from rlcore.colocate_rollout import ColocateRollout  # noqa: E402
 
 
@@ -57,14 +56,6 @@ class Recorder:
         self.calls.append({"prompts": [list(p) for p in prompts],
                            "outputs": [[(list(s.response_ids), list(s.logprobs), s.finish_reason) for s in g] for g in out]})
         return out
-
-
-def main() -> None:
-    out_path, runs = sys.argv[1], [a.split("=", 1) for a in sys.argv[2:]]
-    info = init_distributed("cpu", 600)
-    results = {kind: run_kind(info, kind, model_dir) for kind, model_dir in runs}
-    with open(out_path, "w") as f:
-        json.dump(results, f)
 
 
 def run_kind(info, kind: str, model_dir: str) -> dict:
@@ -131,4 +122,4 @@ def _distinct_tool_turns(groups) -> list[list[dict]]:
 
 
 if __name__ == "__main__":
-    main()
+    run_kinds(run_kind, sys.argv[1:])

@@ -24,6 +24,20 @@ def toy_prompts(num: int, long_len: int = 160) -> list[list[int]]:
     return prompts
 
 
+def run_kinds(run_kind, argv: list[str]) -> None:
+    """``argv``: OUT_JSON KIND=MODEL_DIR ...: ``run_kind(info, kind, model_dir)`` for each in turn on this
+    rank (one launch, one engine at a time), the results as one JSON object in OUT_JSON."""
+    import json
+
+    from rlcore.dist import init_distributed
+
+    out_path, runs = argv[0], [a.split("=", 1) for a in argv[1:]]
+    info = init_distributed("cpu", 600)
+    results = {kind: run_kind(info, kind, model_dir) for kind, model_dir in runs}
+    with open(out_path, "w") as f:
+        json.dump(results, f)
+
+
 def load_hf(model_dir: str):
     from transformers import AutoModelForCausalLM
 
