@@ -240,6 +240,8 @@ def test_dynamic_sampling_metric_score_compares_before_the_overlong_penalty(metr
     cfg = dataclasses.replace(BASE, overlong_buffer_len=3, dynamic_sampling=True, dynamic_sampling_metric=metric)
     scores = torch.tensor([1.0, 1.0, 1.0, 1.0, 1.0, 0.0, 1.0, 0.0])
     shaped, _ = shape_rewards(scores.clone(), batch, cfg, max_response_length=6)
-    sampler = StepSampler(None, None, None, None, types.SimpleNamespace(max_response_length=6, multi_turn=types.SimpleNamespace(enable=False)), cfg,
+    off = types.SimpleNamespace(enable=False)
+    rollout_cfg = types.SimpleNamespace(max_response_length=6, multi_turn=off, agent=off)
+    sampler = StepSampler(None, None, None, None, rollout_cfg, cfg,
                           1, 0, None)
     assert informative_groups(sampler.filter_values(batch, shaped), 4) == kept
