@@ -271,6 +271,7 @@ def aggregate_loss(
     global_seqs=None,
     dp_size: int = 1,
     norm_len=None,
+    copies: int = 1,
 ) -> torch.Tensor:
     """Reduce a (N, T) loss to a scalar.
 
@@ -279,9 +280,16 @@ def aggregate_loss(
     ``dp_size`` ranks (hence the ``* dp_size``) reproduces the gradient of the global loss.
     Without them the local counts are used. ``norm_len`` defaults to T, which differs between
     micro-batches padded to different lengths: pass it explicitly when micro-batching.
+    ``copies``: how many ranks hold each sample (U under Ulysses, rlcore.algo.grpo.sp_group_batch):
+    the all-rank counts and ``dp_size`` both count each sample that many times, which cancels in
+    the means but not in token-sum's bare ``x dp_size``, so both are divided by it.
     """
     fn = _lookup(_AGG_REGISTRY, "loss_agg_mode", mode)
     mask = mask.to(loss_mat.dtype)
+    if copies != 1:
+        global_tokens = None if global_tokens is None else global_tokens / copies
+        global_seqs = None if global_seqs is None else global_seqs / copies
+        dp_size = dp_size / copies
     return fn(loss_mat, mask, global_tokens, global_seqs, dp_size, norm_len)
 
 

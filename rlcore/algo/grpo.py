@@ -95,7 +95,8 @@ def sp_group_batch(policy, batch: RolloutBatch, *matrices: torch.Tensor):
     ``matrices`` (advantages) gathered the same way; returns ``(batch, matrices, rows)`` with
     ``rows`` this rank's own indices in the group batch. Without it: the inputs, all rows.
     Each sample is then held by U ranks, which the loss's all-rank normaliser counts U times;
-    the log-probs' summed gather gradient is U times one copy's: they cancel (the engine's docstring)."""
+    the log-probs' summed gather gradient is U times one copy's: they cancel (the engine's docstring);
+    token-sum, which has no normaliser, divides by U (advantage.aggregate_loss's ``copies``)."""
     sp = getattr(policy, "sp", None)
     if sp is None or sp.size == 1:
         return batch, list(matrices), list(range(len(batch)))
@@ -225,8 +226,9 @@ def accumulate_gradients(policy, batch: RolloutBatch, mini: list[int], inp: Upda
     """Forward/backward one mini-batch (indices ``mini``) in micro-batches, normalised by the
     mini-batch's token and sequence counts over all ranks; ``record`` (N, T) receives the log-probs."""
     totals = all_reduce_sum([inp.mask[mini].sum().item(), float((inp.mask[mini].sum(1) > 0).sum())])
+    sp = getattr(policy, "sp", None)  # Ulysses: each sample held by the group's U ranks
     agg = {"global_tokens": totals[0], "global_seqs": totals[1], "dp_size": inp.world_size,
-           "norm_len": inp.norm_len}
+           "norm_len": inp.norm_len, "copies": 1 if sp is None else sp.size}
     for idx in split_micro(batch, mini, cfg):
         _micro_step(policy, batch, idx, inp, cfg, agg, {} if sums is None else sums, record)
 

@@ -125,6 +125,7 @@ def run_d(model_dir, info, data, out, res, step1: dict) -> dict:
     res["d_pushed_exact"] = _equal(rollout.pushed, step1)
     res["d_offloaded_in_generation"] = poisoned(d, "params") and poisoned(d, "optimizer")
     d_out = os.path.join(out, "d")
+    os.makedirs(d_out, exist_ok=True)  # the loop makes the output folder at its start; save requires it
     checkpoint.save(d, d_out, 1, {"step": 1}, info.rank, keep_last=2)  # maybe_save's call, state offloaded
     checkpoint.export_hf(d, os.path.join(out, "hf_d"), "float32", info.is_main)
     res["d_offloaded_after_save"] = d.offloaded == {"params": True, "optimizer": True} and poisoned(d, "params")
