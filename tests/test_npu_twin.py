@@ -194,16 +194,23 @@ def test_the_seed_recipe_runs_three_steps_on_cpu(tmp_path, shapes_data):
 
 VL_MODELING = ("veomni.models.transformers.qwen3_vl_moe.generated.patched_modeling_qwen3_vl_moe_npu",
                "veomni.models.transformers.qwen3_vl_moe.generated.patched_modeling_qwen3_vl_moe_gpu",
-               "veomni.models.transformers.qwen3_vl.generated.patched_modeling_qwen3_vl_npu")
+               "veomni.models.transformers.qwen3_vl.generated.patched_modeling_qwen3_vl_npu",
+               # these four import transformers.vision_utils (F8); Qwen3-Omni-MoE's NPU file needs torch_npu
+               "veomni.models.transformers.qwen2_5vl.generated.patched_modeling_qwen2_5_vl_gpu",
+               "veomni.models.transformers.qwen2_vl.generated.patched_modeling_qwen2_vl_gpu",
+               "veomni.models.transformers.qwen2_5_omni.generated.patched_modeling_qwen2_5_omni_gpu",
+               "veomni.models.transformers.qwen3_omni_moe.generated.patched_modeling_qwen3_omni_moe_gpu")
 
 
 @pytest.mark.unit
 def test_veomnis_vl_modeling_imports_with_this_transformers():
     """VeOmni 0.1.12's Qwen3-VL(-MoE) modeling (NPU and GPU files) imports transformers'
     ``accepts_precomputed_kwargs`` and leaves ``get_input_embeddings`` to the mixin's ``language_model``
-    rule, both of which 5.5.4 (the NPU pin) lacks: rlcore.engine.transformers_compat puts them there
-    before a build (the seed run's model raised ImportError at its build before, then
-    NotImplementedError in its first forward); 5.19 has its own, left alone. The forwards themselves:
+    rule, and its Qwen2-VL, Qwen2.5-VL, Qwen2.5-Omni and Qwen3-Omni-MoE modeling imports
+    ``transformers.vision_utils`` (F8), all of which 5.5.4 (the NPU pin) lacks:
+    rlcore.engine.transformers_compat puts them there before a build (the seed run's model raised
+    ImportError at its build before, then NotImplementedError in its first forward; a Qwen2.5-VL policy
+    ModuleNotFoundError at its build); 5.19 has its own, left alone. The forwards themselves:
     tests/test_vl_moe.py and tests/test_vl_policy.py in the twin."""
     import importlib
 
@@ -213,7 +220,7 @@ def test_veomnis_vl_modeling_imports_with_this_transformers():
 
     added = transformers_compat.install()
     assert added == (["transformers.utils.generic.accepts_precomputed_kwargs",
-                      "EmbeddingAccessMixin.get_input_embeddings: self.language_model"]
+                      "EmbeddingAccessMixin.get_input_embeddings: self.language_model", "transformers.vision_utils"]
                      if transformers.__version__ == "5.5.4" else []), (transformers.__version__, added)
     assert transformers_compat.install() == []  # once
     for name in VL_MODELING:
@@ -237,3 +244,42 @@ def test_the_backport_renames_as_transformers_does():
     assert ours == {"cu_seqlens": 1, "other": 5}, ours  # image_grid_thw -> grid_thw, a parameter: not in kwargs
     if generic.accepts_precomputed_kwargs is not transformers_compat.accepts_precomputed_kwargs:
         assert generic.accepts_precomputed_kwargs("image")(features)(None, **kw) == ours
+
+
+@pytest.mark.unit
+def test_the_vision_utils_backport_is_transformers_own():
+    """rlcore.engine.transformers_vision is transformers 5.19's vision_utils helpers line for line: where
+    transformers has its own module (5.19) the sources are equal and so are the results on grids of
+    images and a video; where it has none (5.5.4) the backport is what ``transformers.vision_utils``
+    names. Either way the results equal hand-computed ones (a 1x4x4 grid merged 2x2, Qwen2.5-VL's
+    windows of 2x2 merged tokens)."""
+    import importlib
+    import inspect
+
+    import torch
+    import transformers
+
+    from rlcore.engine import transformers_compat, transformers_vision as ours
+
+    transformers_compat.install()
+    theirs = importlib.import_module("transformers.vision_utils")
+    own = transformers.__version__ != "5.5.4"
+    for name in ours.__all__:
+        assert (getattr(theirs, name) is getattr(ours, name)) is not own, name
+        if own:
+            assert inspect.getsource(getattr(theirs, name)) == inspect.getsource(getattr(ours, name)), name
+    grid = torch.tensor([[1, 4, 4], [2, 4, 8], [1, 6, 2]])  # an image, a 2-frame video, another image
+    for name, args in (("get_vision_position_ids", (2,)), ("get_vision_window_index", (2, 56, 14)),
+                       ("get_vision_interpolation_indices_and_weights", (4,)),
+                       ("get_vision_bilinear_indices_and_weights", (4, 2))):
+        a, b = getattr(theirs, name)(grid, *args), getattr(ours, name)(grid, *args)
+        for x, y in zip(a if isinstance(a, tuple) else (a,), b if isinstance(b, tuple) else (b,)):
+            assert torch.equal(x, y), name
+    # (h, w) of each token, 2x2 merge blocks in row-major block order
+    pos = ours.get_vision_position_ids(torch.tensor([[1, 4, 4]]), 2)  # (16, 2)
+    assert pos[:8].tolist() == [[0, 0], [0, 1], [1, 0], [1, 1], [0, 2], [0, 3], [1, 2], [1, 3]], pos
+    # 4x4 patches merged 2x2 -> 2x2 merged tokens; a 56-pixel window of 14-pixel patches is 2 merged tokens
+    # wide: one window holds all 4 merged tokens (16 patches); an 8x8 grid has 4 windows of 16 patches
+    idx, cu = ours.get_vision_window_index(torch.tensor([[1, 8, 8]]), 2, 56, 14)
+    assert idx.tolist() == [0, 1, 4, 5, 2, 3, 6, 7, 8, 9, 12, 13, 10, 11, 14, 15], idx
+    assert cu.tolist() == [0, 16, 32, 48, 64], cu
