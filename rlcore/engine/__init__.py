@@ -13,6 +13,7 @@ the sync), everything that touches VeOmni, FSDP2 or DTensor.
     parts.py          the engine's named parts (names, shards, the lr schedule, masks)
     bucket_gather.py  the gather of local shards into full tensors, in buckets
     transformers_compat.py  what VeOmni's VL modeling imports and the NPU pin's transformers 5.5.4 lacks
+    transformers_vision.py  transformers 5.19's vision_utils helpers VeOmni imports (for 5.5.4, which has none)
 
 May import: torch, VeOmni, transformers, the ground floor (rlcore.dist, rlcore.hf_folder, ...).
 Never rlcore.engine_veomni (the module these parts make up imports them, not the reverse), and

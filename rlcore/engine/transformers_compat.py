@@ -20,12 +20,19 @@ to transformers' ``EmbeddingAccessMixin``, which 5.19 resolves through ``self.la
 raises ``NotImplementedError`` in the first forward (where transformers 5.5.4's own Qwen3-VL-MoE defines
 it as ``self.language_model.get_input_embeddings()``, models/qwen3_vl_moe/modeling_qwen3_vl_moe.py:1098-1099).
 ``install`` adds that rule where the mixin raises: the rules before it are 5.5.4's, unchanged.
-With a transformers that has both, nothing changes.
+
+VeOmni's Qwen2-VL, Qwen2.5-VL, Qwen2.5-Omni and Qwen3-Omni-MoE modeling imports the module
+``transformers.vision_utils``, which 5.5.4 has none of (F8): ``install`` registers
+``rlcore.engine.transformers_vision`` (5.19's helpers that VeOmni imports, copied line for line) under that
+name where it is missing. With a transformers that has all of these, nothing changes.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import inspect
+import sys
+import types
 from functools import wraps
 
 # transformers 5.19.0 utils/generic.py:951-956
@@ -92,4 +99,21 @@ def install() -> list[str]:
     if "language_model" not in inspect.getsource(resolve) and not getattr(resolve, "rlcore_language_model_rule", 0):
         EmbeddingAccessMixin.get_input_embeddings = _language_model_rule(resolve)
         added.append("EmbeddingAccessMixin.get_input_embeddings: self.language_model")
+    if _install_vision_utils():
+        added.append("transformers.vision_utils")
     return added
+
+
+def _install_vision_utils() -> bool:
+    """``transformers.vision_utils`` from 5.19's helpers where transformers has no such module."""
+    import transformers
+
+    if "transformers.vision_utils" in sys.modules or importlib.util.find_spec("transformers.vision_utils"):
+        return False
+    from rlcore.engine import transformers_vision
+
+    module = types.ModuleType("transformers.vision_utils", transformers_vision.__doc__)
+    module.__dict__.update({name: getattr(transformers_vision, name) for name in transformers_vision.__all__})
+    sys.modules[module.__name__] = module
+    transformers.vision_utils = module  # `import transformers.vision_utils` binds it on the package too
+    return True

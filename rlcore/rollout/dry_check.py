@@ -13,6 +13,7 @@ import warnings
 # ``LLM`` keywords this machine's vLLM platform refuses that only set up device memory: left out of
 # the dry run's ``create_engine_config`` (the run checks them on the device).
 DEVICE_ONLY_KWARGS = ("enable_sleep_mode",)
+R3_RUNNER = {"v2": "V2 model runner forced for r3", "v1": "V1 model runner for r3, as vllm-ascend 0.23's NPU runner"}
 
 
 @contextlib.contextmanager
@@ -31,22 +32,38 @@ def environ_kept():
                 os.environ[k] = v
 
 
+def r3_runner(device: str) -> str:
+    """The model runner that returns routed experts (R3) on ``device``, which the dry run judges R3 with:
+    ``"v1"`` for npu on vLLM 0.23 (the pin): vllm-ascend 0.23.0's ``NPUWorker`` falls back to its V1 runner
+    on vllm 0.23.0 whatever is asked (worker/worker.py:160-163), ``NPUModelRunner(GPUModelRunner)``
+    (worker/model_runner_v1.py:268), which captures routed experts (:3884-3885, bound to its fused-MoE
+    layers :3887-3900, captured per forward ops/fused_moe/fused_moe.py:201-204), where vLLM 0.23's own V2
+    runner cannot ("Model Runner V2 does not yet support: routed experts capture", config/vllm.py:2027-2029,
+    :2062-2071). ``"v2"`` otherwise: CUDA's default runner with Triton, and vllm 0.32's only runner for
+    routed experts (its V1 refuses them, config/vllm.py:1144-1150)."""
+    import vllm
+
+    return "v1" if device == "npu" and vllm.__version__.startswith("0.23.") else "v2"
+
+
 @contextlib.contextmanager
 def vllm_config_sees(device: str, *, r3: bool):
     """vLLM's config code answering, on this machine's platform, as it would on ``device`` where
     that can be emulated: CUDA installs bring Triton, so vLLM picks its V2 model runner there
-    (vllm 0.32 config/vllm.py:720-737); with R3 the V2 runner is forced
-    (``VLLM_USE_V2_MODEL_RUNNER=1``, Triton present) so the routed-experts checks behind it run
-    (``_verify_aux_output_compatibility``, :1135-1158; vllm-ascend brings its own runner)."""
+    (vllm 0.32 config/vllm.py:720-737); with R3 the runner that serves it on ``device`` (``r3_runner``)
+    is forced (``VLLM_USE_V2_MODEL_RUNNER``, Triton present for V2) so the routed-experts checks behind
+    it run (0.32's ``_verify_aux_output_compatibility``, :1135-1158; 0.23's PP and KV-connector checks,
+    config/vllm.py:864-886)."""
     import vllm.config.vllm as vllm_config
 
     triton = vllm_config.HAS_TRITON
-    if device == "cuda" or r3:
+    runner = r3_runner(device) if r3 else None
+    if device == "cuda" or runner == "v2":
         vllm_config.HAS_TRITON = True
     try:
         with environ_kept():
-            if r3:
-                os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1"
+            if runner:
+                os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1" if runner == "v2" else "0"
             yield
     finally:
         vllm_config.HAS_TRITON = triton
@@ -119,7 +136,7 @@ def _check_engines(cfg, device: str, quiet) -> tuple[bool | None, str]:
         platform = current_platform.device_name or current_platform.device_type or "this"
         how = [f"create_engine_config on this machine's {platform} platform"]
         how += [f"{', '.join(dropped)} left out"] if dropped else []
-        how += (["V2 model runner forced for r3"] if r3 else ["Triton present as on CUDA"] if device == "cuda" else [])
+        how += ([R3_RUNNER[r3_runner(device)]] if r3 else ["Triton present as on CUDA"] if device == "cuda" else [])
         graphs = {"cuda": "CUDA", "npu": "ACL"}.get(device, device)
         detail += (f" ({', '.join(how)}); advisory until the {device} run: block size and attention backend "
                    f"(the platform's check_and_update_config), {graphs} graph sizes, gpu_memory_utilization, sleep "
