@@ -117,8 +117,24 @@ def test_append_only_histories_are_one_sample_and_rewritten_ones_several(run):
     assert all(e["requests"] == 4 for e in episodes if e["mode"] == "compact")
     assert any(len(e["segments"]) >= 3 for e in episodes if e["mode"] == "compact")
     m = run["exact"]["metrics"]
-    assert m["agent/failures"] == 0 and m["agent/episodes"] == 8 and 1.0 < m["agent/segments_mean"] < m["agent/requests_mean"]
+    assert m["agent/failures"] == 0 and m["agent/episodes"] == 2 * len({e["mode"] for e in episodes})
+    assert 1.0 < m["agent/segments_mean"] < m["agent/requests_mean"]
     assert 0.0 < m["agent/append_only_frac"] < 1.0 and m["timing/agent_request_s"] > 0.0
+
+
+def test_forced_tool_choices_call_the_tool_every_time_and_record_the_policys_log_probs(runs):
+    """tool_choice required / a named function (an OpenAI-SDK agent, vLLM's grammar): every reply calls the
+    calculator and ends its turn (the grammar ends, then EOS), so the echoed call extends the history (one
+    segment); the engine's log-probs of such a sample are the grammar-masked distribution's, so each is
+    scored again, and what the episode records is the policy's (the teacher-forced check above covers
+    these episodes' segments too)."""
+    data = runs["qwen3"]["exact"]
+    forced = [e for e in data["episodes"] if e["mode"] in ("required", "named")]
+    assert len(forced) == 4 and all(e["finish"] == "stop" and e["requests"] == 2 == e["env_reward"] for e in forced)
+    assert all(len(e["segments"]) == 1 and e["appended"] == 1 for e in forced)
+    scored = [c for c in data["completions"] if "masked" in c]
+    assert len(scored) == sum(e["requests"] for e in forced)
+    assert max(abs(a - b) for c in scored for a, b in zip(c["masked"], c["logprobs"])) > 0.5
 
 
 def test_failing_agents_end_their_episode_with_reward_0_and_nothing_else(run):

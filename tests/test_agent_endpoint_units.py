@@ -316,7 +316,72 @@ def test_requests_the_endpoint_cannot_serve_are_refused_with_the_reason(service,
                                    "logit_bias": {"5": 10}, "tool_choice": "required", "tools": [LOOKUP]})
     said = [r.getMessage() for r in caplog.records]
     assert sum("temperature=0.2" in s for s in said) == 1 and sum("logit_bias" in s for s in said) == 1
-    assert sum("tool_choice=required is served as auto" in s for s in said) == 1
+    assert not any("tool_choice" in s for s in said)  # served as asked: tests below
+
+
+def _service(tok, tool_parser: str | None, **sampling):
+    from rlcore.agent.openai_api import OpenAIService
+
+    return OpenAIService(tok, tool_parser=tool_parser, reasoning_parser=None, chat_template=None, model_name="policy",
+                         max_model_len=40, max_tokens=3,
+                         sampling={"temperature": 1.0, "top_p": 1.0, "top_k": -1, **sampling})
+
+
+def test_tool_choice_required_and_named_get_vllms_grammar_and_parse(service):
+    """As vLLM 0.32's server: hermes (an xgrammar structural tag of its own call format) constrains
+    required to at least one call and a named function to that one call; pythonic (no structural tag)
+    gets the JSON schema of a list of {name, parameters} and its reply is read as that JSON; auto is
+    not constrained. A constrained sample is scored again (one context position kept free for it)."""
+    from rlcore.agent.episode import Episode
+
+    def job(svc, choice, tools=(LOOKUP,)):
+        body = {"messages": [{"role": "user", "content": "secret ?"}], "tools": list(tools), "tool_choice": choice}
+        return svc.chat_job(Episode(0, [1]), svc.parse("chat", body))
+
+    named = {"type": "function", "function": {"name": "lookup"}}
+    auto, required, one = job(service, "auto"), job(service, "required"), job(service, named)
+    assert auto.constraint is None and not auto.rescore and auto.max_tokens == 3
+    for j, first_only in ((required, False), (one, True)):
+        tag = json.loads(j.constraint.structural_tag)["format"]
+        assert tag["at_least_one"] and tag["stop_after_first"] == first_only and j.rescore
+        assert tag["tags"][0]["begin"] == '<tool_call>\n{"name": "lookup", "arguments": '
+    room = service.chat_job(Episode(1, [1]), service.parse("chat", {
+        "messages": [{"role": "user", "content": "? " * 31}], "tools": [LOOKUP], "tool_choice": "required"}))
+    assert len(room.prompt_ids) == 37 and room.max_tokens == 2  # 40 - 37, one position kept
+    call = service.tokenizer.convert_tokens_to_ids('<tool_call>{"name":"lookup","arguments":{}}</tool_call>')
+    reply = _serve(service, one, [call, 1])["choices"][0]
+    assert reply["message"]["tool_calls"][0]["function"]["name"] == "lookup" and reply["finish_reason"] == "stop"
+    assert _serve(service, required, [call, 1])["choices"][0]["finish_reason"] == "tool_calls"
+
+    pythonic = _service(service.tokenizer, "pythonic")
+    j = job(pythonic, "required")
+    schema = j.constraint.json
+    assert schema["type"] == "array" and schema["minItems"] == 1
+    assert schema["items"]["anyOf"][0]["properties"]["name"] == {"type": "string", "enum": ["lookup"]}
+    assert job(pythonic, named).constraint.json == {"type": "object", "properties": {}, "required": []}
+    j.sample = ([1], [-1.0], "stop", 0)
+    pythonic.turn_text = lambda ids: '[{"name": "lookup", "parameters": {"digit": 7}}]'  # a byte-level model's reply
+    parsed = pythonic.chat_response(j)["choices"][0]
+    assert parsed["message"]["tool_calls"][0]["function"] == {"name": "lookup", "arguments": '{"digit": 7}'}
+    assert parsed["finish_reason"] == "tool_calls" and parsed["message"]["content"] is None
+
+
+def test_forced_tool_choices_the_run_cannot_serve_are_refused(service):
+    from rlcore.agent.episode import Episode
+    from rlcore.agent.openai_api import ApiError
+
+    body = {"messages": [{"role": "user", "content": "secret ?"}], "tools": [LOOKUP], "tool_choice": "required"}
+    with pytest.raises(ApiError, match="needs a tool parser to read the calls: set rollout.tool_parser") as e:
+        svc = _service(service.tokenizer, None)
+        svc.chat_job(Episode(0, [1]), svc.parse("chat", body))
+    assert e.value.status == 400 and e.value.ends == "malformed"
+    for sampling in ({"temperature": 0.7}, {"top_p": 0.9}, {"top_k": 20}):
+        svc = _service(service.tokenizer, "hermes", **sampling)
+        with pytest.raises(ApiError, match="Set rollout.temperature: 1, top_p: 1, top_k: -1"):
+            svc.chat_job(Episode(0, [1]), svc.parse("chat", body))
+    greedy = _service(service.tokenizer, "hermes", temperature=0.0)  # validation: nothing trained, nothing scored
+    j = greedy.chat_job(Episode(0, [1]), greedy.parse("chat", body))
+    assert j.constraint is not None and not j.rescore
 
 
 # --------------------------------------------------------------------------------------------- HTTP

@@ -77,6 +77,9 @@ class Job:
     arrived: float = field(default_factory=time.perf_counter)
     event: threading.Event = field(default_factory=threading.Event)
     stops: dict = field(default_factory=dict)  # the request's stop strings / stop_token_ids (rollout.serving)
+    key: str = ""  # chat: its tools and template variables (History.key)
+    constraint: object = None  # vLLM's StructuredOutputsParams: the grammar of tool_choice required / named
+    rescore: bool = False  # its sampled ids are scored again for the policy's log-probs (rollout.serving)
     sample: tuple | None = None  # (ids, logprobs, finish_reason, cached tokens) once served
     error: ApiError | None = None  # or why it was not
 
@@ -153,18 +156,18 @@ class OpenAIService:
         self._renderers: dict[str, object] = {}
         self._lock = threading.Lock()  # making a renderer
         self._logged: set[str] = set()
-        self._tool_parsers = self._reasoning_parsers = None  # pools: a vLLM parser keeps state per call
-        if tool_parser:
-            from vllm.tool_parsers import ToolParserManager
+        # vLLM's server's parser: its reasoning and tool parsers composed (vllm 0.32.0 parser/parser_manager.py
+        # ParserManager.get_parser), which adds a request's grammar (adjust_request) and parses its output
+        # (parse). Pooled per tools (a parser holds the request's tools; it keeps state only while streaming).
+        self._parser_cls = None
+        self._parsers: dict[str, _Pool] = {}
+        if tool_parser or reasoning_parser:
+            from vllm.parser import ParserManager
 
-            cls = ToolParserManager.get_tool_parser(tool_parser)
-            logging.getLogger(cls.__module__).setLevel(logging.CRITICAL)  # a model's bad call is not an error here
-            self._tool_parsers = _Pool(lambda: cls(tokenizer))
-        if reasoning_parser:
-            from vllm.reasoning import ReasoningParserManager
-
-            rcls = ReasoningParserManager.get_reasoning_parser(reasoning_parser)
-            self._reasoning_parsers = _Pool(lambda: rcls(tokenizer))
+            self._parser_cls = ParserManager.get_parser(tool_parser_name=tool_parser, reasoning_parser_name=reasoning_parser,
+                                                        enable_auto_tools=bool(tool_parser))
+            if self._parser_cls.tool_parser_cls is not None:  # a model's bad call is not an error here
+                logging.getLogger(self._parser_cls.tool_parser_cls.__module__).setLevel(logging.CRITICAL)
 
     # ------------------------------------------------------------------ requests
 
@@ -205,10 +208,6 @@ class OpenAIService:
             self._note_once(name, f"rollout.agent: a request set {name}={str(asked)[:80]}; the endpoint ignores it "
                                   "(it would sample from another distribution than the policy's, or the seed is "
                                   "the run's)")
-        choice = getattr(req, "tool_choice", None)
-        if choice is not None and choice not in ("auto", "none"):
-            self._note_once("tool_choice", f"rollout.agent: tool_choice={str(choice)[:80]} is served as auto (the "
-                                           "model is not constrained to call a tool)")
 
     @staticmethod
     def stops(req) -> dict:
@@ -241,8 +240,61 @@ class OpenAIService:
                                    continue_final=bool(req.continue_final_message))
             ids = renderer.encode(text)
         history = History("chat", key, cmp, [])
-        return Job(episode, "chat", req, ids, delta, self._max_tokens(req, ids), history, renderer,
-                   stops=self.stops(req))
+        constrained = self.constrain(req, key)
+        # A constrained sample is scored again with its prompt (rlcore.rollout.serving.EngineSteps.score):
+        # one position stays free for that request's one new token.
+        max_tokens = self._max_tokens(req, ids, reserve=int(constrained is not None))
+        return Job(episode, "chat", constrained or req, ids, delta, max_tokens, history, renderer,
+                   stops=self.stops(req), key=key, constraint=constrained and constrained.structured_outputs,
+                   rescore=constrained is not None and self.sampling["temperature"] > 0)
+
+    def constrain(self, req, key: str):
+        """The request as vLLM's server adjusts it when its tools constrain the reply, else None.
+
+        vLLM 0.32.0's server calls its parser's ``adjust_request`` on a chat request whose tool_choice is
+        not "none" (renderers/online_renderer.py:833-854). ``tool_choice: required`` and a named function
+        then get a grammar: a tool parser with one of xgrammar's structural tags (hermes and others:
+        ``structural_tag_model``) gets the tag of its own call format, at least one call (required) or
+        exactly the named one (parser/abstract_parser.py:486-603, tool_parsers/structural_tag_registry.py:
+        175-197), and parses the reply with the tool parser; any other tool parser gets the JSON schema of
+        a list of {name, parameters} built from the tools (tool_parsers/abstract_tool_parser.py:122-178,
+        tool_parsers/utils.py:425-489), the reply parsed as that JSON (abstract_parser.py:384-484). Tools
+        marked ``strict`` and ``parallel_tool_calls: false`` constrain ``auto`` too (structural tags).
+        Without a tool parser vLLM refuses required and named (online_renderer.py:259-281): so does this.
+        The request's own response_format / structured_outputs stay ignored (_IGNORED)."""
+        choice = req.tool_choice
+        if not req.tools or choice in (None, "none"):
+            return None
+        if self._parser_cls is None or self._parser_cls.tool_parser_cls is None:
+            if choice == "auto":
+                return None
+            name = choice if isinstance(choice, str) else f"function {choice.function.name!r}"
+            raise ApiError(400, f"tool_choice={name} needs a tool parser to read the calls: set rollout.tool_parser "
+                           "(vLLM's server refuses it without --tool-call-parser)", ends="malformed")
+        probe = req.model_copy(update={"structured_outputs": None, "response_format": None,
+                                       "tools": [t.model_copy(deep=True) for t in req.tools]})
+        try:
+            with self._parser(key, probe.tools).take() as parser:
+                probe = parser.adjust_request(probe)
+        except ValueError as e:  # vLLM's own refusal of the tools or the choice (e.g. two schemas for one $defs name)
+            raise ApiError(400, f"tool_choice={str(choice)[:80]}: {e}", ends="malformed") from e
+        if probe.structured_outputs is None:
+            return None
+        self._check_rescorable(choice)
+        return probe
+
+    def _check_rescorable(self, choice) -> None:
+        """A constrained sample's log-probs must be scored again with the policy's (serving.EngineSteps.score),
+        which vLLM gives at temperature 1 and without top-k / top-p: other settings are refused (greedy
+        validation trains nothing and needs no score)."""
+        t, top_p, top_k = self.sampling["temperature"], self.sampling["top_p"], self.sampling["top_k"]
+        if t == 0 or (t == 1.0 and top_p >= 1.0 and top_k in (None, -1, 0)):
+            return
+        raise ApiError(400, f"tool_choice={str(choice)[:80]} samples under a grammar, and the trainer needs the "
+                       "policy's log-probs of those tokens: the endpoint gets them from vLLM's prompt log-probs, "
+                       f"which are at temperature 1 with no top-k / top-p; this run samples at temperature={t}, "
+                       f"top_p={top_p}, top_k={top_k}. Set rollout.temperature: 1, top_p: 1, top_k: -1, or send "
+                       "tool_choice auto", ends="malformed")
 
     def text_job(self, episode, req) -> Job:
         prompt = req.prompt
@@ -269,15 +321,24 @@ class OpenAIService:
     def _encode(self, text: str, special: bool) -> list[int]:
         return self.tokenizer(text, add_special_tokens=special)["input_ids"] if text else []
 
-    def _max_tokens(self, req, ids: list[int]) -> int:
-        """The request's max tokens, at most rollout.max_response_length and what the context holds."""
-        room = self.max_model_len - len(ids)
+    def _max_tokens(self, req, ids: list[int], reserve: int = 0) -> int:
+        """The request's max tokens, at most rollout.max_response_length and what the context holds
+        (less ``reserve`` positions)."""
+        room = self.max_model_len - len(ids) - reserve
         if room < 1:
             raise ApiError(400, f"this request's prompt is {len(ids)} tokens; the context holds "
                            f"{self.max_model_len} (rollout.max_model_len) with room for at least one new token",
                            code="context_length_exceeded", ends="length")
         asked = getattr(req, "max_completion_tokens", None) or vars(req).get("max_tokens") or self.max_tokens
         return max(1, min(asked, self.max_tokens, room))
+
+    def _parser(self, key: str, tools) -> "_Pool":
+        """vLLM's parser for requests with these tools (the key: rlcore.agent.openai_api.History.key)."""
+        pool = self._parsers.get(key)
+        if pool is None:
+            cls, tok = self._parser_cls, self.tokenizer
+            pool = self._parsers.setdefault(key, _Pool(lambda: cls(tok, tools)))
+        return pool
 
     def _renderer(self, key: str, tools, variables):
         if key in self._renderers:
@@ -324,17 +385,13 @@ class OpenAIService:
     def chat_response(self, job: Job) -> dict:
         ids, logprobs, finish, cached = job.sample
         text = self.cut(job, self.turn_text(ids))
-        reasoning, content, calls = None, text, []
-        if self._reasoning_parsers is not None:
-            with self._reasoning_parsers.take() as parser:
-                reasoning, content = parser.extract_reasoning(text, job.request)
+        req, reasoning, content, calls = job.request, None, text, []
+        if self._parser_cls is not None:  # vLLM's server's parse (entrypoints/openai/chat_completion/serving.py:997-1003)
+            with self._parser(job.key, req.tools).take() as parser:
+                reasoning, content, found = parser.parse(text, req, enable_auto_tools=bool(req.tools),
+                                                         model_output_token_ids=ids)
+            calls = [(c.name, c.arguments) for c in found or []]
             content = content or ""
-        if self._tool_parsers is not None and job.request.tools and job.request.tool_choice != "none":
-            with self._tool_parsers.take() as parser:
-                info = parser.extract_tool_calls(content, job.request)
-            if info.tools_called:
-                calls = [(c.function.name, c.function.arguments) for c in info.tool_calls]
-                content = info.content or ""
         ep = job.episode
         message = {"role": "assistant", "content": content or None}
         if calls:
@@ -344,8 +401,11 @@ class OpenAIService:
         if reasoning is not None:
             message["reasoning"] = message["reasoning_content"] = reasoning
         job.history.messages = job.history.messages + [comparable(template_message(message))]
-        choice = {"index": 0, "message": message, "logprobs": self._logprobs(ids, logprobs, job.request),
-                  "finish_reason": "tool_calls" if calls else finish}
+        # vLLM's finish_reason (serving.py:1099-1112): tool_calls when auto parsed calls or required stopped;
+        # a named function's reply finishes as the engine's did
+        called = (req.tool_choice in ("auto", None) and calls) or (req.tool_choice == "required" and finish == "stop")
+        choice = {"index": 0, "message": message, "logprobs": self._logprobs(ids, logprobs, req),
+                  "finish_reason": "tool_calls" if called else finish}
         return {"id": f"chatcmpl-{ep.index}-{ep.requests}", "object": "chat.completion", "created": int(time.time()),
                 "model": self.model_name, "choices": [choice], "usage": self._usage(job, ids, cached)}
 

@@ -179,6 +179,7 @@ class _Loop:
         self.waiting = deque(episodes)  # not started yet
         self.deadline: dict[int, float] = {}  # running episodes: index -> time limit
         self.inflight: dict[str, object] = {}  # vLLM request id -> Job
+        self.to_score: list = []  # constrained jobs sampled, to be scored with the policy (EngineSteps.score)
         self.logged: set[str] = set()
 
     def run(self) -> None:
@@ -199,10 +200,7 @@ class _Loop:
                 done = _tell_group(agent, {"submit": submitted, "abort": aborted, "step": step, "done": done})
             if step:
                 for f in steps.step():
-                    job = self.inflight.pop(f.request_id, None)
-                    if job is not None:
-                        job.sample = (f.token_ids, f.logprobs, f.finish_reason, f.cached_tokens)
-                        job.event.set()
+                    self.finished(self.inflight.pop(f.request_id, None), f)
             if self.stop is not None:  # partial rollouts: the step's stop rule decides, on every rank
                 if self.stop(self.groups_done(), bool(self.deadline or self.waiting)):
                     self.release(cancel=True)
@@ -212,6 +210,21 @@ class _Loop:
             if not step:
                 agent.wake.wait(_IDLE_S)
                 agent.wake.clear()
+
+    def finished(self, job, f) -> None:
+        """A request the engine finished: the job is answered, or, when its sample followed a grammar,
+        scored first (the engine's log-probs are then the masked distribution's, not the policy's)."""
+        if job is None:
+            return
+        if job.sample is not None:  # its score: the policy's log-probs of the sampled ids
+            ids, _, finish, cached = job.sample
+            job.sample = (ids, f.logprobs, finish, cached)
+        else:
+            job.sample = (f.token_ids, f.logprobs, f.finish_reason, f.cached_tokens)
+            if job.rescore and f.token_ids:
+                self.to_score.append(job)
+                return
+        job.event.set()
 
     def groups_done(self) -> int:
         eps, n = self.episodes, self.n
@@ -246,6 +259,12 @@ class _Loop:
         """Queued requests into the engine: all of them (continuous), or once every running episode
         has one waiting and the engine is idle (turns). Returns what was submitted, as plain data."""
         jobs, out = self.agent.jobs, []
+        for job in self.to_score:  # sampled under a grammar in the last step: scored before anything else
+            request = ("score", job.prompt_ids + list(job.sample[0]), len(job.prompt_ids))
+            rid = _submit(self.agent.steps, request)
+            self.inflight[rid] = job
+            out.append((rid, request))
+        self.to_score = []
         if not jobs:
             return out
         if self.cfg.batching == "turns":
@@ -265,8 +284,8 @@ class _Loop:
             if over:
                 self.release_job(job)
                 continue
-            request = (job.prompt_ids, f"{self.seed}/{ep.index}/{k}", job.max_tokens,
-                       {**self.agent.service.sampling, **job.stops})
+            request = ("sample", job.prompt_ids, f"{self.seed}/{ep.index}/{k}", job.max_tokens,
+                       {**self.agent.service.sampling, **job.stops, "structured_outputs": job.constraint})
             rid = _submit(self.agent.steps, request)
             self.inflight[rid] = job
             out.append((rid, request))
@@ -307,14 +326,18 @@ class _Loop:
             ep.cancelled = ep.closed = True
         self.waiting.clear()
         self.agent.steps.abort(list(self.inflight))
-        for job in list(self.inflight.values()) + list(self.agent.jobs):
+        for job in list(self.inflight.values()) + list(self.agent.jobs) + self.to_score:
             self.release_job(job)
         self.inflight.clear()
+        self.to_score = []
         self.agent.jobs.clear()
 
 
 def _submit(steps, request: tuple) -> str:
-    ids, seed, max_tokens, sampling = request
+    """One engine request, as plain data (TP > 1: the group's other ranks make the same)."""
+    if request[0] == "score":
+        return steps.score(request[1], request[2])
+    _, ids, seed, max_tokens, sampling = request
     return steps.submit(ids, seed=seed, max_tokens=max_tokens, **sampling)
 
 

@@ -12,6 +12,16 @@ a prompt (rollout.checks.request_seed: the call's seed key, the DP replica), sam
 temperature and returns the sampled tokens' log-probs, inside the engine's own RNG stream, globals
 and compile stance (the rollout's, passed in: this wing's parts never import colocate_rollout).
 With TP > 1 every rank of the group makes the same enqueue and step calls in the same order.
+
+A request may carry a grammar (vLLM's ``SamplingParams.structured_outputs``: the agent endpoint's
+``tool_choice: required`` or a named function). vLLM masks the logits with it before sampling
+(vllm 0.32.0 v1/worker/gpu_model_runner.py:4333-4340 ``apply_grammar_bitmask``, then ``_sample``;
+the V2 runner's v1/worker/gpu/model_runner.py:1618-1627 likewise), so the log-probs it returns are the masked
+distribution's, renormalised over the tokens the grammar allows, not the policy's. ``score`` gets the
+policy's: the prompt and the sampled ids go in again as a prompt with ``prompt_logprobs=0`` (one
+prefill: vLLM skips the prefix cache for such a request, sampling_params.py:622-629), and vLLM returns
+log_softmax(logits) of every prompt token (gpu_model_runner.py:5382-5388: no temperature, no top-k or
+top-p), which is the policy's log-prob at temperature 1.
 """
 
 from __future__ import annotations
@@ -36,20 +46,41 @@ class EngineSteps:
     def __init__(self, rollout):
         self.rollout = rollout
         self.count = 0  # requests submitted: their ids, the same on the ranks of a TP group
+        self.scoring: dict[str, int] = {}  # score requests: id -> where the scored ids start in the prompt
 
     def submit(self, prompt_ids: list[int], *, seed: str, max_tokens: int, temperature: float, top_p: float = 1.0,
-               top_k: int = -1, stop: list[str] | None = None, stop_token_ids: list[int] | None = None) -> str:
+               top_k: int = -1, stop: list[str] | None = None, stop_token_ids: list[int] | None = None,
+               structured_outputs=None) -> str:
         """Queue one request (one sample); returns its id. ``stop`` strings and ``stop_token_ids`` end
-        it early (vLLM detokenizes only when there are stop strings); they change no probability."""
+        it early (vLLM detokenizes only when there are stop strings); they change no probability.
+        ``structured_outputs``: vLLM's StructuredOutputsParams, a grammar the sample must follow (its
+        log-probs are then the masked distribution's: see ``score``)."""
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
         ro = self.rollout
-        ro._require_awake("submit", {"weights", "kv_cache"})
         params = SamplingParams(n=1, temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=max_tokens,
                                 seed=request_seed(seed, ro.dp_rank, 0), stop=list(stop or []) or None,
                                 stop_token_ids=[*ro._slot_tokens, *(stop_token_ids or [])], logprobs=0,
-                                detokenize=bool(stop), output_kind=RequestOutputKind.FINAL_ONLY)
+                                detokenize=bool(stop), output_kind=RequestOutputKind.FINAL_ONLY,
+                                structured_outputs=structured_outputs)
+        return self._add(prompt_ids, params)
+
+    def score(self, prompt_ids: list[int], start: int) -> str:
+        """Queue a request that scores ``prompt_ids[start:]`` with the policy (log_softmax of its logits,
+        temperature 1): its Finished holds those ids and their log-probs (see the module docstring)."""
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        params = SamplingParams(n=1, temperature=0.0, max_tokens=1, prompt_logprobs=0, detokenize=False,
+                                output_kind=RequestOutputKind.FINAL_ONLY)
+        rid = self._add(prompt_ids, params)
+        self.scoring[rid] = start
+        return rid
+
+    def _add(self, prompt_ids: list[int], params) -> str:
+        ro = self.rollout
+        ro._require_awake("submit", {"weights", "kv_cache"})
         self.count += 1
         rid = f"agent-{self.count}"
         with ro._engine_rng_scope():
@@ -66,6 +97,12 @@ class EngineSteps:
         for out in outputs:
             if not out.finished:
                 continue
+            start = self.scoring.pop(out.request_id, None)
+            if start is not None:  # prompt_logprobs[i]: {prompt id i: its log-prob} (None at position 0)
+                ids = list(out.prompt_token_ids[start:])
+                done.append(Finished(out.request_id, ids, [d[t].logprob for t, d in
+                                                           zip(ids, out.prompt_logprobs[start:])], "stop", 0))
+                continue
             c = out.outputs[0]
             ids = list(c.token_ids)
             done.append(Finished(out.request_id, ids, [d[t].logprob for t, d in zip(ids, c.logprobs)],
@@ -74,6 +111,8 @@ class EngineSteps:
 
     def abort(self, request_ids: list[str]) -> None:
         if request_ids:
+            for rid in request_ids:
+                self.scoring.pop(rid, None)
             self.rollout.llm.llm_engine.abort_request(list(request_ids))
 
     def busy(self) -> bool:

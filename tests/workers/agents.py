@@ -6,6 +6,10 @@ client, nothing of rlcore. ``run`` picks its behaviour from the row's ``mode``:
              dropped, a summary in their place): not append-only
   strip      append, but each reply goes back with its first word cut (as a harness strips thinking)
   text       /v1/completions, each prompt the previous prompt + the returned text + more text
+  required   two chat turns offering a strict calculator tool with tool_choice "required" (one call per
+             reply: parallel_tool_calls false; a random model would otherwise chain calls up to its
+             token budget), each call answered by a tool message; returns how many replies called it
+  named      the same with tool_choice naming the calculator
   raise      raises after one request
   hang       one request, then sleeps past the episode's time limit
   crash      one request, then the process dies (os._exit)
@@ -31,6 +35,8 @@ def run(row: dict, base_url: str, api_key: str, model: str = "policy", seed: str
     client = OpenAI(base_url=base_url, api_key=api_key, max_retries=0)
     if mode in ("append", "compact", "strip"):
         return _chat(client, model, mode, row)
+    if mode in ("required", "named"):
+        return _forced(client, model, mode, row)
     if mode == "text":
         prompt = row["prompt"]
         for more in (" and", " then"):
@@ -71,6 +77,26 @@ def _chat(client, model: str, mode: str, row: dict) -> float:
         messages.append(echoed)
         messages.append({"role": "user", "content": f"And {turn + 2} * 3 ?"})
     return float(len(messages))
+
+
+CALCULATOR = {"type": "function", "function": {
+    "name": "calculator", "description": "Apply an operation.", "strict": True,
+    "parameters": {"type": "object", "properties": {"op": {"type": "string", "enum": ["add", "mul"]}},
+                   "required": ["op"], "additionalProperties": False}}}
+
+
+def _forced(client, model: str, mode: str, row: dict) -> float:
+    choice = "required" if mode == "required" else {"type": "function", "function": {"name": "calculator"}}
+    messages = [{"role": "user", "content": row["prompt"]}]
+    called = 0
+    for _ in range(2):
+        reply = client.chat.completions.create(model=model, messages=messages, tools=[CALCULATOR], tool_choice=choice,
+                                               parallel_tool_calls=False, max_tokens=row["forced_tokens"]).choices[0].message
+        called += bool(reply.tool_calls) and all(c.function.name == "calculator" for c in reply.tool_calls)
+        messages.append(reply.model_dump(exclude_none=True))
+        for call in reply.tool_calls or []:
+            messages.append({"role": "tool", "tool_call_id": call.id, "content": "3"})
+    return float(called)
 
 
 def _post(base_url: str, api_key: str, body: dict) -> None:
