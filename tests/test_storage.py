@@ -396,6 +396,28 @@ def test_every_rank_stops_together_whoever_failed_and_wherever(mounts, tmp_path)
     print("\n" + "; ".join(f"{c}: {results[(c, 0)]['seconds']:.2f} s" for c in ("rank0_only", "dcp", "stream")))
 
 
+def test_a_ranks_failed_lora_adapter_push_stops_every_rank_together(mounts, tiny_model, toy_data, tmp_path):
+    """LoRA pushes the adapter through a folder of each rank's own (/dev/shm, local to its host):
+    when the last rank's write fails (a read-only mount here; a container's small /dev/shm in life),
+    that rank keeps in step, and every rank stops at the step's agreement point with the one message:
+    exit 74 on both, step 1's checkpoint intact and named by latest, nothing of step 2 committed."""
+    ro = str(tmp_path / "adapter_ro")
+    os.makedirs(ro)
+    mounts.readonly(ro)
+    out = str(tmp_path / "run")
+    launch = failing(args(tiny_model, toy_data[0], out, "--lora.rank", "8", "--lora.alpha", "16",
+                          "--rollout.emulate_sleep", "true"),
+                     {"RLCORE_TEST_ADAPTER_ROOT_AT_STEP": f"2:{ro}"})
+    text = launch.output
+    assert rank_exit_codes(text) == {0: 74, 1: 74}, text[-5000:]
+    assert text.count("error: the run's storage failed at step 2:") == 1, text[-5000:]
+    assert "writing a LoRA adapter folder" in text and "(EROFS); rank 1 on" in text, text[-5000:]
+    assert f"  intact: checkpoint {out}/checkpoints/step_1" in text, text[-5000:]
+    assert f"  to resume, once {ro} can be written again" in text, text[-5000:]  # not the output folder
+    assert text.count("Traceback (most recent call last)") == 1, text[-5000:]  # torchrun's own report only
+    assert latest(out) == "step_1" and [r["step"] for r in read_rows(out) if "timing/step_s" in r] == [1, 2]
+
+
 # ---------------------------------------------------------------------------------------------
 # The trainer: a full disk, a read-only folder, a data file removed, a checkpoint that does not fit
 # ---------------------------------------------------------------------------------------------

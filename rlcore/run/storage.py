@@ -365,19 +365,27 @@ def message(failed: StorageFailed, step: int, output_dir: str, intact: str | Non
             ranks = sorted(set(ranks))
             head += (f"\n  writing {what} failed: {path}: {describe_errno(code)}; rank{'s' * (len(ranks) > 1)} "
                      f"{', '.join(map(str, ranks))} on {host}")
+    # Where to make room or grant write access: the output folder, or the folders outside it that failed
+    # (a LoRA run's adapter for vLLM, in each host's /dev/shm: rlcore.rollout.lora.adapter_dir).
+    outside = sorted({os.path.dirname(f["path"]) for f in failed.failures
+                      if f["path"] and not os.path.abspath(f["path"]).startswith(os.path.abspath(output_dir) + os.sep)})
+    place = ", ".join(outside) if outside and not failed.low_space else output_dir
     free = ""
     try:
-        avail, mount = free_bytes(output_dir)
+        avail, mount = free_bytes(place.split(", ")[0])
         free = f" ({mb(avail)} free on {mount})"
     except OSError:
         pass
+    shm = any(p.startswith("/dev/shm") for p in outside)
     row = last_whole_row(output_dir)
     lines = [head,
              f"  intact: {f'checkpoint {intact}' if intact else 'no complete checkpoint'}; metrics.jsonl "
              + (f"whole up to step {row}" if row is not None else "has no whole row"),
              *[f"  {c}" for c in cleanup],
-             f"  to resume, once {output_dir} {'has room' if failed.low_space else 'can be written'} again{free}, "
-             f"or on another filesystem:",
+             *(["  /dev/shm (memory) holds each rank's LoRA adapter for vLLM: a container's is often 64 MiB "
+                "(docker run --shm-size=...)"] if shm else []),
+             f"  to resume, once {place} {'has room' if failed.low_space else 'can be written'} again{free}"
+             + (":" if outside and not failed.low_space else ", or on another filesystem:"),
              *[f"    {c}" for c in commands],
              f"  every rank exits with code {int(errors.Exit.STORAGE)} ({DEBUG_ENV}=1 prints the tracebacks)"]
     return "\n".join(lines)

@@ -11,6 +11,9 @@
                               after_check between the check and the checkpoint's write
   RLCORE_TEST_READONLY_AT_STEP=N  trainer.output_dir becomes read-only just before step N's metrics
                               row (rank 0 bind-mounts it read-only over itself; the test unmounts it)
+  RLCORE_TEST_ADAPTER_ROOT_AT_STEP=N:PATH  LoRA: from the weight sync after step N on, the last rank
+                              writes the adapter it pushes to vLLM under PATH (a read-only mount)
+                              instead of /dev/shm: that rank's own local write fails
 
 Run it in place of train_grpo.py (``torchrun ... tests/workers/faulty_train.py ARGS``).
 """
@@ -33,6 +36,7 @@ SIGNAL_STEP = int(os.environ.get("RLCORE_TEST_SIGNAL_STEP", "0") or 0)
 SKIP_SYNC_STEPS = {int(s) for s in os.environ.get("RLCORE_TEST_SKIP_SYNC_STEPS", "").split(",") if s}
 FILL = os.environ.get("RLCORE_TEST_FILL", "")
 READONLY_AT_STEP = int(os.environ.get("RLCORE_TEST_READONLY_AT_STEP", "0") or 0)
+ADAPTER_ROOT_AT_STEP = os.environ.get("RLCORE_TEST_ADAPTER_ROOT_AT_STEP", "")
 current = {"step": 0}
 
 
@@ -108,6 +112,19 @@ def log(self, step: int, row: dict):
     return _log(self, step, row)
 
 
+def adapter_dir_from(step: int, root: str):
+    from rlcore.rollout import lora
+
+    default = lora.adapter_dir
+
+    def adapter_dir(given: str | None = None) -> str:
+        late = current["step"] >= step and _last_rank()
+        return default(root if late else given)
+    lora.adapter_dir = adapter_dir
+
+
+if ADAPTER_ROOT_AT_STEP:
+    adapter_dir_from(int(ADAPTER_ROOT_AT_STEP.split(":", 1)[0]), ADAPTER_ROOT_AT_STEP.split(":", 1)[1])
 if FILL:
     lifecycle.room = filling(lifecycle.room, "before_check")
     checkpoint.write = filling(checkpoint.write, "after_check")
