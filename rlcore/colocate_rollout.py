@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from rlcore import errors, heap, hf_folder, torchvision_shim
+from rlcore import heap, hf_folder, torchvision_shim
 from rlcore.dist import DistInfo
 from rlcore.hf_folder import config_or_empty, model_num_experts
 from rlcore.rollout import cpu_lora, cpu_moe, cpu_sleep, expert_layout, lora as rollout_lora, vllm_globals
@@ -409,16 +409,9 @@ class ColocateRollout:
         """LoRA: the policy's adapter (PEFT names and config) replaces the engine's, in place; the
         base weights stay. Returns (tensors, bytes) written (rlcore.rollout.lora)."""
         self._require_awake("update_adapter", {"weights"})
-        path = rollout_lora.adapter_dir()
-        # A rank's own folder (/dev/shm, local to its host): a failed write is recorded, not raised, so
-        # this rank stays in step with the others; the engine keeps its previous adapter, and every rank
-        # stops together at the step's agreement point (rlcore.run.lifecycle.commit_checkpoint), before
-        # anything generated with it is trained or any checkpoint is committed.
-        before = len(errors.pending())
-        with errors.deferred():
-            written = hf_folder.write_adapter(tensors, config, path)
-        if len(errors.pending()) > before:
-            return 0, 0
+        path, written = rollout_lora.write_for_engine(tensors, config)
+        if path is None:  # this rank's write failed: recorded, the engine keeps its adapter
+            return written
         with self._engine_rng_scope(), self._compile_stance():
             self.lora_request = rollout_lora.load(self.llm, path)
         reset_prefix_cache(self.llm)  # cached blocks hold the old adapter's keys and values

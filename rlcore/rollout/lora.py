@@ -18,6 +18,8 @@ import os
 import shutil
 import tempfile
 
+from rlcore import errors, hf_folder
+
 NAME, ADAPTER_ID = "policy", 1
 
 
@@ -73,6 +75,19 @@ def remove_stale_adapter_dirs(root: str) -> list[str]:
         shutil.rmtree(os.path.join(root, name), ignore_errors=True)
         removed.append(os.path.join(root, name))
     return removed
+
+
+def write_for_engine(tensors, config: dict) -> tuple[str | None, tuple[int, int]]:
+    """This rank's adapter for its engine, in its own folder (``adapter_dir``: /dev/shm, local to the
+    host); returns (the folder, (tensors, bytes)). A failed write is recorded, not raised (folder
+    None): the rank stays in step with the others, its engine keeps the previous adapter, and every
+    rank stops together at the step's agreement point (rlcore.run.lifecycle.commit_checkpoint)
+    before anything generated with it is trained or a checkpoint is committed."""
+    path = adapter_dir()
+    before = len(errors.pending())
+    with errors.deferred():
+        written = hf_folder.write_adapter(tensors, config, path)
+    return (None, (0, 0)) if len(errors.pending()) > before else (path, written)
 
 
 def load(llm, path: str):
