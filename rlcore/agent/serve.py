@@ -76,9 +76,8 @@ class EndpointAgent:
         rollouts: ``stop(groups done, episodes running) -> bool``, called on every rank once per loop,
         collective), until it says so: the episodes still running are then cancelled (``cancelled``)."""
         episodes = [Episode(k, list(prompts[k // n])) for k in range(len(prompts) * n)]
-        self.service.sampling = {"temperature": sampling["temperature"], "top_p": sampling.get("top_p", 1.0),
-                                 "top_k": sampling.get("top_k", -1)}
-        self.service.max_tokens = per_turn_tokens
+        self.service.new_call({"temperature": sampling["temperature"], "top_p": sampling.get("top_p", 1.0),
+                               "top_k": sampling.get("top_k", -1)}, per_turn_tokens)
         self.stats = {"generate_s": [], "tool_s": 0.0, "turn_lengths": []}
         start = time.perf_counter()
         if self.leader:
