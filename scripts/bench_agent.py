@@ -139,7 +139,8 @@ def _measure_size(args: argparse.Namespace, info, hidden: int, layers: int, toke
                    **{k: v / total[0] * 1e3 for k, v in zip(PARTS, total[2:])}}
             bc.say(info.rank, f"{label} call {call}{' (warm-up)' if call == 0 else ''} {name:20s} {seconds:6.2f} s "
                               f"{row['ms']:7.2f} ms/sample  {row['turns']:.2f} turns/sample  engine {engine['s']:5.2f} "
-                              f"s in {engine['calls']} calls  CPU ms/sample " + " ".join(f"{k} {row[k]:.2f}" for k in PARTS))
+                              f"s in {engine['calls']} calls  CPU ms/sample "
+                              + " ".join(f"{k} {row[k]:.2f}" for k in PARTS))
             if call > 0:
                 rows[name].append(row)
     for ag in agents.values():

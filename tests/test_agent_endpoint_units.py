@@ -521,7 +521,8 @@ def test_the_request_head_is_read_within_limits(endpoint):
     assert both.count(b"HTTP/1.1 200 OK") == 2 and both.count(b'"policy"') == 2
     assert exchange(get.replace(b"AUTHORIZATION: Bearer key-a", b"api-key: key-a")).startswith(b"HTTP/1.1 200")
     many = b"".join(b"X-%d: 1\r\n" % i for i in range(101))
-    for raw, status in ((get.replace(b"Connection: close\r\n", many), b"431"), (b"PUT /v1/models HTTP/1.1\r\n\r\n", b"405"),
+    for raw, status in ((get.replace(b"Connection: close\r\n", many), b"431"),
+                        (b"PUT /v1/models HTTP/1.1\r\n\r\n", b"405"),
                         (b"nonsense\r\n\r\n", b"400"), (b"GET / HTTP/2.0\r\n\r\n", b"400"),
                         (b"POST /v1/completions HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n", b"411"),
                         (b"POST /v1/completions HTTP/1.1\r\nContent-Length: x\r\n\r\n", b"400")):

@@ -2,11 +2,12 @@
 ``/v1/models`` (and, with rollout.agent.sandbox, a SandboxFusion-style ``/run_code``), on loopback
 only, open for the generate phase only, answering only the keys of the episodes in flight.
 
-One thread per connection (ThreadingHTTPServer's, reused across connections and calls): a thread parses and renders
-its request (rlcore.agent.openai_api), hands the Job to the serving loop on the rank's main thread
-(the only thread that may drive the engine: rlcore.agent.serve), waits for it, records the
-completion in its episode and answers. Responses go out in one write with TCP_NODELAY (a header
-and a body in two writes meet Nagle's algorithm and the peer's delayed ACK: 40 ms per request).
+One thread per connection (ThreadingHTTPServer's, reused across connections and calls): a thread
+parses and renders its request (rlcore.agent.openai_api), hands the Job to the serving loop on the
+rank's main thread (the only thread that may drive the engine: rlcore.agent.serve), waits for it,
+records the completion in its episode and answers. Responses go out in one write with TCP_NODELAY (a
+header and a body in two writes meet Nagle's algorithm and the peer's delayed ACK: 40 ms per
+request).
 
 An error is an OpenAI-style ``{"error": {...}}`` with a 4xx status the OpenAI SDK does not retry
 (it retries 408, 409, 429 and 5xx): 401 for a key that is not an episode's in flight, 400 for a
