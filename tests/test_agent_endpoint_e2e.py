@@ -111,12 +111,16 @@ def test_a_failing_agent_stops_the_run_with_exit_code_5(assets):
 
 
 def test_bench_agent_runs_at_a_tiny_size():
-    """scripts/bench_agent.py as a user starts it (its figures are read, not tested): its last line holds
-    each side's milliseconds per sample and each endpoint variant's ratio to the built-in loop."""
+    """scripts/bench_agent.py as a user starts it (its figures are read, not tested): its last line holds,
+    for each model size, each side's milliseconds per sample, its CPU split, and each endpoint variant's
+    ratio to the built-in loop."""
     from test_benchmarks import run_bench
 
-    r = run_bench("bench_agent.py", "--calls", "1", "--prompts", "2", "--n", "4", "--variants",
-                  "process/continuous,thread/turns")
-    assert set(r) == {"builtin_ms_per_sample", "process/continuous_ms_per_sample", "process/continuous_ratio",
-                      "thread/turns_ms_per_sample", "thread/turns_ratio"}
-    assert all(v > 0 for v in r.values())
+    sides = ("builtin", "process/continuous", "thread/turns")
+    r = run_bench("bench_agent.py", "--calls", "1", "--prompts", "2", "--n", "4", "--sizes", "128x2x3,256x2x4",
+                  "--variants", ",".join(sides[1:]))
+    parts = ("engine", "loop", "endpoint", "agents")
+    per_side = ["ms_per_sample", "cpu_ms_per_sample", *(f"cpu_{k}_ms" for k in parts)]
+    assert set(r) == {f"{size}/{side}_{key}" for size in ("128x2x3", "256x2x4") for side in sides
+                      for key in per_side + (["ratio"] if side != "builtin" else [])}
+    assert all(v > 0 for k, v in r.items() if "_cpu_" not in k or k.endswith("_cpu_ms_per_sample"))

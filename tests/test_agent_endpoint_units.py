@@ -384,6 +384,39 @@ def test_forced_tool_choices_the_run_cannot_serve_are_refused(service):
     assert j.constraint is not None and not j.rescore
 
 
+def test_a_groups_first_requests_render_once_per_call(service):
+    """The n episodes of a group send the same first messages: rendered once per call, each job its
+    own copy of the ids; an unconstrained tool_choice (auto) asks vLLM's adjust_request once per
+    tools; new_call (the next generate call) starts both afresh."""
+    from rlcore.agent.episode import Episode
+
+    svc = _service(service.tokenizer, "hermes")
+    renders, adjusts = [], []
+    make_renderer, make_parser = svc._renderer, svc._parser
+
+    def renderer(*args):
+        r = make_renderer(*args)
+        r.render = (lambda render: lambda *a, **k: renders.append(1) or render(*a, **k))(type(r).render.__get__(r))
+        return r
+
+    def parser(*args):
+        adjusts.append(1)
+        return make_parser(*args)
+
+    svc._renderer, svc._parser = renderer, parser
+    body = {"messages": [{"role": "user", "content": "secret ?"}], "tools": [LOOKUP]}
+    jobs = [svc.chat_job(Episode(k, [1]), svc.parse("chat", body)) for k in range(3)]
+    assert len(renders) == 1 and len(adjusts) == 1
+    assert jobs[0].prompt_ids == jobs[2].prompt_ids and jobs[0].prompt_ids is not jobs[2].prompt_ids
+    jobs[0].prompt_ids.append(99)  # a job's ids are its own
+    other = svc.chat_job(Episode(3, [1]), svc.parse("chat", {**body, "messages": [{"role": "user", "content": "?"}]}))
+    assert len(renders) == 2 and len(adjusts) == 1 and other.prompt_ids != jobs[1].prompt_ids
+    assert svc.chat_job(Episode(4, [1]), svc.parse("chat", body)).prompt_ids == jobs[1].prompt_ids
+    svc.new_call(svc.sampling, svc.max_tokens)
+    svc.chat_job(Episode(0, [1]), svc.parse("chat", body))
+    assert len(renders) == 3 and len(adjusts) == 2
+
+
 # --------------------------------------------------------------------------------------------- HTTP
 
 
@@ -433,11 +466,12 @@ def test_the_http_side_answers_the_openai_client(endpoint):
     with pytest.raises(openai.BadRequestError, match="its 2 requests"):  # rollout.agent.max_requests
         other.completions.create(model="any", prompt="secret")
     assert ep.keys["key-b"].closed and ep.keys["key-b"].finish is None  # scored as it stands once run() returns
-    ep.close()  # the clients' pools keep their connections: closing ends their threads too
+    assert ep.server.open  # the clients' pools keep their connections
+    ep.close()  # closing ends them: their threads return (to serve the next call's connections)
     deadline = time.monotonic() + 10
-    while any("process_request" in t.name for t in threading.enumerate()) and time.monotonic() < deadline:
+    while ep.server.open and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert not [t.name for t in threading.enumerate() if "process_request" in t.name]
+    assert not ep.server.open
 
 
 def test_the_agents_own_code_runs_in_the_sandbox(service):
@@ -465,6 +499,36 @@ def test_the_agents_own_code_runs_in_the_sandbox(service):
         assert bad["status"] == "Failed" and "ValueError: no" in bad["run_result"]["stderr"]
     finally:
         ep.close()
+
+
+def test_the_request_head_is_read_within_limits(endpoint):
+    """The endpoint reads a request's head itself (rlcore.agent.endpoint: the standard library's email
+    parser cost more than the endpoint's work): names in any case, keep-alive, and a clear error, the
+    connection closed, for what it does not take."""
+    ep, _ = endpoint
+    port = ep.server.server_address[1]
+
+    def exchange(raw: bytes) -> bytes:
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+            s.sendall(raw)
+            out = b""
+            while chunk := s.recv(65536):
+                out += chunk
+        return out
+
+    get = b"GET /v1/models HTTP/1.1\r\nConnection: close\r\nAUTHORIZATION: Bearer key-a\r\n\r\n"
+    both = exchange(get.replace(b"Connection: close", b"Host: x") + get)  # two on one connection (keep-alive)
+    assert both.count(b"HTTP/1.1 200 OK") == 2 and both.count(b'"policy"') == 2
+    assert exchange(get.replace(b"AUTHORIZATION: Bearer key-a", b"api-key: key-a")).startswith(b"HTTP/1.1 200")
+    many = b"".join(b"X-%d: 1\r\n" % i for i in range(101))
+    for raw, status in ((get.replace(b"Connection: close\r\n", many), b"431"),
+                        (b"PUT /v1/models HTTP/1.1\r\n\r\n", b"405"),
+                        (b"nonsense\r\n\r\n", b"400"), (b"GET / HTTP/2.0\r\n\r\n", b"400"),
+                        (b"POST /v1/completions HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n", b"411"),
+                        (b"POST /v1/completions HTTP/1.1\r\nContent-Length: x\r\n\r\n", b"400")):
+        out = exchange(raw)  # answered, then closed (exchange reads to the end)
+        assert out.startswith(b"HTTP/1.1 " + status) and b"Connection: close" in out, (raw, out[:200])
+        assert "message" in json.loads(out.split(b"\r\n\r\n", 1)[1])["error"]
 
 
 def test_the_endpoint_listens_on_loopback_only(endpoint):

@@ -29,6 +29,7 @@ the same order, and the episodes reach the others at the end.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import secrets
 import threading
@@ -76,9 +77,8 @@ class EndpointAgent:
         rollouts: ``stop(groups done, episodes running) -> bool``, called on every rank once per loop,
         collective), until it says so: the episodes still running are then cancelled (``cancelled``)."""
         episodes = [Episode(k, list(prompts[k // n])) for k in range(len(prompts) * n)]
-        self.service.sampling = {"temperature": sampling["temperature"], "top_p": sampling.get("top_p", 1.0),
-                                 "top_k": sampling.get("top_k", -1)}
-        self.service.max_tokens = per_turn_tokens
+        self.service.new_call({"temperature": sampling["temperature"], "top_p": sampling.get("top_p", 1.0),
+                               "top_k": sampling.get("top_k", -1)}, per_turn_tokens)
         self.stats = {"generate_s": [], "tool_s": 0.0, "turn_lengths": []}
         start = time.perf_counter()
         if self.leader:
@@ -244,16 +244,17 @@ class _Loop:
             self.deadline.pop(eid, None)
 
     def expire(self) -> None:
+        """End the episodes past their limit. Limits are set as episodes start, all with one timeout, so the
+        dict is in deadline order: the loop stops at the first one not yet due (this runs every iteration)."""
         now = time.monotonic()
-        for eid, limit in list(self.deadline.items()):
-            if now > limit:
-                ep = self.episodes[eid]
-                with ep.lock:
-                    ep.end(False, failure="timeout", error=f"the episode ran past rollout.agent.timeout_s="
-                                                           f"{self.cfg.timeout_s:g}")
-                self.note(ep)
-                self.runner.kill(self.base + eid)
-                del self.deadline[eid]
+        for eid, _ in list(itertools.takewhile(lambda item: now > item[1], self.deadline.items())):
+            ep = self.episodes[eid]
+            with ep.lock:
+                ep.end(False, failure="timeout", error=f"the episode ran past rollout.agent.timeout_s="
+                                                       f"{self.cfg.timeout_s:g}")
+            self.note(ep)
+            self.runner.kill(self.base + eid)
+            del self.deadline[eid]
 
     def admit(self) -> list[tuple]:
         """Queued requests into the engine: all of them (continuous), or once every running episode
