@@ -341,6 +341,9 @@ def test_tool_choice_required_and_named_get_vllms_grammar_and_parse(service):
     named = {"type": "function", "function": {"name": "lookup"}}
     auto, required, one = job(service, "auto"), job(service, "required"), job(service, named)
     assert auto.constraint is None and not auto.rescore and auto.max_tokens == 3
+    if _vllm_minor() < 32:  # the Ascend pin's: hermes constrains by the tools' JSON schema, as its server does
+        _required_by_json_schema_as_vllm_0_23(service, required, one, named)
+        return
     for j, first_only in ((required, False), (one, True)):
         tag = json.loads(j.constraint.structural_tag)["format"]
         assert tag["at_least_one"] and tag["stop_after_first"] == first_only and j.rescore
@@ -364,6 +367,33 @@ def test_tool_choice_required_and_named_get_vllms_grammar_and_parse(service):
     parsed = pythonic.chat_response(j)["choices"][0]
     assert parsed["message"]["tool_calls"][0]["function"] == {"name": "lookup", "arguments": '{"digit": 7}'}
     assert parsed["finish_reason"] == "tool_calls" and parsed["message"]["content"] is None
+
+
+def _vllm_minor() -> int:
+    import vllm
+
+    return int(vllm.__version__.split(".")[1])
+
+
+def _required_by_json_schema_as_vllm_0_23(service, required, one, named) -> None:
+    """vllm 0.23.0 (the NPU twin) builds a structural tag only under VLLM_ENFORCE_STRICT_TOOL_CALLING
+    (tool_parsers/abstract_tool_parser.py:117-137; off by default, envs.py:1804-1805) and hermes has
+    none there (:172-173): hermes gets the tools' JSON schema (:139-150) and its server reads the reply
+    as that JSON (parser/abstract_parser.py:495, :588-592). The endpoint serves what the installed
+    vLLM's server serves."""
+    schema = required.constraint.json
+    assert schema["type"] == "array" and schema["minItems"] == 1 and required.rescore and one.rescore
+    assert schema["items"]["anyOf"][0]["properties"]["name"] == {"type": "string", "enum": ["lookup"]}
+    assert one.constraint.json == {"type": "object", "properties": {}, "required": []}
+    required.sample = ([1], [-1.0], "stop", 0)
+    own = service.turn_text
+    service.turn_text = lambda ids: '[{"name": "lookup", "parameters": {"digit": 7}}]'  # the module's service
+    try:
+        parsed = service.chat_response(required)["choices"][0]
+    finally:
+        service.turn_text = own
+    assert parsed["message"]["tool_calls"][0]["function"] == {"name": "lookup", "arguments": '{"digit": 7}'}
+    assert parsed["finish_reason"] == "tool_calls"
 
 
 def test_forced_tool_choices_the_run_cannot_serve_are_refused(service):

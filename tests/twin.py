@@ -16,7 +16,8 @@ source-checked only.
 from __future__ import annotations
 
 # What the twin runs: the weight sync of every family, sleep levels with the emulated device sleep and
-# rollout.emulate_ascend_moe, judges and the teacher, the dry run for npu, trainer runs, routing replay.
+# rollout.emulate_ascend_moe, judges and the teacher, the dry run for npu, trainer runs, routing replay,
+# the agents (built-in and through the endpoint: vLLM's parsers and request models changed between the pins).
 TWIN = (
     "tests/test_npu_twin.py",  # F1 (the loader decides the expert names; the first sync is checked), 0.23's CPU
                                # experts on the AMX path, VeOmni's VL modeling (F7, F8), LoRA's host copies, R3 on
@@ -37,6 +38,11 @@ TWIN = (
     "tests/test_engine_keys.py",  # engine_kwargs against this vLLM's EngineArgs
     "tests/test_sequence_parallel.py::test_npu_cu_seq_lens_stay_on_the_host",  # transformers 5.5.4's NPU varlen
     "tests/test_optimizer.py::test_resume_peak_is_what_the_plan_counts",  # torch 2.11's load_state_dict
+    "tests/test_agent.py",  # the built-in multi-turn loop: vLLM's tool parsers and request model
+    "tests/test_agent_e2e.py",  # its trainer runs
+    "tests/test_agent_endpoint_units.py",  # the agent endpoint on vLLM's own parsers, request models, grammars
+    "tests/test_agent_endpoint.py",  # OpenAI-SDK agents against the engine: token-exact segments, forced tools
+    "tests/test_agent_endpoint_e2e.py",  # the endpoint in the trainer: TP 2, partial rollouts, resume, the bench
 )
 
 CUDA_PIN = ("asserts what the dry run says with the CUDA pin's vLLM 0.32 installed (npu's configs then warn about their "

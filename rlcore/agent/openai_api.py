@@ -164,7 +164,7 @@ class OpenAIService:
         # vLLM's server's parser: its reasoning and tool parsers composed (vllm 0.32.0 parser/parser_manager.py
         # ParserManager.get_parser), which adds a request's grammar (adjust_request) and parses its output
         # (parse). Pooled per tools (a parser holds the request's tools; it keeps state only while streaming).
-        self._parser_cls = None
+        self._parser_cls, self._takes_ids = None, None
         self._parsers: dict[str, _Pool] = {}
         if tool_parser or reasoning_parser:
             from vllm.parser import ParserManager
@@ -173,6 +173,15 @@ class OpenAIService:
                                                         enable_auto_tools=bool(tool_parser))
             if self._parser_cls.tool_parser_cls is not None:  # a model's bad call is not an error here
                 logging.getLogger(self._parser_cls.tool_parser_cls.__module__).setLevel(logging.CRITICAL)
+
+    def _token_ids_kwarg(self, ids: list[int]) -> dict:
+        """vllm 0.32's parse takes the sampled ids too (parser/abstract_parser.py:235-240); vllm 0.23's,
+        the Ascend pin's, does not (parser/abstract_parser.py:323-327): its parsers read the text alone."""
+        if self._takes_ids is None:
+            import inspect
+
+            self._takes_ids = "model_output_token_ids" in inspect.signature(self._parser_cls.parse).parameters
+        return {"model_output_token_ids": ids} if self._takes_ids else {}
 
     def new_call(self, sampling: dict, max_tokens: int) -> None:
         """A generate call's settings; what was cached for the last call is dropped (a template may
@@ -418,7 +427,7 @@ class OpenAIService:
         if self._parser_cls is not None:  # vLLM's server's parse (entrypoints/openai/chat_completion/serving.py:997-1003)
             with self._parser(job.key, req.tools).take() as parser:
                 reasoning, content, found = parser.parse(text, req, enable_auto_tools=bool(req.tools),
-                                                         model_output_token_ids=ids)
+                                                         **self._token_ids_kwarg(ids))
             calls = [(c.name, c.arguments) for c in found or []]
             content = content or ""
         ep = job.episode
