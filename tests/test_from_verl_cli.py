@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from conftest import REPO
-from test_from_verl import UNREADABLE
+from test_verl_shell import UNREADABLE
 
 FROM_VERL = os.path.join(REPO, "scripts", "from_verl.py")
 
