@@ -24,18 +24,25 @@ LAUNCH_PREFIXES = ("verl.", "recipe.")
 def parse(tokens: list[tuple[str, str, int]]) -> list:
     """Nodes: ("cmd", [raw words], joiner, line) | ("case", raw, [(patterns, body)], line) |
     ("if", [(cond, body)], else, line)."""
-    pos = [0]
+    return _Parser(tokens).block(set())[0]
 
-    def command() -> tuple[list[str], str, int]:
-        words, line = [], tokens[pos[0]][2] if pos[0] < len(tokens) else 0
-        while pos[0] < len(tokens):
-            kind, text, at = tokens[pos[0]]
+
+class _Parser:
+    """A recursive-descent reader of the token list; ``pos`` is the next token."""
+
+    def __init__(self, tokens: list[tuple[str, str, int]]):
+        self.tokens, self.pos = tokens, 0
+
+    def command(self) -> tuple[list[str], str, int]:
+        words, line = [], self.tokens[self.pos][2] if self.pos < len(self.tokens) else 0
+        while self.pos < len(self.tokens):
+            kind, text, at = self.tokens[self.pos]
             if kind == "sep":
                 if words or text == ";;":
                     return words, text, line
-                pos[0] += 1
+                self.pos += 1
                 continue
-            pos[0] += 1
+            self.pos += 1
             if not words:
                 line = at
                 if text in KEYWORDS:
@@ -43,59 +50,59 @@ def parse(tokens: list[tuple[str, str, int]]) -> list:
             words.append(text)
         return words, "\n", line
 
-    def block(stops: set[str]) -> tuple[list, str]:
+    def block(self, stops: set[str]) -> tuple[list, str]:
         nodes = []
-        while pos[0] < len(tokens):
-            if tokens[pos[0]][:2] == ("sep", ";;"):
+        while self.pos < len(self.tokens):
+            if self.tokens[self.pos][:2] == ("sep", ";;"):
                 if ";;" in stops:
-                    pos[0] += 1
+                    self.pos += 1
                     return nodes, ";;"
-                raise ShellError("';;' outside a case", tokens[pos[0]][2])
-            words, joiner, line = command()
+                raise ShellError("';;' outside a case", self.tokens[self.pos][2])
+            words, joiner, line = self.command()
             if not words:
                 continue
             head = words[0]
             if head in stops:
                 return nodes, head
             if head == "if":
-                nodes.append(if_node(words[1:], joiner, line))
+                nodes.append(self.if_node(words[1:], joiner, line))
             elif head == "case":
-                nodes.append(case_node(words, line))
+                nodes.append(self.case_node(words, line))
             elif head in ("for", "while", "until", "select"):
-                skip({"do"}, line, head)
-                skip({"done"}, line, head)
+                self.skip({"do"}, line, head)
+                self.skip({"done"}, line, head)
             elif re.fullmatch(r"[A-Za-z_][\w-]*\(\)", head) or (len(words) > 1 and words[1] == "()") or head == "function":
-                skip({"}"}, line, "function")
+                self.skip({"}"}, line, "function")
             elif head not in KEYWORDS:
                 nodes.append(("cmd", words, joiner, line))
         return nodes, ""
 
-    def skip(stops: set[str], line: int, what: str) -> None:
-        _, stop = block(stops)
+    def skip(self, stops: set[str], line: int, what: str) -> None:
+        _, stop = self.block(stops)
         if not stop:
             raise ShellError(f"'{what}' without '{'/'.join(sorted(stops))}'", line)
 
-    def cond_until_then(first: list[str], joiner: str, line: int) -> list:
+    def cond_until_then(self, first: list[str], joiner: str, line: int) -> list:
         cond = [(first, joiner)] if first else []
         while True:
-            words, joiner, _ = command()
+            words, joiner, _ = self.command()
             if not words:
                 raise ShellError("'if' without 'then'", line)
             if words[0] == "then":
                 return cond
             cond.append((words, joiner))
 
-    def if_node(first: list[str], joiner: str, line: int):
+    def if_node(self, first: list[str], joiner: str, line: int):
         branches, other = [], None
-        cond = cond_until_then(first, joiner, line)
+        cond = self.cond_until_then(first, joiner, line)
         while True:
-            body, stop = block({"elif", "else", "fi"})
+            body, stop = self.block({"elif", "else", "fi"})
             branches.append((cond, body))
             if stop == "elif":
-                words, joiner, _ = command()
-                cond = cond_until_then(words, joiner, line)
+                words, joiner, _ = self.command()
+                cond = self.cond_until_then(words, joiner, line)
             elif stop == "else":
-                other, stop = block({"fi"})
+                other, stop = self.block({"fi"})
                 if stop != "fi":
                     raise ShellError("'if' without 'fi'", line)
                 return ("if", branches, other, line)
@@ -104,15 +111,15 @@ def parse(tokens: list[tuple[str, str, int]]) -> list:
             else:
                 raise ShellError("'if' without 'fi'", line)
 
-    def case_node(words: list[str], line: int):
+    def case_node(self, words: list[str], line: int):
         if len(words) < 3 or words[2] != "in":
             raise ShellError("'case' without 'in'", line)
         word, arms = words[1], []
         while True:
             patterns = []
             while True:
-                kind, text, _ = tokens[pos[0]] if pos[0] < len(tokens) else ("sep", "", line)
-                pos[0] += 1
+                kind, text, _ = self.tokens[self.pos] if self.pos < len(self.tokens) else ("sep", "", line)
+                self.pos += 1
                 if kind == "word" and text == "esac" and not patterns:
                     return ("case", word, arms, line)
                 if kind == "word":
@@ -121,15 +128,12 @@ def parse(tokens: list[tuple[str, str, int]]) -> list:
                         break
                 elif text == "":
                     raise ShellError("'case' without 'esac'", line)
-            body, stop = block({";;", "esac"})
+            body, stop = self.block({";;", "esac"})
             arms.append((patterns, body))
             if stop == "esac":
                 return ("case", word, arms, line)
             if stop != ";;":
                 raise ShellError("'case' without 'esac'", line)
-
-    nodes, _ = block(set())
-    return nodes
 
 
 def _test(shell: Shell, words: list[str]) -> bool:
